@@ -1,0 +1,1 @@
+//! The `#[find_executable_batch_size]` attribute (being written).

@@ -1,0 +1,254 @@
+//! The errors a caller can act on: no batch size fit, and a device ran out of memory.
+
+use std::error::Error;
+use std::fmt;
+
+use crate::memory::{Bytes, MemorySnapshot};
+use crate::record::SearchReport;
+
+/// Why the search stopped without finding a batch size that fits.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// `starting` was 0: the attempt was never called (Accelerate raises at once too).
+    StartedAtZero,
+    /// The reduction reached 0 (Accelerate's "reached zero").
+    ReachedZero,
+    /// The next size would have been below `min`, or `starting` itself was.
+    BelowMinimum {
+        /// The size the reduction proposed (or `starting`).
+        next: usize,
+        /// The configured minimum.
+        min: usize,
+    },
+    /// A custom reduction proposed a size that is not smaller than the one that failed.
+    NotSmaller {
+        /// The size that ran out of memory.
+        failed: usize,
+        /// What the reduction returned.
+        proposed: usize,
+    },
+    /// The cap set with `max_attempts` was reached.
+    MaxAttempts(usize),
+    /// The configuration cannot produce a size (a `factor` outside (0, 1), a negative `starting`).
+    InvalidConfiguration(String),
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StopReason::StartedAtZero => f.write_str("the starting batch size is 0"),
+            StopReason::ReachedZero => f.write_str("reached zero"),
+            StopReason::BelowMinimum { next, min } => {
+                write!(f, "the next size, {next}, is below the minimum of {min}")
+            }
+            StopReason::NotSmaller { failed, proposed } => write!(
+                f,
+                "the reduction proposed {proposed} after {failed} failed; it must return a smaller size"
+            ),
+            StopReason::MaxAttempts(cap) => write!(f, "reached the cap of {cap} attempts"),
+            StopReason::InvalidConfiguration(why) => write!(f, "invalid configuration: {why}"),
+        }
+    }
+}
+
+/// No batch size fit: every size the search tried ran out of memory, or none was left to try.
+///
+/// The name and the opening words of its message are Accelerate's ("No executable batch size
+/// found"). It says which sizes were tried, what the last out-of-memory error said and what the
+/// device memory looked like then. [`source()`](Error::source) returns the last out-of-memory
+/// error where it could be kept (an error that is `Send + Sync + 'static`), or its description.
+///
+/// It is `Send + Sync + 'static`, so `?` turns it into `anyhow::Error` or
+/// `Box<dyn Error + Send + Sync>`; for your own error enum, add one `#[from]` variant.
+///
+/// ```
+/// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
+///
+/// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
+///     .run_dyn(|_batch_size| Err(OutOfMemory::new().into()));
+/// let error = result.unwrap_err();
+/// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+/// assert_eq!(none_fit.tried(), &[8, 4, 2, 1]);
+/// assert!(none_fit.to_string().starts_with("No executable batch size found"));
+/// ```
+#[derive(Debug)]
+pub struct NoExecutableBatchSize {
+    reason: StopReason,
+    report: SearchReport,
+    tried: Vec<usize>,
+    last_error: Option<Box<dyn Error + Send + Sync + 'static>>,
+}
+
+impl NoExecutableBatchSize {
+    pub(crate) fn new(
+        reason: StopReason,
+        report: SearchReport,
+        last_error: Option<Box<dyn Error + Send + Sync + 'static>>,
+    ) -> Self {
+        let tried = report
+            .attempts()
+            .map(|attempt| attempt.batch_size)
+            .collect();
+        NoExecutableBatchSize {
+            reason,
+            report,
+            tried,
+            last_error,
+        }
+    }
+
+    /// The batch sizes that were tried, in order (empty when `starting` was 0).
+    pub fn tried(&self) -> &[usize] {
+        &self.tried
+    }
+
+    /// Why the search stopped.
+    pub fn reason(&self) -> &StopReason {
+        &self.reason
+    }
+
+    /// Every attempt, with its outcome, duration and memory figures.
+    pub fn report(&self) -> &SearchReport {
+        &self.report
+    }
+
+    /// The memory figures read when the last attempt ran out of memory, before release.
+    pub fn memory_at_last_failure(&self) -> Option<&MemorySnapshot> {
+        self.report
+            .attempts()
+            .last()
+            .and_then(|attempt| attempt.memory_at_end.as_ref())
+    }
+}
+
+impl fmt::Display for NoExecutableBatchSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "No executable batch size found: {}", self.reason)?;
+        if self.tried.is_empty() {
+            f.write_str("; no size was tried")?;
+        } else {
+            let sizes: Vec<String> = self.tried.iter().map(usize::to_string).collect();
+            write!(
+                f,
+                "; tried {} ({} attempt{})",
+                sizes.join(", "),
+                sizes.len(),
+                if sizes.len() == 1 { "" } else { "s" }
+            )?;
+        }
+        if let Some(description) = self.report.last_oom_description() {
+            write!(f, ". Last out-of-memory error: {description}")?;
+        }
+        if let Some(memory) = self.memory_at_last_failure() {
+            if !memory.is_empty() {
+                write!(f, ". Memory at that failure: {memory}")?;
+            }
+        }
+        match &self.reason {
+            StopReason::StartedAtZero | StopReason::InvalidConfiguration(_) => Ok(()),
+            _ => f.write_str(
+                ". Lower `min`, shrink the model or sequence length, or use gradient accumulation",
+            ),
+        }
+    }
+}
+
+impl Error for NoExecutableBatchSize {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.last_error
+            .as_deref()
+            .map(|error| error as &(dyn Error + 'static))
+    }
+}
+
+/// `io::Result` functions can use the attribute too: the error becomes
+/// [`ErrorKind::OutOfMemory`](std::io::ErrorKind::OutOfMemory) with this error as its inner error.
+impl From<NoExecutableBatchSize> for std::io::Error {
+    fn from(error: NoExecutableBatchSize) -> Self {
+        std::io::Error::new(std::io::ErrorKind::OutOfMemory, error)
+    }
+}
+
+/// A device ran out of memory: this crate's own out-of-memory error.
+///
+/// The [simulated device](crate::SimulatedDevice) returns it, and your code can return it (or
+/// wrap it) to make any failure count as out-of-memory. It is always recognised, through any
+/// chain of `source()`s.
+///
+/// ```
+/// use batch_size_runtime::OutOfMemory;
+///
+/// let error = OutOfMemory::new().with_requested(3 << 30).with_free(1 << 30).on_device("sim:0");
+/// assert_eq!(
+///     error.to_string(),
+///     "out of memory on sim:0: tried to allocate 3.00 GiB with 1.00 GiB free"
+/// );
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Bytes the failed allocation asked for, when known.
+    pub requested: Option<u64>,
+    /// Bytes free on the device when it failed, when known.
+    pub free: Option<u64>,
+    /// Total bytes of the device, when known.
+    pub total: Option<u64>,
+    /// The device, when known (`"cuda:0"`, `"sim:0"`).
+    pub device: Option<String>,
+}
+
+impl OutOfMemory {
+    /// An out-of-memory error with no figures.
+    pub fn new() -> Self {
+        OutOfMemory::default()
+    }
+
+    /// Records the bytes the failed allocation asked for.
+    pub fn with_requested(mut self, bytes: u64) -> Self {
+        self.requested = Some(bytes);
+        self
+    }
+
+    /// Records the bytes that were free.
+    pub fn with_free(mut self, bytes: u64) -> Self {
+        self.free = Some(bytes);
+        self
+    }
+
+    /// Records the device's total bytes.
+    pub fn with_total(mut self, bytes: u64) -> Self {
+        self.total = Some(bytes);
+        self
+    }
+
+    /// Names the device.
+    pub fn on_device(mut self, device: impl Into<String>) -> Self {
+        self.device = Some(device.into());
+        self
+    }
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("out of memory")?;
+        if let Some(device) = &self.device {
+            write!(f, " on {device}")?;
+        }
+        let room = match (self.free, self.total) {
+            (Some(free), Some(total)) => Some(format!("{} free of {}", Bytes(free), Bytes(total))),
+            (Some(free), None) => Some(format!("{} free", Bytes(free))),
+            (None, Some(total)) => Some(format!("{} total", Bytes(total))),
+            (None, None) => None,
+        };
+        match (self.requested, room) {
+            (Some(requested), Some(room)) => {
+                write!(f, ": tried to allocate {} with {room}", Bytes(requested))
+            }
+            (Some(requested), None) => write!(f, ": tried to allocate {}", Bytes(requested)),
+            (None, Some(room)) => write!(f, ": {room}"),
+            (None, None) => Ok(()),
+        }
+    }
+}
+
+impl Error for OutOfMemory {}

@@ -1,0 +1,458 @@
+//! Out-of-memory detection: is this error, or this panic, a device running out of memory?
+//!
+//! Errors are recognised by type first, walking the whole [`source()`](Error::source) chain
+//! (cudarc's `DriverError`, `CublasError` and `CurandError` by their codes, this crate's
+//! [`OutOfMemory`], `std::io::Error` of kind `OutOfMemory`), then by text against
+//! [`OOM_PATTERNS`] for frameworks whose errors are strings or boxed (tch, candle, burn, PyTorch
+//! messages), then by the rules you added with [`add_rule`].
+//!
+//! cudarc's errors are never formatted here: their `Display` and `Debug` call into libcuda and
+//! panic where it is absent. They are recognised and described by their code's name.
+
+use std::any::Any;
+use std::error::Error;
+use std::fmt;
+use std::sync::{Arc, RwLock};
+
+use crate::error::OutOfMemory;
+
+/// A text that marks an error message as an out-of-memory error, and where it comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OomPattern {
+    /// Matched as a case-sensitive substring of the error's message.
+    pub text: &'static str,
+    /// Who prints it.
+    pub origin: &'static str,
+}
+
+/// Every message pattern recognised as out-of-memory, each with where it comes from.
+///
+/// Matching is by case-sensitive substring anywhere in the message of any error in the chain
+/// (or in a panic's message).
+pub const OOM_PATTERNS: &[OomPattern] = &[
+    OomPattern {
+        text: "CUDA out of memory",
+        origin: "PyTorch / tch: `OutOfMemoryError: CUDA out of memory. Tried to allocate ...`",
+    },
+    OomPattern {
+        text: "CUDA error: out of memory",
+        origin: "PyTorch's C10_CUDA_CHECK and CUDA runtime messages",
+    },
+    OomPattern {
+        text: " out of memory.",
+        origin: "Accelerate's list (utils/memory.py, should_reduce_batch_size)",
+    },
+    OomPattern {
+        text: "CUDA_ERROR_OUT_OF_MEMORY",
+        origin:
+            "cudarc `DriverError(CUDA_ERROR_OUT_OF_MEMORY, ...)` as candle and unwrap() print it",
+    },
+    OomPattern {
+        text: "cudaErrorMemoryAllocation",
+        origin: "CUDA runtime API error name",
+    },
+    OomPattern {
+        text: "out of device memory",
+        origin: "burn / cubecl: `IoError::OutOfMemory` \"out of device memory allocating N bytes\"",
+    },
+    OomPattern {
+        text: "OutOfMemory { size:",
+        origin: "burn / cubecl: `IoError::OutOfMemory` as `into_data()`'s panic prints it",
+    },
+    OomPattern {
+        text: "CUBLAS_STATUS_ALLOC_FAILED",
+        origin: "cuBLAS allocation failure (cudarc CublasError, tch)",
+    },
+    OomPattern {
+        text: "CURAND_STATUS_ALLOCATION_FAILED",
+        origin: "cuRAND allocation failure (cudarc CurandError)",
+    },
+    OomPattern {
+        text: "CUDNN_STATUS_ALLOC_FAILED",
+        origin: "cuDNN 8 allocation failure",
+    },
+    OomPattern {
+        text: "_DEVICE_ALLOCATION_FAILED",
+        origin: "cuDNN 9 `CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`",
+    },
+    OomPattern {
+        text: "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+        origin: "Accelerate's list: PyTorch raises it when cuDNN has no memory for a workspace",
+    },
+    OomPattern {
+        text: "DefaultCPUAllocator: can't allocate memory",
+        origin: "Accelerate's list: PyTorch's CPU allocator",
+    },
+    OomPattern {
+        text: "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",
+        origin: "Accelerate's list: Habana HPU",
+    },
+    OomPattern {
+        text: "HIP out of memory",
+        origin: "PyTorch on ROCm: \"HIP out of memory. Tried to allocate ...\"",
+    },
+    OomPattern {
+        text: "hipErrorOutOfMemory",
+        origin: "HIP runtime error name",
+    },
+    OomPattern {
+        text: "XPU out of memory",
+        origin: "PyTorch on Intel XPU: \"XPU out of memory. Tried to allocate ...\"",
+    },
+    OomPattern {
+        text: "MPS backend out of memory",
+        origin: "PyTorch on Apple MPS",
+    },
+    OomPattern {
+        text: "NPU out of memory",
+        origin: "PyTorch on Ascend NPU (torch_npu)",
+    },
+];
+
+/// How an out-of-memory error was recognised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OomKind {
+    /// This crate's [`OutOfMemory`].
+    Crate,
+    /// A cudarc error with an allocation-failure code; the code's name.
+    Cudarc(&'static str),
+    /// `std::io::Error` of kind `OutOfMemory`.
+    Io,
+    /// A message matched one of [`OOM_PATTERNS`].
+    Pattern(OomPattern),
+    /// One of the rules added with [`add_rule`].
+    Rule,
+}
+
+/// An error or panic recognised as out-of-memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OomMatch {
+    /// How it was recognised.
+    pub kind: OomKind,
+    /// What the error said, safe to print (cudarc errors are described by code name).
+    pub description: String,
+    /// Bytes the failed allocation asked for, when the error says.
+    pub requested: Option<u64>,
+}
+
+/// A rule that says whether an error is out-of-memory, for frameworks this crate does not know.
+pub type OomRule = Arc<dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync>;
+
+static RULES: RwLock<Vec<OomRule>> = RwLock::new(Vec::new());
+
+/// Adds a rule, for the whole process, that recognises more errors as out-of-memory.
+///
+/// The rule sees every error of a chain in turn; panic messages and errors known only by their
+/// text reach it as an error whose `Display` is that text. Rules are consulted after the
+/// built-in types and patterns.
+///
+/// ```
+/// use batch_size_runtime::oom;
+///
+/// oom::add_rule(|error| error.to_string().contains("VK_ERROR_OUT_OF_DEVICE_MEMORY"));
+/// let error = std::io::Error::other("vkAllocateMemory: VK_ERROR_OUT_OF_DEVICE_MEMORY");
+/// assert!(oom::is_out_of_memory(&error));
+/// ```
+pub fn add_rule(rule: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'static) {
+    match RULES.write() {
+        Ok(mut rules) => rules.push(Arc::new(rule)),
+        // A rule that panicked poisoned the lock; the list itself is still whole.
+        Err(poisoned) => poisoned.into_inner().push(Arc::new(rule)),
+    }
+}
+
+fn rules() -> Vec<OomRule> {
+    match RULES.read() {
+        Ok(rules) => rules.clone(),
+        Err(poisoned) => poisoned.into_inner().clone(),
+    }
+}
+
+/// Whether `error`, or any error in its `source()` chain, is out-of-memory.
+///
+/// ```
+/// use batch_size_runtime::{oom, OutOfMemory};
+///
+/// let wrapped = anyhow::Error::new(OutOfMemory::new()).context("forward pass");
+/// assert!(oom::is_out_of_memory(wrapped.as_ref()));
+/// assert!(!oom::is_out_of_memory(&std::fmt::Error));
+/// ```
+pub fn is_out_of_memory(error: &(dyn Error + 'static)) -> bool {
+    classify_error(error).is_some()
+}
+
+/// Recognises an out-of-memory error anywhere in `error`'s chain and describes it.
+///
+/// ```
+/// use batch_size_runtime::oom::{self, OomKind};
+/// use cudarc::driver::{sys::CUresult, DriverError};
+///
+/// // No libcuda is needed: the code is compared, never formatted through the driver.
+/// let error = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+/// let found = oom::classify_error(&error).unwrap();
+/// assert_eq!(found.kind, OomKind::Cudarc("CUDA_ERROR_OUT_OF_MEMORY"));
+/// ```
+pub fn classify_error(error: &(dyn Error + 'static)) -> Option<OomMatch> {
+    let chain = || chain_of(error);
+    if chain().any(is_cudarc_error) {
+        // Formatting any layer could reach cudarc's Display, which needs libcuda.
+        return chain()
+            .find_map(|layer| classify_typed(layer).map(|(kind, _)| kind))
+            .map(|kind| OomMatch {
+                description: describe_cudarc_chain(error),
+                kind,
+                requested: None,
+            });
+    }
+    if let Some((kind, requested)) = chain().find_map(classify_typed) {
+        return Some(OomMatch {
+            kind,
+            description: describe_chain(error),
+            requested,
+        });
+    }
+    let description = describe_chain(error);
+    if let Some(found) = match_patterns(&description) {
+        return Some(found);
+    }
+    let rules = rules();
+    if rules.is_empty() {
+        return None;
+    }
+    chain()
+        .any(|layer| rules.iter().any(|rule| rule(layer)))
+        .then(|| OomMatch {
+            kind: OomKind::Rule,
+            requested: requested_bytes(&description),
+            description,
+        })
+}
+
+/// Recognises an out-of-memory message (a string error or a panic message).
+///
+/// ```
+/// use batch_size_runtime::oom;
+///
+/// let tch = "Internal torch error: CUDA out of memory. Tried to allocate 2.00 GiB";
+/// assert_eq!(oom::classify_text(tch).unwrap().requested, Some(2 << 30));
+/// assert!(oom::classify_text("index out of bounds").is_none());
+/// ```
+pub fn classify_text(text: &str) -> Option<OomMatch> {
+    if let Some(found) = match_patterns(text) {
+        return Some(found);
+    }
+    let rules = rules();
+    if rules.is_empty() {
+        return None;
+    }
+    let as_error = TextError(text.to_owned());
+    rules.iter().any(|rule| rule(&as_error)).then(|| OomMatch {
+        kind: OomKind::Rule,
+        description: truncate(text),
+        requested: requested_bytes(text),
+    })
+}
+
+/// Recognises a panic payload (as `catch_unwind` returns it) as out-of-memory.
+///
+/// Payloads of type `&str` and `String` (what `panic!`, `unwrap` and `expect` produce) are read
+/// as text; a payload that is an [`OutOfMemory`] (from `std::panic::panic_any`), an
+/// `anyhow::Error` or a boxed error is classified like a returned error.
+pub fn classify_panic(payload: &(dyn Any + Send)) -> Option<OomMatch> {
+    if let Some(text) = payload.downcast_ref::<&'static str>() {
+        return classify_text(text);
+    }
+    if let Some(text) = payload.downcast_ref::<String>() {
+        return classify_text(text);
+    }
+    if let Some(error) = payload.downcast_ref::<OutOfMemory>() {
+        return classify_error(error);
+    }
+    if let Some(error) = payload.downcast_ref::<Box<dyn Error + Send + Sync>>() {
+        return classify_error(&**error);
+    }
+    #[cfg(feature = "anyhow")]
+    if let Some(error) = payload.downcast_ref::<anyhow::Error>() {
+        return classify_error(error.as_ref());
+    }
+    None
+}
+
+/// `error` and its sources, outermost first.
+pub fn chain_of<'a>(
+    error: &'a (dyn Error + 'static),
+) -> impl Iterator<Item = &'a (dyn Error + 'static)> + Clone {
+    std::iter::successors(Some(error), |&layer| layer.source())
+}
+
+/// A message known only as text, shown to rules as an error.
+#[derive(Debug)]
+struct TextError(String);
+
+impl fmt::Display for TextError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Error for TextError {}
+
+fn match_patterns(text: &str) -> Option<OomMatch> {
+    OOM_PATTERNS
+        .iter()
+        .find(|pattern| text.contains(pattern.text))
+        .map(|pattern| OomMatch {
+            kind: OomKind::Pattern(*pattern),
+            description: truncate(text),
+            requested: requested_bytes(text),
+        })
+}
+
+fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>)> {
+    use cudarc::cublas::result::CublasError;
+    use cudarc::cublas::sys::cublasStatus_t;
+    use cudarc::curand::result::CurandError;
+    use cudarc::curand::sys::curandStatus_t;
+    use cudarc::driver::sys::CUresult;
+    use cudarc::driver::DriverError;
+
+    if let Some(own) = error.downcast_ref::<OutOfMemory>() {
+        return Some((OomKind::Crate, own.requested));
+    }
+    if let Some(DriverError(code)) = error.downcast_ref::<DriverError>() {
+        return (*code == CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+            .then_some((OomKind::Cudarc("CUDA_ERROR_OUT_OF_MEMORY"), None));
+    }
+    if let Some(CublasError(status)) = error.downcast_ref::<CublasError>() {
+        return (*status == cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED)
+            .then_some((OomKind::Cudarc("CUBLAS_STATUS_ALLOC_FAILED"), None));
+    }
+    if let Some(CurandError(status)) = error.downcast_ref::<CurandError>() {
+        return (*status == curandStatus_t::CURAND_STATUS_ALLOCATION_FAILED)
+            .then_some((OomKind::Cudarc("CURAND_STATUS_ALLOCATION_FAILED"), None));
+    }
+    if let Some(io) = error.downcast_ref::<std::io::Error>() {
+        // An io::Error that merely wraps another error is judged by that error, further down.
+        return (io.kind() == std::io::ErrorKind::OutOfMemory && io.get_ref().is_none())
+            .then_some((OomKind::Io, None));
+    }
+    None
+}
+
+fn is_cudarc_error(error: &(dyn Error + 'static)) -> bool {
+    error.is::<cudarc::driver::DriverError>()
+        || error.is::<cudarc::cublas::result::CublasError>()
+        || error.is::<cudarc::curand::result::CurandError>()
+}
+
+/// What `error` says, safe to print: cudarc errors anywhere in the chain are named by code.
+pub(crate) fn describe(error: &(dyn Error + 'static)) -> String {
+    let has_cudarc = chain_of(error).any(is_cudarc_error);
+    if has_cudarc {
+        describe_cudarc_chain(error)
+    } else {
+        describe_chain(error)
+    }
+}
+
+/// Names the cudarc codes of the chain without calling their `Display` (derived `Debug` of the
+/// code enums is plain Rust).
+fn describe_cudarc_chain(error: &(dyn Error + 'static)) -> String {
+    let names: Vec<String> = chain_of(error)
+        .filter_map(|layer| {
+            if let Some(driver) = layer.downcast_ref::<cudarc::driver::DriverError>() {
+                Some(format!("CUDA driver error {:?}", driver.0))
+            } else if let Some(cublas) = layer.downcast_ref::<cudarc::cublas::result::CublasError>()
+            {
+                Some(format!("cuBLAS error {:?}", cublas.0))
+            } else {
+                layer
+                    .downcast_ref::<cudarc::curand::result::CurandError>()
+                    .map(|curand| format!("cuRAND error {:?}", curand.0))
+            }
+        })
+        .collect();
+    names.join(": ")
+}
+
+/// The chain's messages joined with ": ", skipping a layer whose text its parent already shows
+/// (thiserror's `#[error("...: {0}")]` and `transparent` repeat their source).
+fn describe_chain(error: &(dyn Error + 'static)) -> String {
+    let mut description = String::new();
+    for layer in chain_of(error) {
+        let text = layer.to_string();
+        if text.is_empty() || description.contains(&text) {
+            continue;
+        }
+        if !description.is_empty() {
+            description.push_str(": ");
+        }
+        description.push_str(&text);
+    }
+    truncate(&description)
+}
+
+/// Error texts can be pages long (PyTorch appends advice); logs want the part that matters.
+fn truncate(text: &str) -> String {
+    const LIMIT: usize = 600;
+    if text.len() <= LIMIT {
+        return text.to_owned();
+    }
+    let mut end = LIMIT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
+}
+
+/// Reads "Tried to allocate 2.22 GiB" (PyTorch) or "allocating 1024 bytes" (burn).
+fn requested_bytes(text: &str) -> Option<u64> {
+    if let Some(rest) = text.split("Tried to allocate ").nth(1) {
+        let mut words = rest.split_whitespace();
+        let number: f64 = words.next()?.parse().ok()?;
+        let unit = words.next()?.trim_end_matches(['.', ',', ';', ')']);
+        let scale = match unit {
+            "bytes" | "B" => 1.0,
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            "GiB" => 1024.0 * 1024.0 * 1024.0,
+            "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            _ => return None,
+        };
+        return Some((number * scale).round() as u64);
+    }
+    let rest = text.split("allocating ").nth(1)?;
+    let mut words = rest.split_whitespace();
+    let number: u64 = words.next()?.parse().ok()?;
+    words
+        .next()
+        .filter(|unit| unit.starts_with("bytes"))
+        .map(|_| number)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_requested_bytes_from_pytorch_and_burn() {
+        assert_eq!(
+            requested_bytes("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0"),
+            Some(20 << 20)
+        );
+        assert_eq!(
+            requested_bytes("out of device memory allocating 4096 bytes"),
+            Some(4096)
+        );
+        assert_eq!(requested_bytes("out of memory"), None);
+    }
+
+    #[test]
+    fn truncates_on_a_char_boundary() {
+        let long = "é".repeat(400);
+        let cut = truncate(&long);
+        assert!(cut.ends_with("..."));
+        assert!(cut.len() <= 603);
+    }
+}

@@ -1,0 +1,77 @@
+//! How the next batch size is chosen after an out-of-memory attempt.
+
+use std::fmt;
+
+use crate::memory::MemorySnapshot;
+
+/// What a custom reduction is told about the attempt that ran out of memory: the context
+/// Accelerate users asked for (accelerate PR #3650).
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct FailedAttempt<'a> {
+    /// The size that ran out of memory.
+    pub batch_size: usize,
+    /// The attempt's number, from 1.
+    pub attempt: usize,
+    /// What the out-of-memory error said.
+    pub error: &'a str,
+    /// Bytes the failed allocation asked for, when the error says.
+    pub requested: Option<u64>,
+    /// The device memory when the attempt failed (before release), when known.
+    pub memory: Option<&'a MemorySnapshot>,
+}
+
+type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize + Send + 'r>;
+
+/// The policy that picks the next size.
+///
+/// # Default
+/// [`Reduction::Halve`], as the seed documents and toma do: 128, 64, 32, 16, 8, ...
+pub enum Reduction<'r> {
+    /// `next = size / 2`.
+    Halve,
+    /// `next = floor(size * f)`, 0 < f < 1. `0.9` is Accelerate 1.x
+    /// (128, 115, 103, 92, 82, 73, 65, 58, ...).
+    Factor(f64),
+    /// Your function of the failed attempt. It may keep state (an `FnMut`), as Accelerate's
+    /// `reduce_batch_size_fn` does. It must return a smaller size, or the search stops.
+    Custom(CustomReduction<'r>),
+}
+
+impl Default for Reduction<'_> {
+    fn default() -> Self {
+        Reduction::Halve
+    }
+}
+
+impl fmt::Debug for Reduction<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reduction::Halve => f.write_str("Halve"),
+            Reduction::Factor(factor) => f.debug_tuple("Factor").field(factor).finish(),
+            Reduction::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+impl Reduction<'_> {
+    /// Why this reduction can never produce a size, if it cannot.
+    pub(crate) fn invalid(&self) -> Option<String> {
+        match self {
+            Reduction::Factor(factor) if !(*factor > 0.0 && *factor < 1.0) => Some(format!(
+                "`factor` must be strictly between 0 and 1, got {factor}"
+            )),
+            _ => None,
+        }
+    }
+
+    /// The size after `failed`.
+    pub(crate) fn next(&mut self, failed: &FailedAttempt<'_>) -> usize {
+        match self {
+            Reduction::Halve => failed.batch_size / 2,
+            // `as` saturates and the product is below `batch_size`, so this cannot overflow.
+            Reduction::Factor(factor) => (failed.batch_size as f64 * *factor).floor() as usize,
+            Reduction::Custom(reduce) => reduce(failed),
+        }
+    }
+}
