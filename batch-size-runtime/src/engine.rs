@@ -459,7 +459,12 @@ impl Search<'_> {
     /// The attempt returned an error that is not out-of-memory: the search is over and the
     /// error goes back to the caller.
     pub fn failed(&mut self, error: &(dyn Error + 'static)) {
-        let description = oom::describe(error);
+        self.failed_described(oom::describe(error));
+    }
+
+    /// The attempt returned an error that is not out-of-memory, already described.
+    #[doc(hidden)]
+    pub fn failed_described(&mut self, description: String) {
         let attempt = self.finish_attempt(Outcome::Failed { error: description });
         self.report.push(attempt);
         record::store_last_report(std::mem::take(&mut self.report));

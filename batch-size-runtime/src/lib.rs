@@ -34,6 +34,9 @@
 //! Through `tracing`: each retry at WARN (`batch_size`, `next_batch_size`, `error`, `memory`),
 //! the size found at INFO, giving up at ERROR. The library never prints.
 
+#[doc(inline)]
+pub use batch_size_macro::find_executable_batch_size;
+
 pub mod engine;
 pub mod error;
 pub mod memory;

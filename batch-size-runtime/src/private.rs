@@ -10,7 +10,18 @@ pub use crate::engine::{BatchSizeSearch, Search};
 pub use crate::error::NoExecutableBatchSize;
 pub use crate::memory::Release;
 pub use crate::oom::OomMatch;
-pub use crate::unwind::{catch_attempt, CatchUnwind};
+pub use crate::unwind::CatchUnwind;
+
+/// Runs one synchronous attempt, catching its panic; `R` is named by the generated code so that
+/// `?` and `return` in the body know the function's return type.
+pub fn catch_attempt<R, F: FnOnce() -> R>(attempt: F) -> Result<R, crate::unwind::PanicPayload> {
+    crate::unwind::catch_attempt(attempt)
+}
+
+/// Runs one asynchronous attempt, catching its panic.
+pub fn catch_future<R, F: std::future::Future<Output = R>>(attempt: F) -> CatchUnwind<F> {
+    CatchUnwind::new(attempt)
+}
 pub use core;
 pub use std;
 

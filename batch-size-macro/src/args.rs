@@ -1,0 +1,210 @@
+//! Parsing the attribute's arguments: `starting = EXPR, min = EXPR, factor = FLOAT | reduce = EXPR,
+//! max_attempts = EXPR, release = EXPR, crate = PATH`.
+
+use proc_macro2::Span;
+use syn::parse::{Parse, ParseStream};
+use syn::spanned::Spanned;
+use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
+
+const VALID_KEYS: &str =
+    "`starting`, `min`, `factor`, `reduce`, `max_attempts`, `release`, `crate`";
+
+/// The arguments, each with the span of its key for later errors.
+#[derive(Default)]
+pub(crate) struct Args {
+    pub(crate) starting: Option<Expr>,
+    pub(crate) min: Option<Expr>,
+    pub(crate) factor: Option<Expr>,
+    pub(crate) reduce: Option<Expr>,
+    pub(crate) max_attempts: Option<Expr>,
+    pub(crate) release: Option<Expr>,
+    pub(crate) krate: Option<Path>,
+}
+
+mod kw {
+    syn::custom_keyword!(starting);
+    syn::custom_keyword!(min);
+    syn::custom_keyword!(factor);
+    syn::custom_keyword!(reduce);
+    syn::custom_keyword!(max_attempts);
+    syn::custom_keyword!(release);
+}
+
+fn set<T>(slot: &mut Option<T>, value: T, key: &str, span: Span) -> syn::Result<()> {
+    if slot.is_some() {
+        return Err(syn::Error::new(
+            span,
+            format!("duplicate argument `{key}`: give it once"),
+        ));
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+fn value<T: Parse>(input: ParseStream<'_>, key: &str) -> syn::Result<T> {
+    let eq: Option<Token![=]> = input.parse()?;
+    if eq.is_none() {
+        return Err(input.error(format!("expected `=` after `{key}`: write `{key} = ...`")));
+    }
+    input.parse()
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Args::default();
+        let mut factor_or_reduce: Option<&'static str> = None;
+        while !input.is_empty() {
+            let lookahead = input.lookahead1();
+            let key_span = input.span();
+            if lookahead.peek(kw::starting) {
+                input.parse::<kw::starting>()?;
+                let expr = value(input, "starting")?;
+                reject_zero_or_negative(&expr, "starting")?;
+                set(&mut args.starting, expr, "starting", key_span)?;
+            } else if lookahead.peek(kw::min) {
+                input.parse::<kw::min>()?;
+                let expr = value(input, "min")?;
+                reject_zero_or_negative(&expr, "min")?;
+                set(&mut args.min, expr, "min", key_span)?;
+            } else if lookahead.peek(kw::factor) {
+                input.parse::<kw::factor>()?;
+                let expr: Expr = value(input, "factor")?;
+                check_factor(&expr)?;
+                if args.factor.is_none() && factor_or_reduce == Some("reduce") {
+                    return Err(both_factor_and_reduce(key_span));
+                }
+                set(&mut args.factor, expr, "factor", key_span)?;
+                factor_or_reduce = Some("factor");
+            } else if lookahead.peek(kw::reduce) {
+                input.parse::<kw::reduce>()?;
+                let expr = value(input, "reduce")?;
+                if args.reduce.is_none() && factor_or_reduce == Some("factor") {
+                    return Err(both_factor_and_reduce(key_span));
+                }
+                set(&mut args.reduce, expr, "reduce", key_span)?;
+                factor_or_reduce = Some("reduce");
+            } else if lookahead.peek(kw::max_attempts) {
+                input.parse::<kw::max_attempts>()?;
+                let expr = value(input, "max_attempts")?;
+                reject_zero_or_negative(&expr, "max_attempts")?;
+                set(&mut args.max_attempts, expr, "max_attempts", key_span)?;
+            } else if lookahead.peek(kw::release) {
+                input.parse::<kw::release>()?;
+                let expr = value(input, "release")?;
+                set(&mut args.release, expr, "release", key_span)?;
+            } else if lookahead.peek(Token![crate]) {
+                input.parse::<Token![crate]>()?;
+                let path = crate_path(input)?;
+                set(&mut args.krate, path, "crate", key_span)?;
+            } else if input.peek(syn::Ident) || input.peek(Token![=]) {
+                let unknown: proc_macro2::TokenTree = input.parse()?;
+                return Err(syn::Error::new(
+                    unknown.span(),
+                    format!("unknown argument `{unknown}`; expected one of: {VALID_KEYS}"),
+                ));
+            } else {
+                return Err(lookahead.error());
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        Ok(args)
+    }
+}
+
+fn both_factor_and_reduce(span: Span) -> syn::Error {
+    syn::Error::new(
+        span,
+        "`factor` and `reduce` both choose the next size: give one of them",
+    )
+}
+
+/// `crate = path::to::runtime` or, as tokio-macros takes it, `crate = "path::to::runtime"`.
+fn crate_path(input: ParseStream<'_>) -> syn::Result<Path> {
+    let eq: Option<Token![=]> = input.parse()?;
+    if eq.is_none() {
+        return Err(input.error("expected `=` after `crate`: write `crate = path::to::runtime`"));
+    }
+    if input.peek(LitStr) {
+        let text: LitStr = input.parse()?;
+        return text.parse_with(Path::parse_mod_style);
+    }
+    Path::parse_mod_style(input)
+}
+
+/// An integer literal, possibly negated, as a signed value.
+fn integer_literal(expr: &Expr) -> Option<(i128, Span)> {
+    match expr {
+        Expr::Lit(ExprLit {
+            lit: Lit::Int(int), ..
+        }) => int
+            .base10_parse::<i128>()
+            .ok()
+            .map(|value| (value, int.span())),
+        Expr::Unary(ExprUnary {
+            op: UnOp::Neg(_),
+            expr: inner,
+            ..
+        }) => integer_literal(inner).map(|(value, _)| (-value, expr.span())),
+        Expr::Paren(paren) => integer_literal(&paren.expr),
+        Expr::Group(group) => integer_literal(&group.expr),
+        _ => None,
+    }
+}
+
+fn reject_zero_or_negative(expr: &Expr, key: &str) -> syn::Result<()> {
+    match integer_literal(expr) {
+        Some((0, span)) => Err(syn::Error::new(
+            span,
+            match key {
+                "starting" => "`starting = 0` would never call the function: start from a positive batch size".to_owned(),
+                "min" => "`min = 0` would let the search call the function with 0: the smallest useful minimum is 1 (the default)".to_owned(),
+                _ => format!("`{key}` must be at least 1"),
+            },
+        )),
+        Some((value, span)) if value < 0 => Err(syn::Error::new(
+            span,
+            format!("`{key}` must be a positive integer, got {value}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A literal factor is checked here; an expression is checked when the search starts.
+fn check_factor(expr: &Expr) -> syn::Result<()> {
+    let literal = match expr {
+        Expr::Lit(ExprLit { lit, .. }) => Some(lit),
+        _ => None,
+    };
+    let value = match literal {
+        Some(Lit::Float(float)) => float.base10_parse::<f64>().ok(),
+        Some(Lit::Int(int)) => int.base10_parse::<f64>().ok(),
+        Some(other) => {
+            return Err(syn::Error::new(
+                other.span(),
+                "`factor` must be a number strictly between 0 and 1, such as `factor = 0.9`",
+            ))
+        }
+        None => match integer_literal(expr) {
+            Some((value, _)) => Some(value as f64),
+            None => match expr {
+                Expr::Unary(ExprUnary {
+                    op: UnOp::Neg(_), ..
+                }) => Some(-1.0),
+                _ => None,
+            },
+        },
+    };
+    match value {
+        Some(value) if !(value > 0.0 && value < 1.0) => Err(syn::Error::new(
+            expr.span(),
+            format!(
+                "`factor` must be strictly between 0 and 1 (the size is multiplied by it after each failure), got {}",
+                quote::ToTokens::to_token_stream(expr)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}

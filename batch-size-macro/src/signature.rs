@@ -1,0 +1,230 @@
+//! Reading the function's signature: which parameter is the batch size, how every other
+//! parameter is handed to each attempt, and what the return type allows.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::visit::Visit;
+use syn::{FnArg, Ident, Pat, PatIdent, PatType, ReturnType, Signature, Token, Type};
+
+/// The batch-size parameter, removed from the signature.
+pub(crate) struct BatchSizeParam {
+    pub(crate) pat: Pat,
+    pub(crate) ty: Type,
+}
+
+/// The signature split for the rewrite.
+pub(crate) struct Split {
+    /// The signature without the batch-size parameter, patterns made plain where needed.
+    pub(crate) outer: Signature,
+    pub(crate) batch_size: BatchSizeParam,
+    /// `let` statements that give one attempt its own copy or reborrow of each parameter.
+    pub(crate) rebind: Vec<TokenStream>,
+}
+
+/// Splits `sig`, or explains why it cannot be rewritten.
+pub(crate) fn split(sig: &Signature, krate: &syn::Path) -> syn::Result<Split> {
+    if let Some(constness) = &sig.constness {
+        return Err(syn::Error::new(
+            constness.span(),
+            "#[find_executable_batch_size] cannot rewrite a `const fn`: retrying on out-of-memory happens at run time",
+        ));
+    }
+    let mut inputs = sig.inputs.iter();
+    let mut outer_inputs: Punctuated<FnArg, Token![,]> = Punctuated::new();
+
+    let mut first = inputs.next();
+    if let Some(FnArg::Receiver(receiver)) = first {
+        let by_reference =
+            receiver.reference.is_some() || matches!(&*receiver.ty, Type::Reference(_));
+        if !by_reference {
+            return Err(syn::Error::new(
+                receiver.self_token.span(),
+                "#[find_executable_batch_size] cannot give `self` by value to several attempts: take `&self` or `&mut self` (or clone what you need into a parameter)",
+            ));
+        }
+        outer_inputs.push(FnArg::Receiver(receiver.clone()));
+        first = inputs.next();
+    }
+
+    let batch_size = match first {
+        Some(FnArg::Typed(PatType { pat, ty, .. })) => {
+            check_batch_size_type(ty)?;
+            BatchSizeParam {
+                pat: (**pat).clone(),
+                ty: (**ty).clone(),
+            }
+        }
+        _ => {
+            return Err(syn::Error::new(
+                sig.paren_token.span.join(),
+                format!(
+                    "`{}` needs the batch size as its first parameter{}, e.g. `fn {}(batch_size: usize, ...)`",
+                    sig.ident,
+                    if sig.receiver().is_some() { " after the receiver" } else { "" },
+                    sig.ident
+                ),
+            ))
+        }
+    };
+
+    let mut rebind = Vec::new();
+    for (index, input) in inputs.enumerate() {
+        let FnArg::Typed(param) = input else {
+            continue;
+        };
+        let (outer_pat, name) = outer_pattern(&param.pat, index);
+        rebind.push(rebinding(&param.pat, &name, &param.ty, krate));
+        let mut outer_param = param.clone();
+        outer_param.pat = Box::new(outer_pat);
+        outer_inputs.push(FnArg::Typed(outer_param));
+    }
+
+    let mut outer = sig.clone();
+    outer.inputs = outer_inputs;
+    Ok(Split {
+        outer,
+        batch_size,
+        rebind,
+    })
+}
+
+const INTEGERS: [&str; 12] = [
+    "u8", "u16", "u32", "u64", "u128", "usize", "i8", "i16", "i32", "i64", "i128", "isize",
+];
+
+/// Rejects types that are plainly not integers; aliases are checked by a trait bound later.
+fn check_batch_size_type(ty: &Type) -> syn::Result<()> {
+    let reject = |what: &str| {
+        Err(syn::Error::new(
+            ty.span(),
+            format!(
+                "the first parameter is the batch size and must be a primitive integer type (`usize`, `u32`, `i64`, ...), not {what}"
+            ),
+        ))
+    };
+    match ty {
+        Type::Path(path) if path.qself.is_none() => {
+            let Some(last) = path.path.segments.last() else {
+                return Ok(());
+            };
+            let name = last.ident.to_string();
+            if INTEGERS.contains(&name.as_str()) {
+                return Ok(());
+            }
+            match name.as_str() {
+                "f32" | "f64" | "bool" | "char" | "str" | "String" | "Vec" | "Option" => {
+                    reject(&format!("`{}`", ty.to_token_stream()))
+                }
+                _ => Ok(()),
+            }
+        }
+        Type::Reference(_) => reject("a reference"),
+        Type::Tuple(_) => reject("a tuple"),
+        Type::Array(_) | Type::Slice(_) => reject("an array or slice"),
+        Type::Ptr(_) => reject("a pointer"),
+        Type::BareFn(_) => reject("a function pointer"),
+        Type::ImplTrait(_) | Type::TraitObject(_) => reject("a trait type"),
+        Type::Paren(inner) => check_batch_size_type(&inner.elem),
+        Type::Group(inner) => check_batch_size_type(&inner.elem),
+        _ => Ok(()),
+    }
+}
+
+/// The pattern the outer function binds: the user's identifier (without `mut`, which belongs
+/// to each attempt's copy), or a fresh name for `_` and destructuring patterns.
+fn outer_pattern(pat: &Pat, index: usize) -> (Pat, Ident) {
+    if let Pat::Ident(PatIdent {
+        attrs,
+        ident,
+        subpat: None,
+        ..
+    }) = pat
+    {
+        let plain = Pat::Ident(PatIdent {
+            attrs: attrs.clone(),
+            by_ref: None,
+            mutability: None,
+            ident: ident.clone(),
+            subpat: None,
+        });
+        return (plain, ident.clone());
+    }
+    let name = format_ident!("__batch_size_arg{}", index, span = pat.span());
+    let plain = Pat::Ident(PatIdent {
+        attrs: Vec::new(),
+        by_ref: None,
+        mutability: None,
+        ident: name.clone(),
+        subpat: None,
+    });
+    (plain, name)
+}
+
+/// One attempt's binding of a parameter: shared references are copied, mutable ones
+/// reborrowed, owned values cloned (a compile error names a parameter that is not `Clone`).
+fn rebinding(pat: &Pat, name: &Ident, ty: &Type, krate: &syn::Path) -> TokenStream {
+    if let Pat::Wild(_) = pat {
+        return TokenStream::new();
+    }
+    match ty {
+        Type::Reference(reference) if reference.mutability.is_some() => {
+            quote! { let #pat = &mut *#name; }
+        }
+        Type::Reference(_) => quote! { let #pat = #name; },
+        _ => {
+            let clone = quote_spanned! {ty.span()=>
+                #krate::__private::ClonePerAttempt::clone_for_attempt(&#name)
+            };
+            quote! { let #pat = #clone; }
+        }
+    }
+}
+
+/// What the return type allows the generated code to do.
+pub(crate) struct ReturnShape {
+    /// The type as written (`()` when there is none).
+    pub(crate) ty: Type,
+    /// Written as `...Result<...>`: when no size fits, return `Err(E::from(...))`.
+    pub(crate) is_result: bool,
+    /// Contains no `impl Trait`, so it can be named in the body.
+    pub(crate) nameable: bool,
+    pub(crate) span: Span,
+}
+
+pub(crate) fn return_shape(output: &ReturnType) -> ReturnShape {
+    match output {
+        ReturnType::Default => ReturnShape {
+            ty: syn::parse_quote!(()),
+            is_result: false,
+            nameable: true,
+            span: Span::call_site(),
+        },
+        ReturnType::Type(_, ty) => {
+            let is_result = match &**ty {
+                Type::Path(path) => path.path.segments.last().is_some_and(|last| {
+                    last.ident == "Result"
+                        && matches!(last.arguments, syn::PathArguments::AngleBracketed(_))
+                }),
+                _ => false,
+            };
+            let mut finder = ImplTraitFinder(false);
+            finder.visit_type(ty);
+            ReturnShape {
+                ty: (**ty).clone(),
+                is_result,
+                nameable: !finder.0,
+                span: ty.span(),
+            }
+        }
+    }
+}
+
+struct ImplTraitFinder(bool);
+
+impl<'ast> Visit<'ast> for ImplTraitFinder {
+    fn visit_type_impl_trait(&mut self, _: &'ast syn::TypeImplTrait) {
+        self.0 = true;
+    }
+}
