@@ -169,15 +169,17 @@ fn rebinding(pat: &Pat, name: &Ident, ty: &Type, krate: &syn::Path) -> TokenStre
         return TokenStream::new();
     }
     match ty {
+        // A parameter used only by the attribute's arguments (`starting = cfg.batch_size`) is
+        // unused in the body: that is not the user's mistake.
         Type::Reference(reference) if reference.mutability.is_some() => {
-            quote! { let #pat = &mut *#name; }
+            quote! { #[allow(unused_variables)] let #pat = &mut *#name; }
         }
-        Type::Reference(_) => quote! { let #pat = #name; },
+        Type::Reference(_) => quote! { #[allow(unused_variables)] let #pat = #name; },
         _ => {
             let clone = quote_spanned! {ty.span()=>
                 #krate::__private::ClonePerAttempt::clone_for_attempt(&#name)
             };
-            quote! { let #pat = #clone; }
+            quote! { #[allow(unused_variables)] let #pat = #clone; }
         }
     }
 }

@@ -182,7 +182,7 @@ impl From<NoExecutableBatchSize> for std::io::Error {
 /// let error = OutOfMemory::new().with_requested(3 << 30).with_free(1 << 30).on_device("sim:0");
 /// assert_eq!(
 ///     error.to_string(),
-///     "out of memory on sim:0: tried to allocate 3.00 GiB with 1.00 GiB free"
+///     "out of device memory on sim:0: tried to allocate 3.00 GiB with 1.00 GiB free"
 /// );
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -230,7 +230,9 @@ impl OutOfMemory {
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("out of memory")?;
+        // "out of device memory" is also how burn words it, so that the text alone is
+        // recognised where a wrapper hides this type (thiserror's `#[error(transparent)]`).
+        f.write_str("out of device memory")?;
         if let Some(device) = &self.device {
             write!(f, " on {device}")?;
         }

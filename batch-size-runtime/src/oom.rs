@@ -53,7 +53,7 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
     },
     OomPattern {
         text: "out of device memory",
-        origin: "burn / cubecl: `IoError::OutOfMemory` \"out of device memory allocating N bytes\"",
+        origin: "burn / cubecl: `IoError::OutOfMemory` \"out of device memory allocating N bytes\"; this crate's `OutOfMemory`",
     },
     OomPattern {
         text: "OutOfMemory { size:",

@@ -1,0 +1,335 @@
+//! Behaviour through the attribute: Accelerate's cases again, OOM by error and by panic,
+//! async functions, methods, and parameters handed to every attempt.
+
+use std::cell::Cell;
+
+use batch_size_runtime::{
+    find_executable_batch_size, last_report, NoExecutableBatchSize, OutOfMemory, StopReason,
+};
+
+fn fake_out_of_memory() -> anyhow::Error {
+    anyhow::anyhow!("CUDA out of memory.")
+}
+
+#[find_executable_batch_size(starting = 128, factor = 0.9)]
+fn accelerate_sequence(batch_size: usize, seen: &mut Vec<usize>) -> anyhow::Result<usize> {
+    seen.push(batch_size);
+    if batch_size != 8 {
+        return Err(fake_out_of_memory());
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn factor_0_9_reproduces_accelerate() {
+    let mut seen = Vec::new();
+    assert_eq!(accelerate_sequence(&mut seen).unwrap(), 8);
+    assert_eq!(
+        seen,
+        [
+            128, 115, 103, 92, 82, 73, 65, 58, 52, 46, 41, 36, 32, 28, 25, 22, 19, 17, 15, 13, 11,
+            9, 8
+        ]
+    );
+}
+
+#[find_executable_batch_size(starting = 128)]
+fn halving(batch_size: u32, seen: &mut Vec<u32>) -> anyhow::Result<()> {
+    seen.push(batch_size);
+    if batch_size != 8 {
+        return Err(fake_out_of_memory());
+    }
+    Ok(())
+}
+
+#[test]
+fn halving_is_the_default() {
+    let mut seen = Vec::new();
+    halving(&mut seen).unwrap();
+    assert_eq!(seen, [128, 64, 32, 16, 8]);
+}
+
+#[find_executable_batch_size(starting = starting)]
+fn explicit(batch_size: usize, starting: usize, arg1: String) -> anyhow::Result<(usize, String)> {
+    if batch_size != 8 {
+        return Err(fake_out_of_memory());
+    }
+    Ok((batch_size, arg1))
+}
+
+#[test]
+fn extra_arguments_pass_through_and_starting_reads_them() {
+    let (batch_size, arg) = explicit(64, "hello".to_owned()).unwrap();
+    assert_eq!((batch_size, arg.as_str()), (8, "hello"));
+}
+
+#[find_executable_batch_size(starting = starting)]
+fn start_zero(_batch_size: usize, starting: usize, calls: &Cell<u32>) -> anyhow::Result<()> {
+    calls.set(calls.get() + 1);
+    Ok(())
+}
+
+#[test]
+fn start_zero_raises_without_calling() {
+    let calls = Cell::new(0);
+    let error = start_zero(0, &calls).unwrap_err();
+    assert_eq!(calls.get(), 0);
+    let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    assert_eq!(none_fit.reason(), &StopReason::StartedAtZero);
+    assert!(error
+        .to_string()
+        .starts_with("No executable batch size found"));
+}
+
+#[find_executable_batch_size(starting = 16)]
+fn approach_zero(_batch_size: usize) -> anyhow::Result<()> {
+    Err(fake_out_of_memory())
+}
+
+#[test]
+fn approach_zero_raises_reached_zero() {
+    let error = approach_zero().unwrap_err();
+    let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    assert_eq!(none_fit.tried(), &[16, 8, 4, 2, 1]);
+    assert!(error
+        .to_string()
+        .starts_with("No executable batch size found: reached zero"));
+}
+
+#[find_executable_batch_size(starting = 100, reduce = |failed| failed.batch_size - 30)]
+fn custom_reduction(batch_size: usize) -> anyhow::Result<usize> {
+    if batch_size > 50 {
+        return Err(fake_out_of_memory());
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn custom_reduction_through_the_attribute() {
+    assert_eq!(custom_reduction().unwrap(), 40);
+    let sizes: Vec<usize> = last_report()
+        .unwrap()
+        .attempts()
+        .map(|attempt| attempt.batch_size)
+        .collect();
+    assert_eq!(sizes, [100, 70, 40]);
+}
+
+#[derive(Debug, thiserror::Error)]
+enum TrainError {
+    #[error("Oops, we had an error!")]
+    Oops,
+    #[error(transparent)]
+    Oom(#[from] OutOfMemory),
+    #[error(transparent)]
+    NoBatchSize(#[from] NoExecutableBatchSize),
+}
+
+#[find_executable_batch_size(starting = 64, min = 4)]
+fn typed_errors(
+    batch_size: i64,
+    fail_with_oops_at: i64,
+    calls: &Cell<u32>,
+) -> Result<i64, TrainError> {
+    calls.set(calls.get() + 1);
+    if batch_size == fail_with_oops_at {
+        return Err(TrainError::Oops);
+    }
+    if batch_size > 4 {
+        Err(OutOfMemory::new())?;
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn other_errors_come_back_unchanged_after_one_call() {
+    let calls = Cell::new(0);
+    assert!(matches!(typed_errors(64, &calls), Err(TrainError::Oops)));
+    assert_eq!(calls.get(), 1);
+
+    let calls = Cell::new(0);
+    assert!(matches!(typed_errors(16, &calls), Err(TrainError::Oops)));
+    assert_eq!(calls.get(), 3);
+
+    let calls = Cell::new(0);
+    assert_eq!(typed_errors(-1, &calls).unwrap(), 4);
+    assert_eq!(calls.get(), 5);
+}
+
+#[test]
+fn typed_error_enum_carries_no_executable_batch_size() {
+    #[find_executable_batch_size(starting = 8, min = 4)]
+    fn never_fits(_batch_size: u8) -> Result<(), TrainError> {
+        Err(OutOfMemory::new().into())
+    }
+    match never_fits() {
+        Err(TrainError::NoBatchSize(none_fit)) => {
+            assert_eq!(none_fit.tried(), &[8, 4]);
+            assert_eq!(
+                none_fit.reason(),
+                &StopReason::BelowMinimum { next: 2, min: 4 }
+            );
+        }
+        other => panic!("expected NoBatchSize, got {other:?}"),
+    }
+}
+
+#[find_executable_batch_size(starting = 32)]
+fn panics_on_oom(batch_size: usize) -> usize {
+    if batch_size > 8 {
+        panic!("CUDA out of memory. Tried to allocate {batch_size}.00 MiB");
+    }
+    batch_size
+}
+
+#[test]
+fn oom_panics_are_retried_for_plain_return_types() {
+    assert_eq!(panics_on_oom(), 8);
+    assert_eq!(last_report().unwrap().out_of_memory_count(), 2);
+}
+
+#[find_executable_batch_size(starting = 4)]
+fn never_fits_plain(_batch_size: usize) {
+    panic!("CUDA out of memory.");
+}
+
+#[test]
+fn plain_return_type_panics_with_the_message_when_nothing_fits() {
+    let payload = std::panic::catch_unwind(never_fits_plain).unwrap_err();
+    let message = payload.downcast_ref::<String>().unwrap();
+    assert!(
+        message.starts_with("No executable batch size found: reached zero; tried 4, 2, 1"),
+        "{message}"
+    );
+}
+
+#[find_executable_batch_size(starting = 4)]
+fn other_panic(_batch_size: usize) -> anyhow::Result<()> {
+    std::panic::panic_any(7_u8)
+}
+
+#[test]
+fn other_panics_resume_with_their_payload() {
+    let payload = std::panic::catch_unwind(|| other_panic()).unwrap_err();
+    assert_eq!(payload.downcast_ref::<u8>(), Some(&7));
+}
+
+struct Trainer {
+    fits_at: usize,
+    attempts: Vec<usize>,
+}
+
+impl Trainer {
+    #[find_executable_batch_size(starting = 64)]
+    fn fit(&mut self, batch_size: usize, epochs: usize) -> anyhow::Result<usize> {
+        self.attempts.push(batch_size);
+        if batch_size > self.fits_at {
+            return Err(fake_out_of_memory());
+        }
+        Ok(batch_size * epochs)
+    }
+
+    #[find_executable_batch_size(starting = 64)]
+    fn peek(&self, batch_size: usize) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
+        if batch_size > self.fits_at {
+            return Err("CUDA out of memory. Tried to allocate 1.00 GiB".into());
+        }
+        Ok(batch_size)
+    }
+}
+
+#[test]
+fn methods_with_receivers() {
+    let mut trainer = Trainer {
+        fits_at: 20,
+        attempts: Vec::new(),
+    };
+    assert_eq!(trainer.fit(3).unwrap(), 48);
+    assert_eq!(trainer.attempts, [64, 32, 16]);
+    assert_eq!(trainer.peek().unwrap(), 16);
+}
+
+#[find_executable_batch_size(starting = 16)]
+fn clones_owned_parameters(batch_size: usize, mut data: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+    data.push(batch_size as u8);
+    if batch_size > 4 {
+        return Err(fake_out_of_memory());
+    }
+    Ok(data)
+}
+
+#[test]
+fn owned_parameters_are_fresh_for_every_attempt() {
+    assert_eq!(clones_owned_parameters(vec![1]).unwrap(), [1, 4]);
+}
+
+#[find_executable_batch_size(starting = 16)]
+fn generic<T, F>(batch_size: usize, items: &[T], cost: F) -> anyhow::Result<usize>
+where
+    T: Copy + Into<usize>,
+    F: Fn(usize) -> usize + Clone,
+{
+    let total: usize = items.iter().map(|&item| item.into()).sum();
+    if cost(batch_size) > total {
+        return Err(fake_out_of_memory());
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn generic_functions_with_where_clauses() {
+    assert_eq!(generic(&[10_u8, 20], |size| size * 10).unwrap(), 2);
+}
+
+#[find_executable_batch_size(starting = 64)]
+async fn train_async(batch_size: usize, fits_at: &usize) -> anyhow::Result<usize> {
+    ready().await;
+    if batch_size > *fits_at {
+        return Err(OutOfMemory::new().into());
+    }
+    if batch_size > *fits_at / 2 + 1 {
+        panic!("CUDA out of memory.");
+    }
+    Ok(batch_size)
+}
+
+async fn ready() {}
+
+#[test]
+fn async_functions_retry_errors_and_panics() {
+    assert_eq!(block_on(train_async(&40)).unwrap(), 16);
+    let report = last_report().unwrap();
+    let sizes: Vec<usize> = report
+        .attempts()
+        .map(|attempt| attempt.batch_size)
+        .collect();
+    assert_eq!(sizes, [64, 32, 16]);
+}
+
+#[test]
+fn async_functions_are_send_when_their_body_is() {
+    fn assert_send<F: std::future::Future + Send>(_: &F) {}
+    let fits_at = 8;
+    let future = train_async(&fits_at);
+    assert_send(&future);
+    // 64, 32 and 16 return OutOfMemory; 8 panics with it (8 > 8 / 2 + 1); 4 fits.
+    assert_eq!(block_on(future).unwrap(), 4);
+}
+
+/// A minimal executor: these futures never wait on anything.
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Noop;
+    impl Wake for Noop {
+        fn wake(self: Arc<Self>) {}
+    }
+    let waker = Waker::from(Arc::new(Noop));
+    let mut context = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(value) = future.as_mut().poll(&mut context) {
+            return value;
+        }
+    }
+}
