@@ -1,21 +1,41 @@
 //! Run a training function with the largest batch size that fits in device memory: on an
 //! out-of-memory error, release the memory, pick a smaller size and run it again.
 //!
-//! This is the runtime of `#[find_executable_batch_size]`, the Rust home of Hugging Face
-//! Accelerate's decorator of the same name. The engine is usable on its own:
+//! The Rust home of Hugging Face Accelerate's `find_executable_batch_size`. Annotate the
+//! function whose first parameter is the batch size; call it without that parameter:
 //!
 //! ```
-//! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+//! use batch_size_runtime::{find_executable_batch_size, SimulatedDevice};
 //!
-//! let device = SimulatedDevice::new(1 << 30); // 1 GiB, no GPU needed
-//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(128)
-//!     .with_release(device.clone())
-//!     .run_dyn(|batch_size| {
-//!         let _activations = device.alloc(batch_size as u64 * (20 << 20))?; // 20 MiB a sample
-//!         Ok(batch_size)
-//!     });
-//! assert_eq!(fitted.unwrap(), 32);
+//! struct Config { batch_size: usize }
+//!
+//! #[find_executable_batch_size(starting = cfg.batch_size, min = 4, release = device.clone())]
+//! fn train(batch_size: usize, cfg: &Config, device: &SimulatedDevice) -> anyhow::Result<usize> {
+//!     // Everything that holds device memory lives in here, so it is dropped before a retry.
+//!     let _weights = device.alloc(2 << 30)?;                         // 2 GiB
+//!     let _activations = device.alloc(batch_size as u64 * (64 << 20))?; // 64 MiB a sample
+//!     Ok(batch_size)
+//! }
+//!
+//! let device = SimulatedDevice::new(5 << 30); // 5 GiB; a GPU works the same way
+//! let fitted = train(&Config { batch_size: 128 }, &device)?; // 128 and 64 run out of memory
+//! assert_eq!(fitted, 32);
+//! # Ok::<(), anyhow::Error>(())
 //! ```
+//!
+//! | Accelerate | this crate |
+//! |---|---|
+//! | `@find_executable_batch_size(...)` decorator | [`#[find_executable_batch_size(...)]`](find_executable_batch_size) attribute |
+//! | `starting_batch_size=128` | `starting = 128` (any integer expression, may use the other parameters) |
+//! | halving (before Jul 2025), `x 0.9` since | halving by default, `factor = 0.9` for Accelerate 1.x |
+//! | `reduce_batch_size_fn` (no argument) | `reduce = \|failed\| ...` with the [`FailedAttempt`] (size, number, error, memory) |
+//! | none | `min = 4`, `max_attempts = 6` |
+//! | `gc.collect()` + `torch.cuda.empty_cache()`, `release_memory(*objs)` | values are dropped when the attempt returns or unwinds; then [`Release`]: CUDA's pools synchronized and trimmed, plus your hooks (`release = ...`) |
+//! | `RuntimeError("No executable batch size found, reached zero.")` | [`NoExecutableBatchSize`]: sizes tried, last OOM, memory figures, `source()` |
+//! | string match on `RuntimeError` | typed cudarc codes, this crate's [`OutOfMemory`], messages of tch, candle, burn, PyTorch ([`oom`]) |
+//! | no logs | `tracing`: WARN per retry, INFO for the size found, [`last_report()`] |
+//!
+//! The engine is usable without the attribute, as [`BatchSizeSearch`].
 //!
 //! # What is recognised as out-of-memory
 //! See [`oom`]: cudarc's error codes by type (without ever formatting them, so no libcuda is
@@ -34,6 +54,136 @@
 //! Through `tracing`: each retry at WARN (`batch_size`, `next_batch_size`, `error`, `memory`),
 //! the size found at INFO, giving up at ERROR. The library never prints.
 
+/// Retries the function with smaller batch sizes whenever it runs out of device memory.
+///
+/// The function's first parameter (after `&self` or `&mut self`) is the batch size, of any
+/// primitive integer type and any pattern. The rewritten function has the same name,
+/// visibility, generics and return type, without that parameter.
+///
+/// # Arguments
+/// - `starting = EXPR` (required): the first size tried, any integer expression, evaluated at
+///   each call; it may use the function's other parameters.
+/// - `min = EXPR` (default 1): the search stops instead of trying a smaller size.
+/// - `factor = FLOAT` (0 < f < 1) or `reduce = EXPR` (a `FnMut(&FailedAttempt) -> usize`), not
+///   both. Default: halving.
+/// - `max_attempts = EXPR`: at most this many attempts.
+/// - `release = EXPR`: anything `Into<`[`Release`]`>` (default: [`Release::cuda()`]).
+/// - `crate = PATH`: where the runtime is, when renamed or re-exported.
+///
+/// # Parameters and return type
+/// - `&T` and `&mut T` parameters are re-borrowed for every attempt; owned parameters are
+///   cloned for every attempt (they must be `Clone`). `self` by value is refused: the body may
+///   run several times.
+/// - `Result<T, E>`: when no size fits, the function returns `Err(E::from(NoExecutableBatchSize))`.
+///   `anyhow::Error`, `Box<dyn Error + Send + Sync>` and `std::io::Error` accept it already; for
+///   your own enum, add `#[error(transparent)] NoBatchSize(#[from] NoExecutableBatchSize)`.
+/// - Any other return type: out-of-memory can only come as a panic, which is retried; when no
+///   size fits the function panics with the `NoExecutableBatchSize` message.
+/// - Errors and panics that are not out-of-memory come back unchanged after one attempt.
+///   `return` and `?` in the body keep their meaning. `async fn` works.
+///
+/// # Examples
+/// `starting` and `min`, reading another parameter:
+/// ```
+/// # use batch_size_runtime::{find_executable_batch_size, OutOfMemory};
+/// #[find_executable_batch_size(starting = requested, min = 16)]
+/// fn fit(batch_size: u32, requested: u32) -> anyhow::Result<u32> {
+///     if batch_size > 20 { Err(OutOfMemory::new())? }
+///     Ok(batch_size)
+/// }
+/// assert_eq!(fit(64)?, 16);
+/// assert!(fit(15).is_err()); // below `min` from the start: never called
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+///
+/// `factor`, as Accelerate 1.x:
+/// ```
+/// # use batch_size_runtime::{find_executable_batch_size, OutOfMemory};
+/// #[find_executable_batch_size(starting = 128, factor = 0.9)]
+/// fn fit(batch_size: usize) -> anyhow::Result<usize> {
+///     if batch_size > 100 { Err(OutOfMemory::new())? }
+///     Ok(batch_size)
+/// }
+/// assert_eq!(fit()?, 92); // 128, 115, 103, 92
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+///
+/// `reduce`, with the failed attempt's context:
+/// ```
+/// # use batch_size_runtime::{find_executable_batch_size, OutOfMemory};
+/// #[find_executable_batch_size(starting = 96, reduce = |failed| failed.batch_size - 32)]
+/// fn fit(batch_size: usize) -> anyhow::Result<usize> {
+///     if batch_size > 40 { Err(OutOfMemory::new())? }
+///     Ok(batch_size)
+/// }
+/// assert_eq!(fit()?, 32);
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+///
+/// `max_attempts`, and the error when nothing fits:
+/// ```
+/// # use batch_size_runtime::{find_executable_batch_size, NoExecutableBatchSize, OutOfMemory};
+/// #[find_executable_batch_size(starting = 64, max_attempts = 2)]
+/// fn fit(_batch_size: usize) -> anyhow::Result<()> {
+///     Err(OutOfMemory::new().into())
+/// }
+/// let error = fit().unwrap_err();
+/// assert_eq!(error.downcast_ref::<NoExecutableBatchSize>().unwrap().tried(), &[64, 32]);
+/// ```
+///
+/// `release`, for a framework's cache or a simulated device:
+/// ```
+/// # use batch_size_runtime::{find_executable_batch_size, Release, SimulatedDevice};
+/// let device = SimulatedDevice::new(1 << 30).with_caching();
+///
+/// #[find_executable_batch_size(starting = 64, release = Release::backend(device.clone()).with_hook(|| {
+///     // e.g. burn: B::memory_cleanup(&device)
+/// }))]
+/// fn fit(batch_size: usize, device: &SimulatedDevice) -> anyhow::Result<usize> {
+///     let _activations = device.alloc(batch_size as u64 * (32 << 20))?;
+///     Ok(batch_size)
+/// }
+/// assert_eq!(fit(&device)?, 32);
+/// assert_eq!(device.release_count(), 1);
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+///
+/// `crate`, for a runtime re-exported under another name:
+/// ```
+/// mod ml {
+///     pub mod batching {
+///         pub use batch_size_runtime::*;
+///     }
+/// }
+///
+/// #[ml::batching::find_executable_batch_size(starting = 8, crate = ml::batching)]
+/// fn fit(batch_size: usize) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
+///     Ok(batch_size)
+/// }
+/// assert_eq!(fit().unwrap(), 8);
+/// ```
+///
+/// Methods, `async fn` and panics:
+/// ```
+/// # use batch_size_runtime::find_executable_batch_size;
+/// struct Trainer { fits: usize }
+///
+/// impl Trainer {
+///     #[find_executable_batch_size(starting = 32)]
+///     async fn fit(&self, batch_size: usize) -> usize {
+///         if batch_size > self.fits {
+///             panic!("CUDA out of memory. Tried to allocate 1.00 GiB"); // as tch's methods do
+///         }
+///         batch_size
+///     }
+/// }
+/// # use std::future::Future;
+/// # let waker = std::task::Waker::noop();
+/// # let mut context = std::task::Context::from_waker(&waker);
+/// let mut future = std::pin::pin!(Trainer { fits: 10 }.fit());
+/// # let fitted = loop { if let std::task::Poll::Ready(v) = future.as_mut().poll(&mut context) { break v; } };
+/// assert_eq!(fitted, 8);
+/// ```
 #[doc(inline)]
 pub use batch_size_macro::find_executable_batch_size;
 
