@@ -74,6 +74,12 @@ impl fmt::Display for StopReason {
 /// ```
 #[derive(Debug)]
 pub struct NoExecutableBatchSize {
+    // Boxed: a `Result<T, NoExecutableBatchSize>` stays one pointer wide on its error side.
+    inner: Box<NoExecutableBatchSizeInner>,
+}
+
+#[derive(Debug)]
+struct NoExecutableBatchSizeInner {
     reason: StopReason,
     report: SearchReport,
     tried: Vec<usize>,
@@ -91,31 +97,34 @@ impl NoExecutableBatchSize {
             .map(|attempt| attempt.batch_size)
             .collect();
         NoExecutableBatchSize {
-            reason,
-            report,
-            tried,
-            last_error,
+            inner: Box::new(NoExecutableBatchSizeInner {
+                reason,
+                report,
+                tried,
+                last_error,
+            }),
         }
     }
 
     /// The batch sizes that were tried, in order (empty when `starting` was 0).
     pub fn tried(&self) -> &[usize] {
-        &self.tried
+        &self.inner.tried
     }
 
     /// Why the search stopped.
     pub fn reason(&self) -> &StopReason {
-        &self.reason
+        &self.inner.reason
     }
 
     /// Every attempt, with its outcome, duration and memory figures.
     pub fn report(&self) -> &SearchReport {
-        &self.report
+        &self.inner.report
     }
 
     /// The memory figures read when the last attempt ran out of memory, before release.
     pub fn memory_at_last_failure(&self) -> Option<&MemorySnapshot> {
-        self.report
+        self.inner
+            .report
             .attempts()
             .last()
             .and_then(|attempt| attempt.memory_at_end.as_ref())
@@ -124,11 +133,11 @@ impl NoExecutableBatchSize {
 
 impl fmt::Display for NoExecutableBatchSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "No executable batch size found: {}", self.reason)?;
-        if self.tried.is_empty() {
+        write!(f, "No executable batch size found: {}", self.inner.reason)?;
+        if self.inner.tried.is_empty() {
             f.write_str("; no size was tried")?;
         } else {
-            let sizes: Vec<String> = self.tried.iter().map(usize::to_string).collect();
+            let sizes: Vec<String> = self.inner.tried.iter().map(usize::to_string).collect();
             write!(
                 f,
                 "; tried {} ({} attempt{})",
@@ -137,7 +146,7 @@ impl fmt::Display for NoExecutableBatchSize {
                 if sizes.len() == 1 { "" } else { "s" }
             )?;
         }
-        if let Some(description) = self.report.last_oom_description() {
+        if let Some(description) = self.inner.report.last_oom_description() {
             write!(f, ". Last out-of-memory error: {description}")?;
         }
         if let Some(memory) = self.memory_at_last_failure() {
@@ -145,7 +154,7 @@ impl fmt::Display for NoExecutableBatchSize {
                 write!(f, ". Memory at that failure: {memory}")?;
             }
         }
-        match &self.reason {
+        match &self.inner.reason {
             StopReason::StartedAtZero | StopReason::InvalidConfiguration(_) => Ok(()),
             _ => f.write_str(
                 ". Lower `min`, shrink the model or sequence length, or use gradient accumulation",
@@ -156,7 +165,8 @@ impl fmt::Display for NoExecutableBatchSize {
 
 impl Error for NoExecutableBatchSize {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
-        self.last_error
+        self.inner
+            .last_error
             .as_deref()
             .map(|error| error as &(dyn Error + 'static))
     }

@@ -27,8 +27,10 @@ type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize + Send + '
 ///
 /// # Default
 /// [`Reduction::Halve`], as the seed documents and toma do: 128, 64, 32, 16, 8, ...
+#[derive(Default)]
 pub enum Reduction<'r> {
     /// `next = size / 2`.
+    #[default]
     Halve,
     /// `next = floor(size * f)`, 0 < f < 1. `0.9` is Accelerate 1.x
     /// (128, 115, 103, 92, 82, 73, 65, 58, ...).
@@ -36,12 +38,6 @@ pub enum Reduction<'r> {
     /// Your function of the failed attempt. It may keep state (an `FnMut`), as Accelerate's
     /// `reduce_batch_size_fn` does. It must return a smaller size, or the search stops.
     Custom(CustomReduction<'r>),
-}
-
-impl Default for Reduction<'_> {
-    fn default() -> Self {
-        Reduction::Halve
-    }
 }
 
 impl fmt::Debug for Reduction<'_> {

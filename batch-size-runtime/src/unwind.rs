@@ -48,11 +48,8 @@ fn install_filter() {
         panic::set_hook(Box::new(move |info| {
             let inside_attempt = ATTEMPTS_RUNNING.with(Cell::get) > 0;
             if inside_attempt && QUIET_OOM_PANICS.load(Ordering::Relaxed) {
-                let found = match info.payload_as_str() {
-                    Some(message) => oom::classify_text(message),
-                    None => oom::classify_panic(info.payload()),
-                };
-                if let Some(found) = found {
+                // A formatted panic message reaches the hook as a `String`, a literal as `&str`.
+                if let Some(found) = oom::classify_panic(info.payload()) {
                     tracing::debug!(
                         location = %info.location().map(ToString::to_string).unwrap_or_default(),
                         error = %found.description,

@@ -1,5 +1,7 @@
 //! Every case of Accelerate's tests/test_memory_utils.py, at the engine level.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
 use std::error::Error;
 
 use batch_size_runtime::{

@@ -1,6 +1,8 @@
 //! Every reduction policy strictly decreases, terminates, never goes below `min` and never
 //! calls the attempt with 0.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
 use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize};
 use proptest::prelude::*;
 

@@ -1,6 +1,8 @@
 //! Behaviour through the attribute: Accelerate's cases again, OOM by error and by panic,
 //! async functions, methods, and parameters handed to every attempt.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
 use std::cell::Cell;
 
 use batch_size_runtime::{
@@ -210,7 +212,7 @@ fn other_panic(_batch_size: usize) -> anyhow::Result<()> {
 
 #[test]
 fn other_panics_resume_with_their_payload() {
-    let payload = std::panic::catch_unwind(|| other_panic()).unwrap_err();
+    let payload = std::panic::catch_unwind(other_panic).unwrap_err();
     assert_eq!(payload.downcast_ref::<u8>(), Some(&7));
 }
 
