@@ -10,7 +10,7 @@
 mod cuda;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 pub use cuda::CudaBackend;
 
@@ -209,7 +209,12 @@ pub struct Release {
 impl Release {
     /// The CUDA backend over every device whose primary context is active.
     pub fn cuda() -> Self {
-        Release::backend(CudaBackend::active())
+        // One backend for the process: the default release costs no allocation per call.
+        static CUDA: OnceLock<Arc<dyn MemoryBackend>> = OnceLock::new();
+        Release {
+            backend: Arc::clone(CUDA.get_or_init(|| Arc::new(CudaBackend::active()))),
+            hooks: Vec::new(),
+        }
     }
 
     /// Releases nothing and reads no figures.
