@@ -26,13 +26,9 @@ impl fmt::Display for CudaDevice {
 
 /// Opens CUDA device 0, or says why it cannot: no driver library, no device, a driver error.
 ///
-/// Never panics. Where libcuda is absent cudarc panics on its first driver call (and formatting
-/// a `DriverError` calls the driver too), so the calls run under `catch_unwind` with the panic
-/// hook silenced: a missing GPU is an expected situation here, not a crash to report.
+/// Never panics: see [`quietly`].
 pub fn cuda_device() -> Result<CudaDevice, String> {
-    let hook = panic::take_hook();
-    panic::set_hook(Box::new(|_| {}));
-    let opened = panic::catch_unwind(|| {
+    quietly(|| {
         let context = CudaContext::new(0).map_err(|error| format!("CUDA: {error}"))?;
         let name = context.name().map_err(|error| format!("CUDA: {error}"))?;
         let total = context
@@ -43,17 +39,31 @@ pub fn cuda_device() -> Result<CudaDevice, String> {
             name,
             total: total as u64,
         })
-    });
+    })
+}
+
+/// Runs `probe`, turning a panic into an error message without printing it.
+///
+/// cudarc loads libcuda, libcublas and libnvrtc on first use and panics where one is absent
+/// (formatting a `DriverError` calls the driver too). A missing GPU library is an expected
+/// situation for these examples, not a crash to report: the panic hook is silenced meanwhile.
+/// Call it before any search, from one thread: the panic hook is global.
+pub fn quietly<T>(probe: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    let hook = panic::take_hook();
+    panic::set_hook(Box::new(|_| {}));
+    let outcome = panic::catch_unwind(panic::AssertUnwindSafe(probe));
     panic::set_hook(hook);
-    match opened {
+    match outcome {
         Ok(result) => result,
         Err(payload) => {
             let message = payload
                 .downcast_ref::<String>()
                 .map(String::as_str)
                 .or_else(|| payload.downcast_ref::<&str>().copied())
-                .unwrap_or("the CUDA driver could not be loaded");
-            Err(format!("no CUDA driver library (libcuda) here: {message}"))
+                .unwrap_or("a library could not be loaded");
+            // cudarc goes on to list every file name it tried; the start says what is missing.
+            let missing = message.split(" - searched for").next().unwrap_or(message);
+            Err(missing.to_owned())
         }
     }
 }
