@@ -72,7 +72,11 @@ fn cudarc_loads_the_fake_driver_as_libcuda() -> TestResult {
     assert_eq!(CudaContext::device_count()?, 2);
 
     let ctx = CudaContext::new(0)?;
-    assert_eq!(cuda.calls("cuInit"), 2, "device_count() and new() each call it");
+    assert_eq!(
+        cuda.calls("cuInit"),
+        2,
+        "device_count() and new() each call it"
+    );
     assert_eq!(cuda.counters(0).primary_refcount, 1);
     assert_eq!(cuda.counters(0).contexts_created, 1);
     assert_eq!(ctx.name()?, "Fake CUDA Device 0");
@@ -90,6 +94,11 @@ fn cudarc_loads_the_fake_driver_as_libcuda() -> TestResult {
     let error = stream.alloc_zeros::<u8>(CAPACITY as usize).err();
     assert_eq!(error, Some(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)));
     assert_eq!(cuda.counters(0).failed_allocations, 1);
+    // What cudarc asked of the driver for that: a stream-ordered allocation per buffer, with
+    // two events each (its read/write tracking), and a memset for the zeros.
+    assert_eq!(cuda.calls("cuMemAllocAsync"), 3);
+    assert_eq!(cuda.calls("cuEventCreate"), 4);
+    assert_eq!(cuda.calls("cuMemsetD8Async"), 1);
 
     drop((on_device, zeros));
     assert_eq!(cuda.counters(0).live_allocations, 0);

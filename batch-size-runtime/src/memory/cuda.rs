@@ -15,6 +15,8 @@
 
 use std::ffi::c_void;
 use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Once};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUmemPool_attribute, CUresult};
@@ -139,53 +141,61 @@ impl MemoryBackend for CudaBackend {
     /// Every device is attempted even when one fails; the first failure is returned, naming
     /// the driver call, the device and the `CUresult` code.
     fn release(&self) -> Result<(), ReleaseError> {
-        let targets = self.targets().map_err(Failure::into_release_error)?;
-        let mut first_failure = None;
-        for target in &targets {
-            if let Err(failure) = target.with_current(|| release_device(target)) {
-                tracing::debug!(device = %device_name(target.ordinal), error = %failure, "CUDA release failed");
-                first_failure.get_or_insert(failure);
+        guarded(|| {
+            let mut first_failure = None;
+            for target in &self.targets()? {
+                if let Err(failure) = target.with_current(|| release_device(target)) {
+                    tracing::debug!(error = %failure, "CUDA release failed");
+                    first_failure.get_or_insert(failure);
+                }
             }
-        }
-        match first_failure {
-            Some(failure) => Err(failure.into_release_error()),
-            None => Ok(()),
-        }
+            first_failure.map_or(Ok(()), Err)
+        })
+        .map_err(Failure::into_release_error)
     }
 
     /// Reads each device's figures; a device that cannot be read is left out.
     fn memory(&self) -> MemorySnapshot {
-        let targets = match self.targets() {
-            Ok(targets) => targets,
-            Err(failure) => {
-                tracing::debug!(error = %failure, "cannot list CUDA devices");
-                return MemorySnapshot::default();
-            }
-        };
-        let mut devices = Vec::with_capacity(targets.len());
-        for target in &targets {
-            match target.with_current(|| read_device(target)) {
-                Ok(memory) => devices.push(memory),
-                Err(failure) => {
-                    tracing::debug!(device = %device_name(target.ordinal), error = %failure, "cannot read CUDA memory")
+        let read = guarded(|| {
+            let mut devices = Vec::new();
+            for target in &self.targets()? {
+                match target.with_current(|| read_device(target)) {
+                    Ok(memory) => devices.push(memory),
+                    Err(failure) => tracing::debug!(error = %failure, "cannot read CUDA memory"),
                 }
             }
-        }
-        MemorySnapshot { devices }
+            Ok(MemorySnapshot { devices })
+        });
+        read.unwrap_or_else(|failure| {
+            tracing::debug!(error = %failure, "cannot read CUDA memory");
+            MemorySnapshot::default()
+        })
     }
 
     /// Resets each pool's peak (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`) to its current use.
     fn reset_peak(&self) {
-        let targets = match self.targets() {
-            Ok(targets) => targets,
-            Err(_) => return,
-        };
-        for target in &targets {
-            if let Err(failure) = target.with_current(|| reset_device_peak(target)) {
-                tracing::debug!(device = %device_name(target.ordinal), error = %failure, "cannot reset the CUDA pool's peak");
+        let reset = guarded(|| {
+            for target in &self.targets()? {
+                if let Err(failure) = target.with_current(|| reset_device_peak(target)) {
+                    tracing::debug!(error = %failure, "cannot reset the CUDA pool's peak");
+                }
             }
+            Ok(())
+        });
+        if let Err(failure) = reset {
+            tracing::debug!(error = %failure, "cannot reset the CUDA pool's peak");
         }
     }
+}
+
+/// Runs `work`, turning a panic inside cudarc into a failure: cudarc panics where libcuda
+/// cannot be opened or lacks a symbol, and a release must never take the training down.
+fn guarded<T>(work: impl FnOnce() -> Result<T, Failure>) -> Result<T, Failure> {
+    std::panic::catch_unwind(AssertUnwindSafe(work)).unwrap_or(Err(Failure {
+        call: "a CUDA driver call",
+        ordinal: None,
+        code: None,
+    }))
 }
 
 /// A driver call that failed, named without calling the driver.
@@ -193,7 +203,8 @@ impl MemoryBackend for CudaBackend {
 struct Failure {
     call: &'static str,
     ordinal: Option<usize>,
-    code: CUresult,
+    /// `None`: cudarc panicked (libcuda could not be opened, or lacks the function).
+    code: Option<CUresult>,
 }
 
 impl Failure {
@@ -201,7 +212,7 @@ impl Failure {
         Failure {
             call,
             ordinal: None,
-            code: error.0,
+            code: Some(error.0),
         }
     }
 
@@ -217,8 +228,15 @@ impl Failure {
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The derived Debug of the code enum is plain Rust: it never calls libcuda.
-        write!(f, "{} returned {:?}", self.call, self.code)?;
+        match self.code {
+            // The derived Debug of the code enum is plain Rust: it never calls libcuda.
+            Some(code) => write!(f, "{} returned {code:?}", self.call)?,
+            None => write!(
+                f,
+                "{} panicked in cudarc (libcuda could not be opened, or lacks the function)",
+                self.call
+            )?,
+        }
         if let Some(ordinal) = self.ordinal {
             write!(f, " on {}", device_name(ordinal))?;
         }
@@ -301,7 +319,14 @@ fn push_run_pop<T>(
 
 /// Every device whose primary context is active, without initialising or loading anything.
 fn active_primary_contexts() -> Result<Vec<Target>, Failure> {
-    if !driver_library_loaded() {
+    // Once seen loaded, libcuda stays loaded: the driver calls below make cudarc open it too,
+    // and cudarc never closes it. Until then, ask the loader each time (a fraction of a
+    // microsecond): CUDA may be started after the first search.
+    static SEEN_LOADED: AtomicBool = AtomicBool::new(false);
+    if !SEEN_LOADED.load(Ordering::Relaxed) && driver_library_loaded() {
+        SEEN_LOADED.store(true, Ordering::Relaxed);
+    }
+    if !SEEN_LOADED.load(Ordering::Relaxed) {
         static NOT_LOADED: Once = Once::new();
         NOT_LOADED.call_once(|| {
             tracing::debug!("libcuda is not loaded in this process: no CUDA memory to release")
@@ -421,21 +446,54 @@ fn reset_device_peak(target: &Target) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Whether libcuda is already loaded in this process, asking the loader not to load it.
+/// Whether libcuda is already loaded in this process: whether an object the dynamic loader
+/// holds has a file name starting with `libcuda.so` (`libcuda.so`, `libcuda.so.1`,
+/// `libcuda.so.550.54.15`, under any directory).
+///
+/// This walks the loader's list with `dl_iterate_phdr`, which loads nothing and touches no
+/// file: about 0.1 µs, where `dlopen(RTLD_NOLOAD)` of the two usual names searches the library
+/// path on disk (about 30 µs when libcuda is absent), twice per attempt.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn driver_library_loaded() -> bool {
-    use libloading::os::unix::{Library, RTLD_LAZY};
+    use std::ffi::{c_char, c_int, CStr};
 
-    // Not among libloading's portable constants; this is glibc's, musl's and bionic's value.
-    const RTLD_NOLOAD: std::ffi::c_int = 0x4;
+    /// The leading fields of `struct dl_phdr_info` (`dlpi_addr`, an `ElfW(Addr)`, then
+    /// `dlpi_name`), the only ones read.
+    #[repr(C)]
+    struct DlPhdrInfoHead {
+        addr: usize,
+        name: *const c_char,
+    }
 
-    // The development symlink (what cudarc opens first, and the fake driver's SONAME), then the
-    // driver's own SONAME (what libtorch and the CUDA runtime open).
-    ["libcuda.so", "libcuda.so.1"].iter().any(|name| {
-        // SAFETY: with RTLD_NOLOAD, dlopen only returns a handle to an object that is already
-        // loaded (adding a reference, dropped with the handle): no initialiser runs.
-        unsafe { Library::open(Some(*name), RTLD_NOLOAD | RTLD_LAZY) }.is_ok()
-    })
+    type Callback = unsafe extern "C" fn(*mut DlPhdrInfoHead, usize, *mut c_void) -> c_int;
+
+    extern "C" {
+        // glibc, musl and bionic (API 21+) all provide it.
+        fn dl_iterate_phdr(callback: Option<Callback>, data: *mut c_void) -> c_int;
+    }
+
+    /// Returns 1 (which stops the walk) for libcuda.
+    unsafe extern "C" fn is_libcuda(
+        info: *mut DlPhdrInfoHead,
+        _size: usize,
+        _data: *mut c_void,
+    ) -> c_int {
+        if info.is_null() {
+            return 0;
+        }
+        // SAFETY: the loader passes a valid dl_phdr_info, which starts with these two fields.
+        let name = unsafe { (*info).name };
+        if name.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_name is a NUL-terminated string that lives during the callback.
+        let path = unsafe { CStr::from_ptr(name) }.to_bytes();
+        let file = path.rsplit(|&byte| byte == b'/').next().unwrap_or(path);
+        c_int::from(file.starts_with(b"libcuda.so"))
+    }
+
+    // SAFETY: the callback only reads the entry it is given and cannot unwind.
+    unsafe { dl_iterate_phdr(Some(is_libcuda), std::ptr::null_mut()) != 0 }
 }
 
 /// Whether nvcuda.dll is already loaded in this process (`GetModuleHandleExW`, which never
@@ -477,6 +535,18 @@ mod tests {
             failure.into_release_error().to_string(),
             "releasing device memory failed: cuMemPoolTrimTo returned CUDA_ERROR_INVALID_VALUE on cuda:1"
         );
+    }
+
+    #[test]
+    fn a_panic_in_cudarc_becomes_a_failure() {
+        let outcome: Result<(), Failure> =
+            guarded(|| std::panic::resume_unwind(Box::new("Missing symbol cuMemPoolTrimTo")));
+        let failure = outcome.err().map(|failure| failure.on(0).to_string());
+        assert_eq!(
+            failure.as_deref(),
+            Some("a CUDA driver call panicked in cudarc (libcuda could not be opened, or lacks the function) on cuda:0")
+        );
+        assert!(guarded(|| Ok(7)).is_ok_and(|value| value == 7));
     }
 
     #[test]
