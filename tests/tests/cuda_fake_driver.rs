@@ -10,9 +10,8 @@ use std::sync::Arc;
 
 use batch_size_runtime::memory::{CudaBackend, DeviceMemory, MemoryBackend, Release};
 use batch_size_runtime::{last_report, Attempt, BatchSizeSearch, NoExecutableBatchSize, Outcome};
-use batch_size_tests::fake_cuda::{
-    capture_logs, FakeCuda, FakeCudaCounters, FiguresOnly, GrowingModel, TrainError, MIB,
-};
+use batch_size_tests::cuda_scenario::{capture_logs, FiguresOnly, GrowingModel, TrainError, MIB};
+use batch_size_tests::fake_cuda::{FakeCuda, FakeCudaCounters};
 use cudarc::driver::sys::{CUmemPool_attribute, CUresult};
 use cudarc::driver::{result, CudaContext, DriverError};
 
