@@ -3,7 +3,6 @@
 
 use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
-use syn::spanned::Spanned;
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
 const VALID_KEYS: &str =
@@ -41,12 +40,26 @@ fn set<T>(slot: &mut Option<T>, value: T, key: &str, span: Span) -> syn::Result<
     Ok(())
 }
 
-fn value<T: Parse>(input: ParseStream<'_>, key: &str) -> syn::Result<T> {
-    let eq: Option<Token![=]> = input.parse()?;
-    if eq.is_none() {
-        return Err(input.error(format!("expected `=` after `{key}`: write `{key} = ...`")));
-    }
+fn value<T: Parse>(input: ParseStream<'_>, key: &str, key_span: Span) -> syn::Result<T> {
+    expect_eq(
+        input,
+        key_span,
+        &format!("expected `=` after `{key}`: write `{key} = ...`"),
+    )?;
     input.parse()
+}
+
+/// The `=` after a key; without it, the error is under what follows, or under the key when
+/// nothing does (not under the whole attribute).
+fn expect_eq(input: ParseStream<'_>, key_span: Span, message: &str) -> syn::Result<()> {
+    let eq: Option<Token![=]> = input.parse()?;
+    match eq {
+        Some(_) => Ok(()),
+        None if input.is_empty() || input.peek(Token![,]) => {
+            Err(syn::Error::new(key_span, message))
+        }
+        None => Err(input.error(message)),
+    }
 }
 
 impl Parse for Args {
@@ -58,17 +71,17 @@ impl Parse for Args {
             let key_span = input.span();
             if lookahead.peek(kw::starting) {
                 input.parse::<kw::starting>()?;
-                let expr = value(input, "starting")?;
+                let expr = value(input, "starting", key_span)?;
                 reject_zero_or_negative(&expr, "starting")?;
                 set(&mut args.starting, expr, "starting", key_span)?;
             } else if lookahead.peek(kw::min) {
                 input.parse::<kw::min>()?;
-                let expr = value(input, "min")?;
+                let expr = value(input, "min", key_span)?;
                 reject_zero_or_negative(&expr, "min")?;
                 set(&mut args.min, expr, "min", key_span)?;
             } else if lookahead.peek(kw::factor) {
                 input.parse::<kw::factor>()?;
-                let expr: Expr = value(input, "factor")?;
+                let expr: Expr = value(input, "factor", key_span)?;
                 check_factor(&expr)?;
                 if args.factor.is_none() && factor_or_reduce == Some("reduce") {
                     return Err(both_factor_and_reduce(key_span));
@@ -77,7 +90,7 @@ impl Parse for Args {
                 factor_or_reduce = Some("factor");
             } else if lookahead.peek(kw::reduce) {
                 input.parse::<kw::reduce>()?;
-                let expr = value(input, "reduce")?;
+                let expr = value(input, "reduce", key_span)?;
                 if args.reduce.is_none() && factor_or_reduce == Some("factor") {
                     return Err(both_factor_and_reduce(key_span));
                 }
@@ -85,22 +98,26 @@ impl Parse for Args {
                 factor_or_reduce = Some("reduce");
             } else if lookahead.peek(kw::max_attempts) {
                 input.parse::<kw::max_attempts>()?;
-                let expr = value(input, "max_attempts")?;
+                let expr = value(input, "max_attempts", key_span)?;
                 reject_zero_or_negative(&expr, "max_attempts")?;
                 set(&mut args.max_attempts, expr, "max_attempts", key_span)?;
             } else if lookahead.peek(kw::release) {
                 input.parse::<kw::release>()?;
-                let expr = value(input, "release")?;
+                let expr = value(input, "release", key_span)?;
                 set(&mut args.release, expr, "release", key_span)?;
             } else if lookahead.peek(Token![crate]) {
                 input.parse::<Token![crate]>()?;
-                let path = crate_path(input)?;
+                let path = crate_path(input, key_span)?;
                 set(&mut args.krate, path, "crate", key_span)?;
             } else if input.peek(syn::Ident) || input.peek(Token![=]) {
                 let unknown: proc_macro2::TokenTree = input.parse()?;
+                let written = unknown.to_string();
+                let hint = closest_key(&written)
+                    .map(|key| format!(" (did you mean `{key}`?)"))
+                    .unwrap_or_default();
                 return Err(syn::Error::new(
                     unknown.span(),
-                    format!("unknown argument `{unknown}`; expected one of: {VALID_KEYS}"),
+                    format!("unknown argument `{written}`{hint}; expected one of: {VALID_KEYS}"),
                 ));
             } else {
                 return Err(lookahead.error());
@@ -114,6 +131,50 @@ impl Parse for Args {
     }
 }
 
+const KEYS: [&str; 7] = [
+    "starting",
+    "min",
+    "factor",
+    "reduce",
+    "max_attempts",
+    "release",
+    "crate",
+];
+
+/// The valid key a misspelt one most likely meant: one that starts it or that it starts, or
+/// one within two edits.
+fn closest_key(written: &str) -> Option<&'static str> {
+    let written = written.to_lowercase();
+    KEYS.iter()
+        .map(|key| {
+            let distance =
+                if written.len() >= 3 && (key.starts_with(&written) || written.starts_with(key)) {
+                    0
+                } else {
+                    edit_distance(&written, key)
+                };
+            (distance, *key)
+        })
+        .filter(|(distance, _)| *distance <= 2)
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, key)| key)
+}
+
+/// Levenshtein distance over bytes (the keys are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b = b.as_bytes();
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for (i, &ca) in a.as_bytes().iter().enumerate() {
+        let mut current = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            let substitution = previous[j] + usize::from(ca != cb);
+            current[j + 1] = substitution.min(previous[j + 1] + 1).min(current[j] + 1);
+        }
+        previous = current;
+    }
+    previous[b.len()]
+}
+
 fn both_factor_and_reduce(span: Span) -> syn::Error {
     syn::Error::new(
         span,
@@ -122,32 +183,38 @@ fn both_factor_and_reduce(span: Span) -> syn::Error {
 }
 
 /// `crate = path::to::runtime` or, as tokio-macros takes it, `crate = "path::to::runtime"`.
-fn crate_path(input: ParseStream<'_>) -> syn::Result<Path> {
-    let eq: Option<Token![=]> = input.parse()?;
-    if eq.is_none() {
-        return Err(input.error("expected `=` after `crate`: write `crate = path::to::runtime`"));
-    }
+fn crate_path(input: ParseStream<'_>, key_span: Span) -> syn::Result<Path> {
+    expect_eq(
+        input,
+        key_span,
+        "expected `=` after `crate`: write `crate = path::to::runtime`",
+    )?;
     if input.peek(LitStr) {
         let text: LitStr = input.parse()?;
-        return text.parse_with(Path::parse_mod_style);
+        return text.parse_with(Path::parse_mod_style).map_err(|_| {
+            syn::Error::new(
+                text.span(),
+                format!(
+                    "`crate = {:?}` is not a path: write the path to the runtime, such as `crate = \"my_crate::runtime\"`",
+                    text.value()
+                ),
+            )
+        });
     }
     Path::parse_mod_style(input)
 }
 
 /// An integer literal, possibly negated, as a signed value.
-fn integer_literal(expr: &Expr) -> Option<(i128, Span)> {
+fn integer_literal(expr: &Expr) -> Option<i128> {
     match expr {
         Expr::Lit(ExprLit {
             lit: Lit::Int(int), ..
-        }) => int
-            .base10_parse::<i128>()
-            .ok()
-            .map(|value| (value, int.span())),
+        }) => int.base10_parse::<i128>().ok(),
         Expr::Unary(ExprUnary {
             op: UnOp::Neg(_),
             expr: inner,
             ..
-        }) => integer_literal(inner).map(|(value, _)| (-value, expr.span())),
+        }) => integer_literal(inner).map(|value| -value),
         Expr::Paren(paren) => integer_literal(&paren.expr),
         Expr::Group(group) => integer_literal(&group.expr),
         _ => None,
@@ -155,17 +222,18 @@ fn integer_literal(expr: &Expr) -> Option<(i128, Span)> {
 }
 
 fn reject_zero_or_negative(expr: &Expr, key: &str) -> syn::Result<()> {
+    // `new_spanned`: the caret covers all of `-8`, not only the sign.
     match integer_literal(expr) {
-        Some((0, span)) => Err(syn::Error::new(
-            span,
+        Some(0) => Err(syn::Error::new_spanned(
+            expr,
             match key {
                 "starting" => "`starting = 0` would never call the function: start from a positive batch size".to_owned(),
                 "min" => "`min = 0` would let the search call the function with 0: the smallest useful minimum is 1 (the default)".to_owned(),
                 _ => format!("`{key}` must be at least 1"),
             },
         )),
-        Some((value, span)) if value < 0 => Err(syn::Error::new(
-            span,
+        Some(value) if value < 0 => Err(syn::Error::new_spanned(
+            expr,
             format!("`{key}` must be a positive integer, got {value}"),
         )),
         _ => Ok(()),
@@ -188,7 +256,7 @@ fn check_factor(expr: &Expr) -> syn::Result<()> {
             ))
         }
         None => match integer_literal(expr) {
-            Some((value, _)) => Some(value as f64),
+            Some(value) => Some(value as f64),
             None => match expr {
                 Expr::Unary(ExprUnary {
                     op: UnOp::Neg(_), ..
@@ -198,13 +266,25 @@ fn check_factor(expr: &Expr) -> syn::Result<()> {
         },
     };
     match value {
-        Some(value) if !(value > 0.0 && value < 1.0) => Err(syn::Error::new(
-            expr.span(),
+        Some(value) if !(value > 0.0 && value < 1.0) => Err(syn::Error::new_spanned(
+            expr,
             format!(
                 "`factor` must be strictly between 0 and 1 (the size is multiplied by it after each failure), got {}",
-                quote::ToTokens::to_token_stream(expr)
+                source_text(expr)
             ),
         )),
         _ => Ok(()),
+    }
+}
+
+/// The expression as written, `-0.5` rather than the token printer's `- 0.5`.
+fn source_text(expr: &Expr) -> String {
+    match expr {
+        Expr::Unary(ExprUnary {
+            op: UnOp::Neg(_),
+            expr: inner,
+            ..
+        }) => format!("-{}", source_text(inner)),
+        other => quote::ToTokens::to_token_stream(other).to_string(),
     }
 }

@@ -8,6 +8,7 @@ use syn::{parse_quote, ItemFn};
 
 use crate::args::Args;
 use crate::signature::{self, ReturnShape, Split};
+use crate::spans;
 
 pub(crate) fn find_executable_batch_size(args: TokenStream, item: TokenStream) -> TokenStream {
     let function: ItemFn = match syn::parse2(item.clone()) {
@@ -27,22 +28,62 @@ pub(crate) fn find_executable_batch_size(args: TokenStream, item: TokenStream) -
         }) => path.clone(),
         _ => parse_quote!(::batch_size_runtime),
     };
-    let split = match signature::split(&function.sig, &krate) {
+    let private = private_module(&krate);
+    let split = match signature::split(&function.sig, &private) {
         Ok(split) => split,
-        Err(error) => return with_error(function.to_token_stream(), error),
+        Err(mut error) => {
+            if let Err(args_error) = parsed_args {
+                error.combine(args_error);
+            }
+            return with_error(function.to_token_stream(), error);
+        }
     };
+    // Every error at once; with any, the function keeps its rewritten signature over its body.
+    let mut error = split.error.clone();
     let args = match parsed_args {
-        Ok(args) => args,
-        Err(error) => return with_error(placeholder(&function, &split), error),
+        Ok(args) => Some(args),
+        Err(args_error) => {
+            signature::combine(&mut error, args_error);
+            None
+        }
     };
-    let Some(starting) = &args.starting else {
-        let error = syn::Error::new(
-            Span::call_site(),
-            "missing `starting = ...`: the batch size to try first, e.g. `#[find_executable_batch_size(starting = 128)]`",
-        );
-        return with_error(placeholder(&function, &split), error);
-    };
-    rewrite(&function, &split, &args, starting, &krate)
+    if let Some(Args { starting: None, .. }) = &args {
+        signature::combine(&mut error, missing_starting());
+    }
+    match (error, &args) {
+        (
+            None,
+            Some(
+                args @ Args {
+                    starting: Some(starting),
+                    ..
+                },
+            ),
+        ) => rewrite(&function, &split, args, starting, &private),
+        (Some(error), _) => with_error(placeholder(&function, &split), error),
+        (None, _) => with_error(placeholder(&function, &split), missing_starting()),
+    }
+}
+
+/// `krate::__private`, its last segment at the path's last token, so that a `crate = path`
+/// without it is reported under the path.
+fn private_module(krate: &syn::Path) -> syn::Path {
+    let span = krate
+        .segments
+        .last()
+        .map_or_else(Span::call_site, |last| last.ident.span());
+    let mut private = krate.clone();
+    private
+        .segments
+        .push(syn::PathSegment::from(syn::Ident::new("__private", span)));
+    private
+}
+
+fn missing_starting() -> syn::Error {
+    syn::Error::new(
+        Span::call_site(),
+        "missing `starting = ...`: the batch size to try first, e.g. `#[find_executable_batch_size(starting = 128)]`",
+    )
 }
 
 /// The span of the item's first token, for "this is not a function".
@@ -60,8 +101,9 @@ fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     quote! { #error #item }
 }
 
-/// The rewritten signature over the original body, for when the arguments are wrong: callers
-/// (which already omit the batch size) and the body still type-check.
+/// The rewritten signature over the original body, for when the attribute cannot apply:
+/// callers (which already omit the batch size) and the body still type-check, and nothing
+/// diverges before the body, so its parameters count as used and no lint fires.
 fn placeholder(function: &ItemFn, split: &Split) -> TokenStream {
     let ItemFn {
         attrs, vis, block, ..
@@ -70,12 +112,16 @@ fn placeholder(function: &ItemFn, split: &Split) -> TokenStream {
     let pat = &split.batch_size.pat;
     let ty = &split.batch_size.ty;
     let rebind = &split.rebind;
+    let value = quote_spanned!(Span::mixed_site()=> __batch_size_placeholder);
     quote! {
         #(#attrs)*
         #vis #outer {
-            #[allow(unreachable_code, unused_variables, clippy::diverging_sub_expression)]
+            #[allow(unused_variables, clippy::all)]
             {
-                let #pat: #ty = ::core::unreachable!();
+                fn #value<T>() -> T {
+                    ::core::unreachable!()
+                }
+                let #pat: #ty = #value::<#ty>();
                 #(#rebind)*
                 #block
             }
@@ -88,7 +134,7 @@ fn rewrite(
     split: &Split,
     args: &Args,
     starting: &syn::Expr,
-    krate: &syn::Path,
+    private: &syn::Path,
 ) -> TokenStream {
     let ItemFn {
         attrs, vis, block, ..
@@ -115,10 +161,17 @@ fn rewrite(
     let payload = quote_spanned!(Span::mixed_site()=> __batch_size_payload);
 
     let batch_size_int = quote_spanned! {batch_ty.span()=>
-        <#batch_ty as #krate::__private::BatchSizeInt>
+        <#batch_ty as #private::BatchSizeInt>
     };
+    // Laid over the argument: a value of the wrong type is reported under it.
+    let starting = spans::call_over(
+        quote! { #private::starting_of },
+        starting.to_token_stream(),
+        starting,
+    );
     let min = args.min.as_ref().map(|min| {
-        quote! { let #builder = #builder.with_min(#krate::__private::min_of(#min)); }
+        let min = spans::call_over(quote! { #private::min_of }, min.to_token_stream(), min);
+        quote! { let #builder = #builder.with_min(#min); }
     });
     let reduction = match (&args.factor, &args.reduce) {
         (Some(factor), _) => Some(quote_spanned! {factor.span()=>
@@ -130,15 +183,18 @@ fn rewrite(
         (None, None) => None,
     };
     let max_attempts = args.max_attempts.as_ref().map(|max| {
-        quote! {
-            let #builder = #builder.with_max_attempts(#krate::__private::max_attempts_of(#max));
-        }
+        let max = spans::call_over(
+            quote! { #private::max_attempts_of },
+            max.to_token_stream(),
+            max,
+        );
+        quote! { let #builder = #builder.with_max_attempts(#max); }
     });
     let release = args.release.as_ref().map(|release| {
         quote_spanned! {release.span()=> let #builder = #builder.with_release(#release); }
     });
 
-    let give_up = give_up(&shape, krate, &none_fit);
+    let give_up = give_up(&shape, private, &none_fit);
     let typed = shape.nameable.then(|| quote! { ::<#ret, _> });
 
     let attempt = quote! {
@@ -147,16 +203,16 @@ fn rewrite(
         #block
     };
     let run_attempt = if function.sig.asyncness.is_some() {
-        quote! { #krate::__private::catch_future #typed (async { #attempt }).await }
+        quote! { #private::catch_future #typed (async { #attempt }).await }
     } else {
-        quote! { #krate::__private::catch_attempt #typed (|| { #attempt }) }
+        quote! { #private::catch_attempt #typed (|| { #attempt }) }
     };
 
     quote! {
         #(#attrs)*
         #vis #outer {
             let mut #search = {
-                let #builder = #krate::__private::search_for::<#batch_ty, _>(
+                let #builder = #private::search_for::<#batch_ty>(
                     ::core::concat!(::core::module_path!(), "::", #name),
                     #starting,
                 );
@@ -169,24 +225,24 @@ fn rewrite(
             loop {
                 let #next: usize = match #search.begin() {
                     ::core::result::Result::Ok(#next) => #next,
-                    ::core::result::Result::Err(#none_fit) => return #give_up,
+                    ::core::result::Result::Err(#none_fit) => #give_up,
                 };
                 let #caught = #run_attempt;
                 match #caught {
                     ::core::result::Result::Ok(#value) => {
                         #[allow(unused_imports)]
-                        use #krate::__private::judges::*;
-                        let #tag = #krate::__private::tag_of(&#value);
+                        use #private::judges::*;
+                        let #tag = #private::tag_of(&#value);
                         match (&&&&&&&#tag).judge(#value) {
-                            #krate::__private::Verdict::Return(#value) => {
+                            #private::Verdict::Return(#value) => {
                                 #search.succeeded();
                                 return #value;
                             }
-                            #krate::__private::Verdict::ReturnError(#value, #described) => {
+                            #private::Verdict::ReturnError(#value, #described) => {
                                 #search.failed_described(#described);
                                 return #value;
                             }
-                            #krate::__private::Verdict::OutOfMemory(#found, #kept) => {
+                            #private::Verdict::OutOfMemory(#found, #kept) => {
                                 #search.out_of_memory(#found, #kept);
                             }
                         }
@@ -198,20 +254,30 @@ fn rewrite(
     }
 }
 
-/// What the function returns when no size fits.
-fn give_up(shape: &ReturnShape, krate: &syn::Path, none_fit: &TokenStream) -> TokenStream {
+/// What the function does when no size fits: return the error, or panic with it where the
+/// return type cannot hold it.
+fn give_up(shape: &ReturnShape, private: &syn::Path, none_fit: &TokenStream) -> TokenStream {
     let ret = &shape.ty;
     if shape.is_result {
-        // Spanned on the return type: an error type without `From<NoExecutableBatchSize>` is
+        // Laid over the return type: an error type without `From<NoExecutableBatchSize>` is
         // reported there, with the runtime's `on_unimplemented` message.
-        quote_spanned! {shape.span=> #krate::__private::give_up_result(#none_fit) }
+        let call = spans::call_over(quote! { #private::give_up_result }, none_fit.clone(), ret);
+        quote! { return #call }
     } else if shape.nameable {
+        // A `Result` behind an alias is found by type, and its error type checked the same way.
+        let kind = spans::over(quote! { (&&#private::tag::<#ret>()).give_up_kind() }, ret);
+        let call = spans::call_over(
+            quote! { #private::give_up_as },
+            quote! { #kind, #none_fit },
+            ret,
+        );
         quote! {{
             #[allow(unused_imports)]
-            use #krate::__private::judges::*;
-            (&&#krate::__private::tag::<#ret>()).give_up(#none_fit)
+            use #private::judges::*;
+            return #call;
         }}
     } else {
-        quote! { #krate::__private::panic_no_executable_batch_size(#none_fit) }
+        // Diverges: no `return`, which would be unreachable.
+        quote! { #private::panic_no_executable_batch_size(#none_fit) }
     }
 }

@@ -4,6 +4,7 @@
 mod args;
 mod expand;
 mod signature;
+mod spans;
 
 use proc_macro::TokenStream;
 

@@ -1,8 +1,8 @@
 //! Reading the function's signature: which parameter is the batch size, how every other
 //! parameter is handed to each attempt, and what the return type allows.
 
-use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned, ToTokens};
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote, ToTokens};
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::visit::Visit;
@@ -21,15 +21,32 @@ pub(crate) struct Split {
     pub(crate) batch_size: BatchSizeParam,
     /// `let` statements that give one attempt its own copy or reborrow of each parameter.
     pub(crate) rebind: Vec<TokenStream>,
+    /// What is wrong with a signature that could still be split (a `const fn`, `self` by value,
+    /// a batch size that is not an integer): reported beside a placeholder with the rewritten
+    /// signature, so that callers, which already omit the batch size, raise no errors of
+    /// their own.
+    pub(crate) error: Option<syn::Error>,
 }
 
-/// Splits `sig`, or explains why it cannot be rewritten.
-pub(crate) fn split(sig: &Signature, krate: &syn::Path) -> syn::Result<Split> {
+/// Adds `error` to those already found.
+pub(crate) fn combine(errors: &mut Option<syn::Error>, error: syn::Error) {
+    match errors {
+        Some(errors) => errors.combine(error),
+        None => *errors = Some(error),
+    }
+}
+
+/// Splits `sig`, or explains why it has no batch size to take out.
+pub(crate) fn split(sig: &Signature, private: &syn::Path) -> syn::Result<Split> {
+    let mut error = None;
     if let Some(constness) = &sig.constness {
-        return Err(syn::Error::new(
-            constness.span(),
-            "#[find_executable_batch_size] cannot rewrite a `const fn`: retrying on out-of-memory happens at run time",
-        ));
+        combine(
+            &mut error,
+            syn::Error::new(
+                constness.span(),
+                "#[find_executable_batch_size] cannot rewrite a `const fn`: retrying on out-of-memory happens at run time",
+            ),
+        );
     }
     let mut inputs = sig.inputs.iter();
     let mut outer_inputs: Punctuated<FnArg, Token![,]> = Punctuated::new();
@@ -39,10 +56,13 @@ pub(crate) fn split(sig: &Signature, krate: &syn::Path) -> syn::Result<Split> {
         let by_reference =
             receiver.reference.is_some() || matches!(&*receiver.ty, Type::Reference(_));
         if !by_reference {
-            return Err(syn::Error::new(
-                receiver.self_token.span(),
-                "#[find_executable_batch_size] cannot give `self` by value to several attempts: take `&self` or `&mut self` (or clone what you need into a parameter)",
-            ));
+            combine(
+                &mut error,
+                syn::Error::new(
+                    receiver.self_token.span(),
+                    "#[find_executable_batch_size] cannot give `self` by value to several attempts: take `&self` or `&mut self` (or clone what you need into a parameter)",
+                ),
+            );
         }
         outer_inputs.push(FnArg::Receiver(receiver.clone()));
         first = inputs.next();
@@ -50,7 +70,13 @@ pub(crate) fn split(sig: &Signature, krate: &syn::Path) -> syn::Result<Split> {
 
     let batch_size = match first {
         Some(FnArg::Typed(PatType { pat, ty, .. })) => {
-            check_batch_size_type(ty)?;
+            if let Err(wrong_type) = check_batch_size_type(ty) {
+                if contains_impl_trait(ty) {
+                    // Not even a placeholder can name this type.
+                    return Err(wrong_type);
+                }
+                combine(&mut error, wrong_type);
+            }
             BatchSizeParam {
                 pat: (**pat).clone(),
                 ty: (**ty).clone(),
@@ -75,7 +101,7 @@ pub(crate) fn split(sig: &Signature, krate: &syn::Path) -> syn::Result<Split> {
             continue;
         };
         let (outer_pat, name) = outer_pattern(&param.pat, index);
-        rebind.push(rebinding(&param.pat, &name, &param.ty, krate));
+        rebind.push(rebinding(param, &name, private));
         let mut outer_param = param.clone();
         outer_param.pat = Box::new(outer_pat);
         outer_inputs.push(FnArg::Typed(outer_param));
@@ -83,11 +109,20 @@ pub(crate) fn split(sig: &Signature, krate: &syn::Path) -> syn::Result<Split> {
 
     let mut outer = sig.clone();
     outer.inputs = outer_inputs;
+    // Reported above: the placeholder is an ordinary function.
+    outer.constness = None;
     Ok(Split {
         outer,
         batch_size,
         rebind,
+        error,
     })
+}
+
+fn contains_impl_trait(ty: &Type) -> bool {
+    let mut finder = ImplTraitFinder(false);
+    finder.visit_type(ty);
+    finder.0
 }
 
 const INTEGERS: [&str; 12] = [
@@ -97,8 +132,8 @@ const INTEGERS: [&str; 12] = [
 /// Rejects types that are plainly not integers; aliases are checked by a trait bound later.
 fn check_batch_size_type(ty: &Type) -> syn::Result<()> {
     let reject = |what: &str| {
-        Err(syn::Error::new(
-            ty.span(),
+        Err(syn::Error::new_spanned(
+            ty,
             format!(
                 "the first parameter is the batch size and must be a primitive integer type (`usize`, `u32`, `i64`, ...), not {what}"
             ),
@@ -164,11 +199,12 @@ fn outer_pattern(pat: &Pat, index: usize) -> (Pat, Ident) {
 
 /// One attempt's binding of a parameter: shared references are copied, mutable ones
 /// reborrowed, owned values cloned (a compile error names a parameter that is not `Clone`).
-fn rebinding(pat: &Pat, name: &Ident, ty: &Type, krate: &syn::Path) -> TokenStream {
-    if let Pat::Wild(_) = pat {
+fn rebinding(param: &PatType, name: &Ident, private: &syn::Path) -> TokenStream {
+    let PatType { pat, ty, .. } = param;
+    if let Pat::Wild(_) = &**pat {
         return TokenStream::new();
     }
-    match ty {
+    match &**ty {
         // A parameter used only by the attribute's arguments (`starting = cfg.batch_size`) is
         // unused in the body: that is not the user's mistake.
         Type::Reference(reference) if reference.mutability.is_some() => {
@@ -176,9 +212,12 @@ fn rebinding(pat: &Pat, name: &Ident, ty: &Type, krate: &syn::Path) -> TokenStre
         }
         Type::Reference(_) => quote! { #[allow(unused_variables)] let #pat = #name; },
         _ => {
-            let clone = quote_spanned! {ty.span()=>
-                #krate::__private::ClonePerAttempt::clone_for_attempt(&#name)
-            };
+            // Laid over the parameter: one whose type is not `Clone` is reported there.
+            let clone = crate::spans::call_over(
+                quote! { #private::ClonePerAttempt::clone_for_attempt },
+                crate::spans::over(quote! { &#name }, param),
+                param,
+            );
             quote! { #[allow(unused_variables)] let #pat = #clone; }
         }
     }
@@ -192,7 +231,6 @@ pub(crate) struct ReturnShape {
     pub(crate) is_result: bool,
     /// Contains no `impl Trait`, so it can be named in the body.
     pub(crate) nameable: bool,
-    pub(crate) span: Span,
 }
 
 pub(crate) fn return_shape(output: &ReturnType) -> ReturnShape {
@@ -201,7 +239,6 @@ pub(crate) fn return_shape(output: &ReturnType) -> ReturnShape {
             ty: syn::parse_quote!(()),
             is_result: false,
             nameable: true,
-            span: Span::call_site(),
         },
         ReturnType::Type(_, ty) => {
             let is_result = match &**ty {
@@ -217,7 +254,6 @@ pub(crate) fn return_shape(output: &ReturnType) -> ReturnShape {
                 ty: (**ty).clone(),
                 is_result,
                 nameable: !finder.0,
-                span: ty.span(),
             }
         }
     }

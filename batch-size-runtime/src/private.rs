@@ -219,33 +219,88 @@ pub mod judges {
         }
     }
 
-    /// When no size fits, a `Result` return type gets `Err(E::from(NoExecutableBatchSize))`.
+    /// A `Result` return type, whatever it is called, returns the error when no size fits.
     pub trait __BatchSizeGiveUp1 {
-        /// The function's return type.
-        type Output;
-        /// The value the function returns when no size fits.
-        fn give_up(&self, error: NoExecutableBatchSize) -> Self::Output;
+        /// How the function gives up.
+        type Kind;
+        /// How the function gives up.
+        fn give_up_kind(&self) -> Self::Kind;
     }
-    impl<T, E: From<NoExecutableBatchSize>> __BatchSizeGiveUp1 for &Tag<Result<T, E>> {
-        type Output = Result<T, E>;
-        fn give_up(&self, error: NoExecutableBatchSize) -> Result<T, E> {
-            Err(E::from(error))
+    impl<T, E> __BatchSizeGiveUp1 for &Tag<Result<T, E>> {
+        type Kind = ReturnError<T, E>;
+        fn give_up_kind(&self) -> ReturnError<T, E> {
+            ReturnError(PhantomData)
         }
     }
 
     /// Any other return type panics with the `NoExecutableBatchSize` message.
     pub trait __BatchSizeGiveUp2 {
-        /// The function's return type.
-        type Output;
-        /// Panics: the function has no way to return the error.
-        fn give_up(&self, error: NoExecutableBatchSize) -> Self::Output;
+        /// How the function gives up.
+        type Kind;
+        /// How the function gives up.
+        fn give_up_kind(&self) -> Self::Kind;
     }
     impl<R> __BatchSizeGiveUp2 for Tag<R> {
-        type Output = R;
-        fn give_up(&self, error: NoExecutableBatchSize) -> R {
-            panic_no_executable_batch_size(error)
+        type Kind = PanicWithError<R>;
+        fn give_up_kind(&self) -> PanicWithError<R> {
+            PanicWithError(PhantomData)
         }
     }
+}
+
+/// A function returning `Result<T, E>` gives up with `Err(E::from(NoExecutableBatchSize))`.
+pub struct ReturnError<T, E>(PhantomData<fn() -> Result<T, E>>);
+
+/// A function that cannot return the error panics with it.
+pub struct PanicWithError<R>(PhantomData<fn() -> R>);
+
+impl<T, E> std::fmt::Debug for ReturnError<T, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReturnError")
+    }
+}
+
+impl<R> std::fmt::Debug for PanicWithError<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PanicWithError")
+    }
+}
+
+/// How a function gives up when no size fits, once its return type is known.
+pub trait GiveUp {
+    /// The function's return type.
+    type Output;
+    /// What the function's return type can hold of the failure.
+    type Error;
+    /// The value the function returns (or the panic) for `error`.
+    fn give_up(self, error: Self::Error) -> Self::Output;
+}
+
+impl<T, E> GiveUp for ReturnError<T, E> {
+    type Output = Result<T, E>;
+    type Error = E;
+    fn give_up(self, error: E) -> Result<T, E> {
+        Err(error)
+    }
+}
+
+impl<R> GiveUp for PanicWithError<R> {
+    type Output = R;
+    type Error = NoExecutableBatchSize;
+    fn give_up(self, error: NoExecutableBatchSize) -> R {
+        panic_no_executable_batch_size(error)
+    }
+}
+
+/// Gives up as `kind` says. The bound is on the error type itself, so that a `Result` alias
+/// whose error type lacks `From<NoExecutableBatchSize>` gets the same message as a `Result`
+/// written out.
+pub fn give_up_as<K>(kind: K, error: NoExecutableBatchSize) -> K::Output
+where
+    K: GiveUp,
+    K::Error: ErrorFromNoExecutableBatchSize,
+{
+    kind.give_up(K::Error::from_no_executable_batch_size(error))
 }
 
 /// A function whose return type is not a `Result` has no other way to report that no size fit.
@@ -335,19 +390,24 @@ macro_rules! batch_size_int {
 
 batch_size_int!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
 
-/// Builds the search from the attribute's arguments: `starting` of any integer type, capped to
-/// what the batch-size parameter's type `P` can hold. A negative `starting` gives a search that
-/// stops before its first attempt, saying why.
-pub fn search_for<'r, P: BatchSizeInt, S: BatchSizeInt>(
+/// Builds the search from the attribute's arguments: `starting` (read by [`starting_of`]),
+/// capped to what the batch-size parameter's type `P` can hold. A negative `starting` gives a
+/// search that stops before its first attempt, saying why.
+pub fn search_for<'r, P: BatchSizeInt>(
     label: &'static str,
-    starting: S,
+    starting: Result<usize, String>,
 ) -> BatchSizeSearch<'r> {
-    match starting.to_batch_size() {
+    match starting {
         Ok(starting) => BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label),
         Err(why) => BatchSizeSearch::new(1)
             .with_label(label)
             .with_invalid_configuration(why),
     }
+}
+
+/// `starting` of any integer type, checked where it is written.
+pub fn starting_of<S: BatchSizeInt>(starting: S) -> Result<usize, String> {
+    starting.to_batch_size()
 }
 
 /// `min` of any integer type (negative counts as 1).
