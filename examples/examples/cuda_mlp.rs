@@ -464,9 +464,12 @@ fn load(device: &CudaDevice) -> Result<Gpu, String> {
     quietly(|| {
         let context = &device.context;
         let ptx = compile_ptx(KERNELS).map_err(|error| format!("NVRTC failed: {error}"))?;
-        let module = context
-            .load_module(ptx)
-            .map_err(|error| format!("loading the kernels failed: {error}"))?;
+        let module = context.load_module(ptx).map_err(|error| {
+            format!(
+                "loading the kernels failed ({error}; a driver older than NVRTC cannot load \
+                     its PTX)"
+            )
+        })?;
         let stream = context.default_stream();
         // Loads libcublas now rather than inside an attempt, where a panic would not be retried.
         drop(CudaBlas::new(stream.clone()).map_err(|error| format!("cuBLAS failed: {error}"))?);
