@@ -1,0 +1,11 @@
+//! Compile-time behaviour of `#[find_executable_batch_size]`: what it accepts (`ui/pass`, each
+//! built and run) and how it reports what it cannot rewrite (`ui/fail`, each checked against its
+//! `.stderr` snapshot). Regenerate the snapshots with
+//! `TRYBUILD=overwrite cargo test -p batch-size-tests --test ui` and read every one.
+
+#[test]
+fn ui() {
+    let t = trybuild::TestCases::new();
+    t.pass("ui/pass/*.rs");
+    t.compile_fail("ui/fail/*.rs");
+}

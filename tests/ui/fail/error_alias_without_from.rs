@@ -1,0 +1,16 @@
+// A `Result` the macro cannot see (an alias) is checked the same way.
+use batch_size_runtime::find_executable_batch_size;
+
+#[derive(Debug)]
+struct MyError;
+
+type Fallible<T> = Result<T, MyError>;
+
+#[find_executable_batch_size(starting = 128)]
+fn train(batch_size: usize) -> Fallible<usize> {
+    Ok(batch_size)
+}
+
+fn main() {
+    let _ = train();
+}

@@ -1,0 +1,82 @@
+// `async fn`: each attempt is awaited; panics inside it are caught like a synchronous body's.
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use batch_size_runtime::{find_executable_batch_size, OutOfMemory};
+
+struct Noop;
+
+impl Wake for Noop {
+    fn wake(self: Arc<Self>) {}
+}
+
+fn block_on<F: Future>(future: F) -> F::Output {
+    let waker = Waker::from(Arc::new(Noop));
+    let mut context = Context::from_waker(&waker);
+    let mut future = pin!(future);
+    loop {
+        if let Poll::Ready(value) = future.as_mut().poll(&mut context) {
+            return value;
+        }
+    }
+}
+
+/// Pending once, then ready: proves the attempt is really polled more than once.
+struct YieldOnce(bool);
+
+impl Future for YieldOnce {
+    type Output = ();
+    fn poll(mut self: std::pin::Pin<&mut Self>, context: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            Poll::Ready(())
+        } else {
+            self.0 = true;
+            context.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+}
+
+#[find_executable_batch_size(starting = 64)]
+async fn train(batch_size: usize, limit: usize) -> anyhow::Result<usize> {
+    YieldOnce(false).await;
+    if batch_size > limit {
+        return Err(OutOfMemory::new().into());
+    }
+    Ok(batch_size)
+}
+
+#[find_executable_batch_size(starting = 64)]
+async fn train_panicking(batch_size: usize, log: &mut Vec<usize>) -> usize {
+    log.push(batch_size);
+    YieldOnce(false).await;
+    if batch_size > 8 {
+        panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+    }
+    batch_size
+}
+
+struct Trainer {
+    limit: usize,
+}
+
+impl Trainer {
+    #[find_executable_batch_size(starting = 10)]
+    async fn fit(&self, batch_size: usize) -> std::io::Result<usize> {
+        if batch_size > self.limit {
+            return Err(std::io::Error::other(OutOfMemory::new()));
+        }
+        Ok(batch_size)
+    }
+}
+
+fn main() {
+    batch_size_runtime::set_quiet_oom_panics(true);
+    assert_eq!(block_on(train(20)).unwrap(), 16);
+    let mut log = Vec::new();
+    assert_eq!(block_on(train_panicking(&mut log)), 8);
+    assert_eq!(log, [64, 32, 16, 8]);
+    assert_eq!(block_on(Trainer { limit: 3 }.fit()).unwrap(), 2);
+}
