@@ -1,0 +1,238 @@
+//! The CUDA end-to-end scenario of `tests/tests/cuda_fake_driver.rs`, against the real driver
+//! (`scripts/gpu-check.sh` builds and runs it; `cargo run -p batch-size-tests --bin gpu_check
+//! [ORDINAL]` does too).
+//!
+//! A model whose memory grows with the batch size (4 buffers from the stream-ordered pool, then
+//! a plain `cuMemAlloc` workspace, as cuBLAS takes its own) is sized from the device's free
+//! memory so that 64 and 32 overflow it on purpose and 16 fits (59% of it). The search runs
+//! twice: with the default release (`CudaBackend::active()`), where every failed attempt must
+//! leave the pool empty and the free memory as it was, and 16 must be found; then with the
+//! figures read but nothing released, for comparison (not checked: it shows what the pool
+//! keeps, and whether the workspace then still fits). Each attempt's size, outcome and free memory before,
+//! at the failure and after the release are printed; the retries' WARN logs go to stderr.
+//!
+//! Without a CUDA driver or device it says so and exits 0. It exits 1 when a check fails.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use batch_size_runtime::memory::{Bytes, CudaBackend, DeviceMemory, MemoryBackend, Release};
+use batch_size_runtime::{last_report, Attempt, BatchSizeSearch, Outcome, SearchReport};
+use batch_size_tests::cuda_scenario::{FiguresOnly, GrowingModel, TrainError, MIB};
+use cudarc::driver::{CudaContext, DriverError};
+
+const STARTING: usize = 64;
+/// The size that must fit.
+const FITTING: usize = 16;
+/// Bytes per sample (of each buffer and of the workspace) are the free bytes over this: at 64,
+/// two buffers fit (128/136 of the free memory) and the third does not; at 16 the step takes
+/// 80/136; and the workspace at 16 (16/136) is more than what the first failure leaves free
+/// (8/136) unless the pool gives its cache back.
+const FREE_PER_SAMPLE: u64 = 136;
+const PAGE: u64 = 4096;
+
+fn main() -> ExitCode {
+    let ordinal = match std::env::args().nth(1).map(|arg| arg.parse::<usize>()) {
+        None => 0,
+        Some(Ok(ordinal)) => ordinal,
+        Some(Err(_)) => {
+            eprintln!("usage: gpu_check [DEVICE_ORDINAL]");
+            return ExitCode::from(2);
+        }
+    };
+    // SAFETY: asks the loader whether libcuda can be opened; nothing else.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        println!(
+            "gpu-check: no CUDA driver is present (libcuda cannot be loaded): nothing to check"
+        );
+        return ExitCode::SUCCESS;
+    }
+    match CudaContext::device_count() {
+        Ok(count) if usize::try_from(count).is_ok_and(|count| count > ordinal) => {}
+        Ok(count) => {
+            println!("gpu-check: the CUDA driver has {count} device(s), none with ordinal {ordinal}: nothing to check");
+            return ExitCode::SUCCESS;
+        }
+        Err(DriverError(code)) => {
+            println!("gpu-check: the CUDA driver is present but has no usable device ({code:?}): nothing to check");
+            return ExitCode::SUCCESS;
+        }
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .try_init();
+    match check(ordinal) {
+        Ok(true) => {
+            println!("gpu-check: PASS");
+            ExitCode::SUCCESS
+        }
+        Ok(false) => {
+            println!("gpu-check: FAIL");
+            ExitCode::FAILURE
+        }
+        Err(DriverError(code)) => {
+            println!("gpu-check: FAIL: a CUDA driver call outside the search failed with {code:?}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check(ordinal: usize) -> Result<bool, DriverError> {
+    let ctx = CudaContext::new(ordinal)?;
+    let device = format!("cuda:{ordinal}");
+    let (free, total) = ctx.mem_get_info()?;
+    println!(
+        "{device}: {}, {} free of {}, memory pools: {}",
+        ctx.name()?,
+        Bytes(free as u64),
+        Bytes(total as u64),
+        if ctx.has_async_alloc() { "yes" } else { "no" }
+    );
+
+    // 4 buffers from the pool and a plain workspace, each `bytes_per_sample` per sample.
+    // Whole pages, so that sizes stay close to the ratios on small devices too.
+    let bytes_per_sample = (free as u64 / FREE_PER_SAMPLE).max(PAGE) / PAGE * PAGE;
+    let model =
+        GrowingModel::new(4, bytes_per_sample as usize).with_workspace(bytes_per_sample as usize);
+    println!(
+        "model: 4 buffers and a workspace of {} per sample; a step needs {} at {STARTING}, {} at {}, {} at {FITTING}",
+        Bytes(bytes_per_sample),
+        Bytes(model.step_bytes(STARTING)),
+        Bytes(model.step_bytes(STARTING / 2)),
+        STARTING / 2,
+        Bytes(model.step_bytes(FITTING)),
+    );
+    let expected = model.largest_fitting(free as u64, STARTING);
+
+    println!("\n== with the release (the default, CudaBackend::active())");
+    let stream = ctx.default_stream();
+    let fitted = BatchSizeSearch::new(STARTING)
+        .with_label("gpu_check")
+        .with_release(Release::cuda())
+        .run(|batch_size| model.step(&stream, batch_size).map_err(TrainError::from));
+    let report = last_report().unwrap_or_default();
+    print_report(&report, &device);
+    let mut passed = true;
+    let found = fitted.as_ref().ok().copied();
+    passed &= verdict(
+        found == expected && expected == Some(FITTING),
+        &format!("found {found:?}, expected {expected:?}"),
+    );
+    let tolerance = (64 * MIB).max(total as u64 / 100);
+    let free_at_first_start = report
+        .attempts()
+        .next()
+        .and_then(|attempt| figures(attempt.memory_at_start.as_ref(), &device))
+        .map(|memory| memory.free);
+    for attempt in report
+        .attempts()
+        .filter(|attempt| matches!(attempt.outcome, Outcome::OutOfMemory { .. }))
+    {
+        let Some(after) = figures(attempt.memory_after_release.as_ref(), &device) else {
+            passed &= verdict(
+                false,
+                &format!("attempt {}: no figures after the release", attempt.number),
+            );
+            continue;
+        };
+        if ctx.has_async_alloc() {
+            passed &= verdict(
+                after.pool_reserved == Some(0),
+                &format!(
+                    "attempt {}: the pool reserves {} after the release",
+                    attempt.number,
+                    show(after.pool_reserved)
+                ),
+            );
+        }
+        if let Some(before) = free_at_first_start {
+            passed &= verdict(
+                after.free + tolerance >= before,
+                &format!(
+                    "attempt {}: {} free after the release, {} before the search (tolerance {})",
+                    attempt.number,
+                    Bytes(after.free),
+                    Bytes(before),
+                    Bytes(tolerance)
+                ),
+            );
+        }
+    }
+    release_all();
+
+    println!("\n== without a release (figures read, nothing given back), for comparison");
+    let fitted = BatchSizeSearch::new(STARTING)
+        .with_label("gpu_check")
+        .with_release(FiguresOnly(CudaBackend::active()))
+        .run(|batch_size| model.step(&stream, batch_size).map_err(TrainError::from));
+    print_report(&last_report().unwrap_or_default(), &device);
+    println!(
+        "found {:?} without a release, {found:?} with it",
+        fitted.as_ref().ok()
+    );
+    release_all();
+    Ok(passed)
+}
+
+/// Gives back what the last search left in the pool, so that the next one starts clean.
+fn release_all() {
+    if let Err(error) = CudaBackend::active().release() {
+        println!("  note: {error}");
+    }
+}
+
+fn figures<'a>(
+    snapshot: Option<&'a batch_size_runtime::memory::MemorySnapshot>,
+    device: &str,
+) -> Option<&'a DeviceMemory> {
+    snapshot?
+        .devices
+        .iter()
+        .find(|memory| memory.device == device)
+}
+
+fn show(bytes: Option<u64>) -> String {
+    bytes.map_or_else(|| "-".to_owned(), |bytes| Bytes(bytes).to_string())
+}
+
+fn describe(memory: Option<&DeviceMemory>) -> String {
+    match memory {
+        Some(memory) => format!(
+            "{} free (pool reserves {})",
+            Bytes(memory.free),
+            show(memory.pool_reserved)
+        ),
+        None => "-".to_owned(),
+    }
+}
+
+fn print_report(report: &SearchReport, device: &str) {
+    for attempt in report.attempts() {
+        print_attempt(attempt, device);
+    }
+}
+
+fn print_attempt(attempt: &Attempt, device: &str) {
+    println!("{attempt}");
+    println!(
+        "    before: {}",
+        describe(figures(attempt.memory_at_start.as_ref(), device))
+    );
+    if matches!(attempt.outcome, Outcome::OutOfMemory { .. }) {
+        println!(
+            "    at the failure: {}",
+            describe(figures(attempt.memory_at_end.as_ref(), device))
+        );
+        println!(
+            "    after the release: {}",
+            describe(figures(attempt.memory_after_release.as_ref(), device))
+        );
+    }
+}
+
+fn verdict(ok: bool, what: &str) -> bool {
+    println!("{} {what}", if ok { "  ok:" } else { "  FAILED:" });
+    ok
+}
