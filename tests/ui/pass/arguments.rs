@@ -93,7 +93,10 @@ fn main() {
     assert_eq!(with_min(20).unwrap(), 16);
     let error = no_size(with_min(10).unwrap_err());
     assert_eq!(error.tried(), &[64, 32, 16]);
-    assert!(matches!(error.reason(), StopReason::BelowMinimum { next: 8, min: 16 }));
+    assert!(matches!(
+        error.reason(),
+        StopReason::BelowMinimum { next: 8, min: 16 }
+    ));
 
     assert_eq!(with_factor(100).unwrap(), 92);
     assert_eq!(last_report().unwrap().len(), 4); // 128, 115, 103, 92

@@ -70,7 +70,10 @@ fn main() {
         report.attempts().next().unwrap().outcome,
         Outcome::Failed { .. }
     ));
-    assert!(matches!(parse_then_train("1", 0), Err(Error::NoBatchSize(_))));
+    assert!(matches!(
+        parse_then_train("1", 0),
+        Err(Error::NoBatchSize(_))
+    ));
 
     assert_eq!(early_plain(), 160);
     assert_eq!(labelled(), Some(3));

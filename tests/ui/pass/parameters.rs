@@ -66,8 +66,14 @@ fn main() {
         name: "cfg".to_owned(),
     };
     let counter = Rc::new(());
-    let (size, owned, name) =
-        all_kinds(&shared, &mut log, vec![1, 2], config.clone(), counter.clone()).unwrap();
+    let (size, owned, name) = all_kinds(
+        &shared,
+        &mut log,
+        vec![1, 2],
+        config.clone(),
+        counter.clone(),
+    )
+    .unwrap();
     assert_eq!(size, 8);
     assert_eq!(owned, [1, 2, 8]);
     assert_eq!(name, "cfg");

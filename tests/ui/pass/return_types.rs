@@ -128,8 +128,14 @@ fn main() {
     assert!(error.downcast_ref::<NoExecutableBatchSize>().is_some());
 
     assert_eq!(with_thiserror(3, false).unwrap(), 2);
-    assert!(matches!(with_thiserror(3, true), Err(TrainError::BadData(8))));
-    assert!(matches!(with_thiserror(0, false), Err(TrainError::NoBatchSize(_))));
+    assert!(matches!(
+        with_thiserror(3, true),
+        Err(TrainError::BadData(8))
+    ));
+    assert!(matches!(
+        with_thiserror(0, false),
+        Err(TrainError::NoBatchSize(_))
+    ));
 
     assert_eq!(with_io(3).unwrap(), 2);
     assert!(with_io(0).is_err());
@@ -145,7 +151,11 @@ fn main() {
     assert_eq!(with_impl_trait().count(), 8);
     assert_eq!(with_text_error(3), Ok(2));
     let error = with_text_error(0).unwrap_err();
-    assert!(error.0.starts_with("No executable batch size found"), "{}", error.0);
+    assert!(
+        error.0.starts_with("No executable batch size found"),
+        "{}",
+        error.0
+    );
     assert_eq!(with_local_box(3).unwrap(), 2);
     let error = with_local_box(0).unwrap_err();
     assert!(error.downcast_ref::<NoExecutableBatchSize>().is_some());
@@ -166,5 +176,8 @@ fn main() {
     .unwrap_err();
     std::panic::set_hook(hook);
     let message = panic.downcast_ref::<String>().unwrap();
-    assert!(message.starts_with("No executable batch size found"), "{message}");
+    assert!(
+        message.starts_with("No executable batch size found"),
+        "{message}"
+    );
 }
