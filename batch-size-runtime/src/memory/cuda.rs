@@ -3,11 +3,11 @@
 //!
 //! When an attempt fails, Rust drops its `CudaSlice`s, and cudarc frees them with
 //! `cuMemFreeAsync` (on devices with memory pools). The freed memory stays *reserved* by the
-//! device's default pool: the next attempt's `cuMemAllocAsync` may not be able to use it (it is
-//! in blocks of the old sizes, on the old stream), and nothing else (`cuMemAlloc`, cuBLAS and
-//! cuDNN workspaces, another framework) can. Between attempts, [`CudaBackend`] therefore
-//! synchronizes each context (so that the queued frees complete) and trims the default pool to
-//! zero (`cuMemPoolTrimTo(pool, 0)`), which gives every unused reserved byte back to the device.
+//! device's default pool: later stream-ordered allocations may reuse (some of) it, but nothing
+//! else can: not `cuMemAlloc`, cuBLAS and cuDNN workspaces, another framework's allocator or
+//! another process. Between attempts, [`CudaBackend`] therefore synchronizes each context (so
+//! that the queued frees complete) and trims the default pool to zero
+//! (`cuMemPoolTrimTo(pool, 0)`), which gives every unused reserved byte back to the device.
 //!
 //! It never starts CUDA: with no libcuda loaded in the process, or a driver that was never
 //! initialised, it does nothing and reports no figures. It never formats a cudarc error through
