@@ -212,10 +212,11 @@ pub fn classify_error(error: &(dyn Error + 'static)) -> Option<OomMatch> {
             requested,
         });
     }
-    let description = describe_chain(error);
-    if let Some(found) = match_patterns(&description) {
+    let text = chain_text(error);
+    if let Some(found) = match_patterns(&text) {
         return Some(found);
     }
+    let description = truncate(&text);
     let rules = rules();
     if rules.is_empty() {
         return None;
@@ -377,25 +378,32 @@ fn describe_cudarc_chain(error: &(dyn Error + 'static)) -> String {
 }
 
 /// The chain's messages joined with ": ", skipping a layer whose text its parent already shows
-/// (thiserror's `#[error("...: {0}")]` and `transparent` repeat their source).
-fn describe_chain(error: &(dyn Error + 'static)) -> String {
-    let mut description = String::new();
+/// (thiserror's `#[error("...: {0}")]` and `transparent` repeat their source). Whole: patterns
+/// are matched on all of it; descriptions keep its first line.
+fn chain_text(error: &(dyn Error + 'static)) -> String {
+    let mut text = String::new();
     for layer in chain_of(error) {
-        let text = layer.to_string();
-        if text.is_empty() || description.contains(&text) {
+        let message = layer.to_string();
+        if message.is_empty() || text.contains(&message) {
             continue;
         }
-        if !description.is_empty() {
-            description.push_str(": ");
+        if !text.is_empty() {
+            text.push_str(": ");
         }
-        description.push_str(&text);
+        text.push_str(&message);
     }
-    truncate(&description)
+    text
 }
 
-/// Error texts can be pages long (PyTorch appends advice); logs want the part that matters.
+fn describe_chain(error: &(dyn Error + 'static)) -> String {
+    truncate(&chain_text(error))
+}
+
+/// Error texts can be pages long (PyTorch appends advice, candle a backtrace): logs want the
+/// first line, and at most a few hundred characters of it.
 fn truncate(text: &str) -> String {
     const LIMIT: usize = 600;
+    let text = text.lines().next().unwrap_or_default().trim_end();
     if text.len() <= LIMIT {
         return text.to_owned();
     }
@@ -446,6 +454,15 @@ mod tests {
             Some(4096)
         );
         assert_eq!(requested_bytes("out of memory"), None);
+    }
+
+    #[test]
+    fn keeps_the_first_line_only() {
+        let candle = "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")\n   0: candle_core::error::Error::bt\n   1: main";
+        assert_eq!(
+            truncate(candle),
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
+        );
     }
 
     #[test]

@@ -192,3 +192,13 @@ fn user_rules_extend_detection_to_errors_and_panics() {
     let error = anyhow::anyhow!(MARKER).context("vulkan step");
     assert!(oom::is_out_of_memory(error.as_ref()));
 }
+
+#[test]
+fn a_pattern_past_the_first_line_is_found_and_the_description_keeps_the_first_line() {
+    let error = anyhow::anyhow!(
+        "step 12 failed\ncaused by: CUDA out of memory. Tried to allocate 1.00 GiB"
+    );
+    let found = oom::classify_error(error.as_ref()).unwrap();
+    assert_eq!(found.description, "step 12 failed");
+    assert_eq!(found.requested, Some(1 << 30));
+}
