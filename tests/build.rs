@@ -27,7 +27,14 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     let mut command = Command::new(&rustc);
     command
-        .args(["--edition", "2021", "--crate-type", "cdylib", "--crate-name", "fake_cuda"])
+        .args([
+            "--edition",
+            "2021",
+            "--crate-type",
+            "cdylib",
+            "--crate-name",
+            "fake_cuda",
+        ])
         .args(["-C", "opt-level=1", "-C", "link-arg=-Wl,-soname,libcuda.so"])
         .arg("-o")
         .arg(&library)
