@@ -2,7 +2,7 @@
 //! load it, reset it, read its counters, make a call fail. The scenarios that run on it are in
 //! [`crate::cuda_scenario`].
 //!
-//! A test binary that uses it must call [`FakeCuda::session`] before anything calls cudarc:
+//! A test binary that uses it must call [`FakeCuda::session`](crate::fake_cuda::FakeCuda::session) before anything calls cudarc:
 //! loading the fake driver by absolute path first makes it the `libcuda.so` that cudarc then
 //! opens (glibc matches the SONAME of an already loaded library). The driver stays loaded for
 //! the whole process; each session resets it and holds a lock, so tests that use it run one at
