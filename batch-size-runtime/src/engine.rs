@@ -45,7 +45,9 @@ pub struct BatchSizeSearch<'r> {
     min: usize,
     max_attempts: Option<usize>,
     reduction: Reduction<'r>,
-    release: Release,
+    // `None` until chosen: the default is resolved when the search starts, so that a search
+    // given its own release never builds the default one.
+    release: Option<Release>,
     label: &'static str,
     invalid: Option<String>,
 }
@@ -58,7 +60,7 @@ impl<'r> BatchSizeSearch<'r> {
             min: 1,
             max_attempts: None,
             reduction: Reduction::Halve,
-            release: Release::default(),
+            release: None,
             label: "batch_size_search",
             invalid: None,
         }
@@ -149,7 +151,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// # let _ = search;
     /// ```
     pub fn with_release(mut self, release: impl Into<Release>) -> Self {
-        self.release = release.into();
+        self.release = Some(release.into());
         self
     }
 
@@ -336,6 +338,7 @@ impl<'r> BatchSizeSearch<'r> {
                 Some(reason) => Next::Stop(reason),
                 None => Next::Size(self.starting),
             },
+            release: self.release.take().unwrap_or_default(),
             config: self,
             running: None,
             report: SearchReport::default(),
@@ -382,6 +385,7 @@ struct Running {
 #[derive(Debug)]
 pub struct Search<'r> {
     config: BatchSizeSearch<'r>,
+    release: Release,
     next: Next,
     running: Option<Running>,
     report: SearchReport,
@@ -393,8 +397,8 @@ impl Search<'_> {
     pub fn begin(&mut self) -> Result<usize, NoExecutableBatchSize> {
         match std::mem::replace(&mut self.next, Next::Done) {
             Next::Size(batch_size) => {
-                self.config.release.reset_peak();
-                let memory_at_start = non_empty(self.config.release.memory());
+                self.release.reset_peak();
+                let memory_at_start = non_empty(self.release.memory());
                 self.running = Some(Running {
                     batch_size,
                     started: Instant::now(),
@@ -495,7 +499,7 @@ impl Search<'_> {
             error: found.description.clone(),
         });
         let failed_size = attempt.batch_size;
-        attempt.memory_at_end = non_empty(self.config.release.memory());
+        attempt.memory_at_end = non_empty(self.release.memory());
 
         let proposed = self.config.reduction.next(&FailedAttempt {
             batch_size: failed_size,
@@ -505,14 +509,14 @@ impl Search<'_> {
             memory: attempt.memory_at_end.as_ref(),
         });
 
-        if let Err(release_error) = self.config.release.release() {
+        if let Err(release_error) = self.release.release() {
             tracing::warn!(
                 function = self.config.label,
                 error = %release_error,
                 "could not release device memory before the next attempt"
             );
         }
-        attempt.memory_after_release = non_empty(self.config.release.memory());
+        attempt.memory_after_release = non_empty(self.release.memory());
 
         self.next = if self.config.max_attempts == Some(attempt.number) {
             Next::Stop(StopReason::MaxAttempts(attempt.number))

@@ -451,37 +451,71 @@ fn reset_device_peak(target: &Target) -> Result<(), Failure> {
 /// `libcuda.so.550.54.15`, under any directory).
 ///
 /// This walks the loader's list with `dl_iterate_phdr`, which loads nothing and touches no
-/// file: about 0.1 µs, where `dlopen(RTLD_NOLOAD)` of the two usual names searches the library
-/// path on disk (about 30 µs when libcuda is absent), twice per attempt.
+/// file, where `dlopen(RTLD_NOLOAD)` of the two usual names searches the library path on disk
+/// (about 30 µs when libcuda is absent), twice per attempt. The loader also counts the objects
+/// it ever loaded and unloaded (`dlpi_adds`, `dlpi_subs`): while they have not changed since a
+/// walk that found no libcuda, the answer has not either, and the walk stops at the first
+/// object. That keeps the default release nearly free in programs that never use CUDA.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn driver_library_loaded() -> bool {
-    use std::ffi::{c_char, c_int, CStr};
+    use std::ffi::{c_char, c_int, c_ulonglong, c_ushort, CStr};
+    use std::sync::atomic::AtomicU64;
 
-    /// The leading fields of `struct dl_phdr_info` (`dlpi_addr`, an `ElfW(Addr)`, then
-    /// `dlpi_name`), the only ones read.
+    /// `struct dl_phdr_info` up to `dlpi_subs` (glibc 2.4+, musl, bionic); the `size` the
+    /// loader passes says whether the counters are there.
     #[repr(C)]
-    struct DlPhdrInfoHead {
+    struct DlPhdrInfo {
         addr: usize,
         name: *const c_char,
+        phdr: *const c_void,
+        phnum: c_ushort,
+        adds: c_ulonglong,
+        subs: c_ulonglong,
     }
 
-    type Callback = unsafe extern "C" fn(*mut DlPhdrInfoHead, usize, *mut c_void) -> c_int;
+    type Callback = unsafe extern "C" fn(*mut DlPhdrInfo, usize, *mut c_void) -> c_int;
 
     extern "C" {
         // glibc, musl and bionic (API 21+) all provide it.
         fn dl_iterate_phdr(callback: Option<Callback>, data: *mut c_void) -> c_int;
     }
 
-    /// Returns 1 (which stops the walk) for libcuda.
-    unsafe extern "C" fn is_libcuda(
-        info: *mut DlPhdrInfoHead,
-        _size: usize,
-        _data: *mut c_void,
-    ) -> c_int {
-        if info.is_null() {
+    /// The loader's counters at the last walk that found no libcuda, in one word so that they
+    /// are read and written together; 0 before any (the loader has always added an object).
+    static ABSENT_AT: AtomicU64 = AtomicU64::new(0);
+    fn stamp(adds: u64, subs: u64) -> u64 {
+        (adds << 32) | (subs & 0xFFFF_FFFF)
+    }
+
+    const FOUND: c_int = 1;
+    const UNCHANGED: c_int = 2;
+
+    struct Walk {
+        first: bool,
+        counters: Option<(u64, u64)>,
+    }
+
+    /// Stops the walk with FOUND for libcuda, or with UNCHANGED at the first object when the
+    /// loader's counters say nothing was loaded or unloaded since libcuda was last absent.
+    unsafe extern "C" fn visit(info: *mut DlPhdrInfo, size: usize, data: *mut c_void) -> c_int {
+        if info.is_null() || data.is_null() {
             return 0;
         }
-        // SAFETY: the loader passes a valid dl_phdr_info, which starts with these two fields.
+        // SAFETY: `data` is the `Walk` passed below, alive and not otherwise borrowed during
+        // the walk.
+        let walk = unsafe { &mut *data.cast::<Walk>() };
+        if walk.first {
+            walk.first = false;
+            if size >= std::mem::size_of::<DlPhdrInfo>() {
+                // SAFETY: the loader says the struct is this large, so the counters are there.
+                let (adds, subs) = unsafe { ((*info).adds, (*info).subs) };
+                walk.counters = Some((adds, subs));
+                if stamp(adds, subs) == ABSENT_AT.load(Ordering::Relaxed) {
+                    return UNCHANGED;
+                }
+            }
+        }
+        // SAFETY: the loader passes a valid dl_phdr_info, which starts with these fields.
         let name = unsafe { (*info).name };
         if name.is_null() {
             return 0;
@@ -489,11 +523,30 @@ fn driver_library_loaded() -> bool {
         // SAFETY: dlpi_name is a NUL-terminated string that lives during the callback.
         let path = unsafe { CStr::from_ptr(name) }.to_bytes();
         let file = path.rsplit(|&byte| byte == b'/').next().unwrap_or(path);
-        c_int::from(file.starts_with(b"libcuda.so"))
+        if file.starts_with(b"libcuda.so") {
+            FOUND
+        } else {
+            0
+        }
     }
 
-    // SAFETY: the callback only reads the entry it is given and cannot unwind.
-    unsafe { dl_iterate_phdr(Some(is_libcuda), std::ptr::null_mut()) != 0 }
+    let mut walk = Walk {
+        first: true,
+        counters: None,
+    };
+    // SAFETY: the callback only reads the entry it is given and the `Walk`, and cannot unwind.
+    let outcome =
+        unsafe { dl_iterate_phdr(Some(visit), std::ptr::addr_of_mut!(walk).cast::<c_void>()) };
+    match outcome {
+        FOUND => true,
+        UNCHANGED => false,
+        _ => {
+            if let Some((adds, subs)) = walk.counters {
+                ABSENT_AT.store(stamp(adds, subs), Ordering::Relaxed);
+            }
+            false
+        }
+    }
 }
 
 /// Whether nvcuda.dll is already loaded in this process (`GetModuleHandleExW`, which never

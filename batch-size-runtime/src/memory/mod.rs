@@ -219,7 +219,11 @@ impl Release {
 
     /// Releases nothing and reads no figures.
     pub fn none() -> Self {
-        Release::backend(NoRelease)
+        static NONE: OnceLock<Arc<dyn MemoryBackend>> = OnceLock::new();
+        Release {
+            backend: Arc::clone(NONE.get_or_init(|| Arc::new(NoRelease))),
+            hooks: Vec::new(),
+        }
     }
 
     /// The given backend.
