@@ -258,14 +258,14 @@ fn rewrite(
 /// return type cannot hold it.
 fn give_up(shape: &ReturnShape, private: &syn::Path, none_fit: &TokenStream) -> TokenStream {
     let ret = &shape.ty;
-    if shape.is_result {
-        // Laid over the return type: an error type without `From<NoExecutableBatchSize>` is
-        // reported there, with the runtime's `on_unimplemented` message.
-        let call = spans::call_over(quote! { #private::give_up_result }, none_fit.clone(), ret);
-        quote! { return #call }
-    } else if shape.nameable {
-        // A `Result` behind an alias is found by type, and its error type checked the same way.
-        let kind = spans::over(quote! { (&&#private::tag::<#ret>()).give_up_kind() }, ret);
+    if shape.nameable {
+        // The ladder picks, by type (so a `Result` behind an alias is found too), the first
+        // conversion the error type has: `From<NoExecutableBatchSize>`, `From<io::Error>`,
+        // `From<String>`; a `Result` with none of them is reported at the return type.
+        let kind = spans::over(
+            quote! { (&&&&&#private::tag::<#ret>()).give_up_kind() },
+            ret,
+        );
         let call = spans::call_over(
             quote! { #private::give_up_as },
             quote! { #kind, #none_fit },
@@ -276,6 +276,11 @@ fn give_up(shape: &ReturnShape, private: &syn::Path, none_fit: &TokenStream) -> 
             use #private::judges::*;
             return #call;
         }}
+    } else if shape.is_result {
+        // Laid over the return type: an error type without `From<NoExecutableBatchSize>` is
+        // reported there, with the runtime's `on_unimplemented` message.
+        let call = spans::call_over(quote! { #private::give_up_result }, none_fit.clone(), ret);
+        quote! { return #call }
     } else {
         // Diverges: no `return`, which would be unreachable.
         quote! { #private::panic_no_executable_batch_size(#none_fit) }

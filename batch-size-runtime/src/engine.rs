@@ -10,7 +10,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use crate::error::{NoExecutableBatchSize, StopReason};
-use crate::memory::{MemorySnapshot, Release};
+use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
 use crate::record::{self, Attempt, Outcome, SearchReport};
 use crate::reduce::{FailedAttempt, Reduction};
@@ -169,8 +169,10 @@ impl<'r> BatchSizeSearch<'r> {
         self
     }
 
-    /// Runs an attempt whose error type implements [`std::error::Error`] (a `thiserror` enum,
-    /// `candle_core::Error`, `tch::TchError`, cudarc's errors wrapped in yours).
+    /// Runs an attempt whose error type implements [`std::error::Error`] and
+    /// `From<NoExecutableBatchSize>` (your `thiserror` enum with a `#[from]` variant, holding
+    /// cudarc's or a framework's errors). The attribute also accepts error types that only
+    /// have `From<std::io::Error>`, such as candle's.
     ///
     /// Returns the first `Ok`. An error that is not out-of-memory is returned at once,
     /// unchanged; a panic that is not out-of-memory resumes unwinding. When no size is left,
@@ -536,11 +538,17 @@ impl Search<'_> {
             Next::Size(proposed)
         };
 
+        // As PyTorch's message does: the memory when the attempt failed; then what the release
+        // made free for the next attempt.
         let memory = attempt
+            .memory_at_end
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let free_after_release = attempt
             .memory_after_release
             .as_ref()
-            .or(attempt.memory_at_end.as_ref())
-            .map(ToString::to_string)
+            .map(|after| Bytes(after.free()).to_string())
             .unwrap_or_default();
         match &self.next {
             Next::Size(next) => tracing::warn!(
@@ -550,6 +558,7 @@ impl Search<'_> {
                 attempt = attempt.number,
                 error = %found.description,
                 memory = %memory,
+                free_after_release = %free_after_release,
                 "out of memory with batch size {failed_size}; retrying with {next}"
             ),
             _ => tracing::warn!(
@@ -558,6 +567,7 @@ impl Search<'_> {
                 attempt = attempt.number,
                 error = %found.description,
                 memory = %memory,
+                free_after_release = %free_after_release,
                 "out of memory with batch size {failed_size}; no smaller size is left"
             ),
         }

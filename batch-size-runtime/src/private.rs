@@ -219,14 +219,58 @@ pub mod judges {
         }
     }
 
-    /// A `Result` return type, whatever it is called, returns the error when no size fits.
+    /// `Result<T, E>` with `E: From<NoExecutableBatchSize>`: `Err(E::from(error))`.
     pub trait __BatchSizeGiveUp1 {
         /// How the function gives up.
         type Kind;
         /// How the function gives up.
         fn give_up_kind(&self) -> Self::Kind;
     }
-    impl<T, E> __BatchSizeGiveUp1 for &Tag<Result<T, E>> {
+    impl<T, E: From<NoExecutableBatchSize>> __BatchSizeGiveUp1 for &&&&Tag<Result<T, E>> {
+        type Kind = ReturnError<T, E>;
+        fn give_up_kind(&self) -> ReturnError<T, E> {
+            ReturnError(PhantomData)
+        }
+    }
+
+    /// `Result<T, E>` with `E: From<std::io::Error>` (candle's and tch's errors): the failure
+    /// inside an `io::Error` of kind `OutOfMemory`.
+    pub trait __BatchSizeGiveUp2 {
+        /// How the function gives up.
+        type Kind;
+        /// How the function gives up.
+        fn give_up_kind(&self) -> Self::Kind;
+    }
+    impl<T, E: From<std::io::Error>> __BatchSizeGiveUp2 for &&&Tag<Result<T, E>> {
+        type Kind = ReturnViaIo<T, E>;
+        fn give_up_kind(&self) -> ReturnViaIo<T, E> {
+            ReturnViaIo(PhantomData)
+        }
+    }
+
+    /// `Result<T, E>` with `E: From<String>` (`String` itself): the failure's message.
+    pub trait __BatchSizeGiveUp3 {
+        /// How the function gives up.
+        type Kind;
+        /// How the function gives up.
+        fn give_up_kind(&self) -> Self::Kind;
+    }
+    impl<T, E: From<String>> __BatchSizeGiveUp3 for &&Tag<Result<T, E>> {
+        type Kind = ReturnViaString<T, E>;
+        fn give_up_kind(&self) -> ReturnViaString<T, E> {
+            ReturnViaString(PhantomData)
+        }
+    }
+
+    /// Any other `Result`, whatever it is called: held to `From<NoExecutableBatchSize>` by
+    /// `give_up_as`, which reports the missing conversion at the return type.
+    pub trait __BatchSizeGiveUp4 {
+        /// How the function gives up.
+        type Kind;
+        /// How the function gives up.
+        fn give_up_kind(&self) -> Self::Kind;
+    }
+    impl<T, E> __BatchSizeGiveUp4 for &Tag<Result<T, E>> {
         type Kind = ReturnError<T, E>;
         fn give_up_kind(&self) -> ReturnError<T, E> {
             ReturnError(PhantomData)
@@ -234,17 +278,52 @@ pub mod judges {
     }
 
     /// Any other return type panics with the `NoExecutableBatchSize` message.
-    pub trait __BatchSizeGiveUp2 {
+    pub trait __BatchSizeGiveUp5 {
         /// How the function gives up.
         type Kind;
         /// How the function gives up.
         fn give_up_kind(&self) -> Self::Kind;
     }
-    impl<R> __BatchSizeGiveUp2 for Tag<R> {
+    impl<R> __BatchSizeGiveUp5 for Tag<R> {
         type Kind = PanicWithError<R>;
         fn give_up_kind(&self) -> PanicWithError<R> {
             PanicWithError(PhantomData)
         }
+    }
+}
+
+/// A function returning `Result<T, E>` with `E: From<std::io::Error>` gives up with
+/// `Err(E::from(io::Error::new(ErrorKind::OutOfMemory, NoExecutableBatchSize)))`.
+pub struct ReturnViaIo<T, E>(PhantomData<fn() -> Result<T, E>>);
+
+/// A function returning `Result<T, E>` with `E: From<String>` gives up with the message.
+pub struct ReturnViaString<T, E>(PhantomData<fn() -> Result<T, E>>);
+
+impl<T, E> std::fmt::Debug for ReturnViaIo<T, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReturnViaIo")
+    }
+}
+
+impl<T, E> std::fmt::Debug for ReturnViaString<T, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReturnViaString")
+    }
+}
+
+impl<T, E: From<std::io::Error>> GiveUp for ReturnViaIo<T, E> {
+    type Output = Result<T, E>;
+    type Error = NoExecutableBatchSize;
+    fn give_up(self, error: NoExecutableBatchSize) -> Result<T, E> {
+        Err(E::from(std::io::Error::from(error)))
+    }
+}
+
+impl<T, E: From<String>> GiveUp for ReturnViaString<T, E> {
+    type Output = Result<T, E>;
+    type Error = NoExecutableBatchSize;
+    fn give_up(self, error: NoExecutableBatchSize) -> Result<T, E> {
+        Err(E::from(error.to_string()))
     }
 }
 
@@ -311,7 +390,7 @@ pub fn panic_no_executable_batch_size(error: NoExecutableBatchSize) -> ! {
 
 /// The error type of a `Result`-returning function must be able to hold the search's failure.
 #[diagnostic::on_unimplemented(
-    message = "the error type `{Self}` does not implement `From<NoExecutableBatchSize>`",
+    message = "the error type `{Self}` does not implement `From<NoExecutableBatchSize>` (nor `From<std::io::Error>` or `From<String>`)",
     label = "when no batch size fits, this function returns `Err(NoExecutableBatchSize.into())`",
     note = "`anyhow::Error` and `Box<dyn Error + Send + Sync>` already do; for a `thiserror` enum add a variant `#[error(transparent)] NoBatchSize(#[from] batch_size_runtime::NoExecutableBatchSize)`"
 )]

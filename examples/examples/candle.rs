@@ -42,17 +42,17 @@ struct Trained {
 /// The parameters live inside the function: each attempt starts from fresh weights, and
 /// nothing an out-of-memory attempt allocated outlives it.
 ///
-/// Every error of the body is a `candle_core::Error`; `?` puts it in an `anyhow::Error`, whose
-/// chain the attribute reads. (`candle_core::Result` cannot be the return type itself yet: when
-/// no size fits, the attribute returns `Err(E::from(NoExecutableBatchSize))`, and
-/// `candle_core::Error` has no such `From`.)
+/// The return type is candle's own `candle_core::Result`, as it is: its out-of-memory errors
+/// are recognised from their text, and when no size fits the attribute returns the
+/// `NoExecutableBatchSize` inside `candle_core::Error::Io` (candle's error has
+/// `From<std::io::Error>`), as an `io::Error` of kind `OutOfMemory`.
 #[find_executable_batch_size(starting = SAMPLES, min = 8, release = gpu.clone())]
 fn train(
     batch_size: usize,
     data: &Data,
     device: &Device,
     gpu: &SimulatedDevice,
-) -> anyhow::Result<Trained> {
+) -> candle_core::Result<Trained> {
     let mut rng = XorShift(0x5eed);
     let w1 = Var::from_tensor(&rng.tensor(&[FEATURES, HIDDEN], 0.2, device)?)?;
     let b1 = Var::zeros(HIDDEN, DType::F32, device)?;

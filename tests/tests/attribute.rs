@@ -335,3 +335,68 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
         }
     }
 }
+
+/// An error type like candle's or tch's: no `From<NoExecutableBatchSize>`, but `From<io::Error>`.
+#[derive(Debug)]
+enum FrameworkError {
+    Io(std::io::Error),
+    Oom,
+}
+
+impl From<std::io::Error> for FrameworkError {
+    fn from(error: std::io::Error) -> Self {
+        FrameworkError::Io(error)
+    }
+}
+
+impl std::fmt::Display for FrameworkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameworkError::Io(error) => write!(f, "io: {error}"),
+            FrameworkError::Oom => f.write_str("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        }
+    }
+}
+
+impl std::error::Error for FrameworkError {}
+
+#[find_executable_batch_size(starting = 4)]
+fn framework_never_fits(_batch_size: usize) -> Result<(), FrameworkError> {
+    Err(FrameworkError::Oom)
+}
+
+#[test]
+fn an_error_type_with_from_io_error_receives_the_failure_inside_an_io_error() {
+    let Err(FrameworkError::Io(io)) = framework_never_fits() else {
+        panic!("expected the failure inside FrameworkError::Io");
+    };
+    assert_eq!(io.kind(), std::io::ErrorKind::OutOfMemory);
+    let none_fit = io
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<NoExecutableBatchSize>())
+        .unwrap();
+    assert_eq!(none_fit.tried(), &[4, 2, 1]);
+}
+
+#[find_executable_batch_size(starting = 4)]
+fn string_errors(batch_size: usize) -> Result<usize, String> {
+    if batch_size > 1 {
+        return Err(format!("CUDA out of memory with {batch_size}"));
+    }
+    Err("shape mismatch".to_owned())
+}
+
+#[find_executable_batch_size(starting = 2)]
+fn string_never_fits(_batch_size: usize) -> Result<(), String> {
+    Err("MPS backend out of memory".to_owned())
+}
+
+#[test]
+fn string_errors_are_classified_by_text_and_receive_the_message() {
+    assert_eq!(string_errors(), Err("shape mismatch".to_owned()));
+    let message = string_never_fits().unwrap_err();
+    assert!(
+        message.starts_with("No executable batch size found: reached zero; tried 2, 1"),
+        "{message}"
+    );
+}
