@@ -387,14 +387,19 @@ fn memory_figures_appear_in_the_warn_log_and_in_no_executable_batch_size() -> Te
         warnings[0].contains("out of memory with batch size 4; retrying with 2"),
         "{logs}"
     );
+    // `memory` is the device as the attempt failed (as PyTorch's message gives it), before the
+    // release; `free_after_release` what the next attempt starts with.
     for warning in &warnings {
         assert!(
-            warning.contains(
-                "memory=cuda:0 has a total capacity of 100.00 MiB of which 100.00 MiB is free"
-            ),
+            warning.contains("memory=cuda:0 has a total capacity of 100.00 MiB of which"),
             "{logs}"
         );
+        assert!(warning.contains("free_after_release=100.00 MiB"), "{logs}");
     }
+    assert!(
+        warnings[2].contains("of which 36.00 MiB is free; 0 bytes is allocated and 64.00 MiB is reserved by the pool"),
+        "{logs}"
+    );
     assert_eq!(cuda.counters(0).trims, 3);
     Ok(())
 }
