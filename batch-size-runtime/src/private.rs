@@ -412,9 +412,6 @@ pub fn give_up_result<T, E: ErrorFromNoExecutableBatchSize>(
     Err(E::from_no_executable_batch_size(error))
 }
 
-/// Checks, at compile time and pointing at the return type, that `E` can hold the failure.
-pub fn assert_result_error<T, E: ErrorFromNoExecutableBatchSize>(_: Tag<Result<T, E>>) {}
-
 /// An owned parameter is cloned for every attempt.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is passed by value to a `#[find_executable_batch_size]` function, so it is cloned for every attempt, but it does not implement `Clone`",
