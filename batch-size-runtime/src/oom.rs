@@ -196,7 +196,7 @@ pub fn is_out_of_memory(error: &(dyn Error + 'static)) -> bool {
 pub fn classify_error(error: &(dyn Error + 'static)) -> Option<OomMatch> {
     let chain = || chain_of(error);
     if chain().any(is_cudarc_error) {
-        // Formatting any layer could reach cudarc's Display, which needs libcuda.
+        // Formatting a layer could reach cudarc's Display, which needs libcuda.
         return chain()
             .find_map(|layer| classify_typed(layer).map(|(kind, _)| kind))
             .map(|kind| OomMatch {
@@ -357,9 +357,13 @@ pub(crate) fn describe(error: &(dyn Error + 'static)) -> String {
     }
 }
 
-/// Names the cudarc codes of the chain without calling their `Display` (derived `Debug` of the
-/// code enums is plain Rust).
+/// Where libcuda is loaded, cudarc's `Display` can ask it for the error's text, so the chain
+/// is described whole (with the context a caller added); elsewhere the cudarc codes are named
+/// without calling their `Display` (derived `Debug` of the code enums is plain Rust).
 fn describe_cudarc_chain(error: &(dyn Error + 'static)) -> String {
+    if crate::memory::CudaBackend::driver_loaded() {
+        return describe_chain(error);
+    }
     let names: Vec<String> = chain_of(error)
         .filter_map(|layer| {
             if let Some(driver) = layer.downcast_ref::<cudarc::driver::DriverError>() {

@@ -1,4 +1,5 @@
-//! Quickstart: the batch size of a small transformer's training, found on a simulated 24 GiB GPU.
+//! Quickstart: the batch size of a small transformer's training, found on the GPU when there is
+//! one, on a simulated 24 GiB GPU otherwise.
 //!
 //! ```text
 //! cargo run -p batch-size-examples --example quickstart
@@ -8,18 +9,26 @@
 //! would see it: weights, gradients and Adam's two moments at 16 bytes per parameter, then
 //! activations saved for the backward pass, layer by layer, then the logits. 64 does not fit,
 //! so `#[find_executable_batch_size]` releases the memory, halves the size and runs `train`
-//! again, until a size fits. The arithmetic of training is not simulated, only its memory: the
-//! output is the same on every machine, with or without a GPU.
+//! again, until a size fits. The arithmetic of training is not simulated, only its memory.
+//!
+//! Where a CUDA GPU is present, the same memory is allocated on it for real (through cudarc),
+//! the starting size is chosen from its capacity so that it does not fit, its out-of-memory
+//! errors are cudarc's `DriverError(CUDA_ERROR_OUT_OF_MEMORY)`, and the default release (the CUDA
+//! backend) trims CUDA's pool between attempts. Elsewhere a simulated device stands in, with
+//! the same caching behaviour, and the output is the same on every machine.
 //!
 //! `RUST_LOG=debug` shows more; `RUST_LOG=warn` only the retries.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use batch_size_runtime::memory::{Bytes, DeviceMemory, MemorySnapshot};
+use batch_size_examples::CudaDevice;
+use batch_size_runtime::memory::{Bytes, DeviceMemory, MemorySnapshot, Release};
 use batch_size_runtime::{
     find_executable_batch_size, last_report, Attempt, Outcome, SimAllocation, SimulatedDevice,
 };
+use cudarc::driver::{CudaSlice, CudaStream};
 
 /// GPT-2 small (124M parameters) with a context of 1,024 tokens.
 #[derive(Debug, Clone)]
@@ -36,7 +45,7 @@ struct Config {
 impl Config {
     fn gpt2_small() -> Self {
         Config {
-            batch_size: 64,
+            batch_size: 0, // chosen from the device's memory: see `starting_for`
             seq_len: 1024,
             hidden: 768,
             layers: 12,
@@ -58,6 +67,23 @@ impl Config {
     fn activation_bytes_per_layer(&self, batch_size: usize) -> u64 {
         let (s, h, a) = (self.seq_len, self.hidden, self.heads);
         s * batch_size as u64 * (34 * h + 5 * a * s)
+    }
+
+    /// Bytes of weights, gradients and Adam's two moments.
+    fn state_bytes(&self) -> u64 {
+        self.parameters() * 16
+    }
+
+    /// Bytes of activations and logits per sequence of a batch.
+    fn bytes_per_sequence(&self) -> u64 {
+        self.layers * self.activation_bytes_per_layer(1) + self.logits_bytes(1)
+    }
+
+    /// A starting size that does not fit in `free` bytes: the power of two above twice the
+    /// largest size that would, so that the search has work to do (64 on 24 GiB).
+    fn starting_for(&self, free: u64) -> usize {
+        let fits = free.saturating_sub(self.state_bytes()) / self.bytes_per_sequence();
+        ((fits as usize + 1).next_power_of_two() * 2).max(8)
     }
 
     /// The output logits in fp32, kept for the loss's backward pass.
@@ -90,20 +116,115 @@ struct Metrics {
 #[derive(Debug)]
 #[allow(dead_code)] // held for their memory only
 struct ModelState {
-    weights: SimAllocation,
-    gradients: SimAllocation,
-    adam_moments: SimAllocation,
+    weights: Buffer,
+    gradients: Buffer,
+    adam_moments: Buffer,
+}
+
+/// Where the model's memory lives: a real CUDA GPU when one is here, a simulated one otherwise.
+#[derive(Debug)]
+enum Gpu {
+    Cuda {
+        device: CudaDevice,
+        stream: Arc<CudaStream>,
+    },
+    Simulated(SimulatedDevice),
+}
+
+/// Device memory, freed when dropped (on the GPU, back into CUDA's stream-ordered pool).
+#[derive(Debug)]
+#[allow(dead_code)] // held for its memory only
+enum Buffer {
+    Cuda(CudaSlice<u8>),
+    Simulated(SimAllocation),
+}
+
+impl Gpu {
+    /// CUDA device 0 when there is one; otherwise 24 GiB simulated with 2 MiB blocks and a
+    /// cache that keeps freed memory until released, as a stream-ordered pool does.
+    fn detect() -> Self {
+        match batch_size_examples::cuda_device() {
+            Ok(device) => {
+                let stream = device.context.default_stream();
+                Gpu::Cuda { device, stream }
+            }
+            Err(_) => Gpu::Simulated(
+                SimulatedDevice::new(24 << 30)
+                    .named("sim:0")
+                    .with_block_size(2 << 20)
+                    .with_caching(),
+            ),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Gpu::Cuda { device, .. } => device.to_string(),
+            Gpu::Simulated(sim) => format!("{} (simulated)", sim.name()),
+        }
+    }
+
+    fn capacity(&self) -> u64 {
+        match self {
+            Gpu::Cuda { device, .. } => device.total,
+            Gpu::Simulated(sim) => sim.capacity(),
+        }
+    }
+
+    /// What the release backend reads now.
+    fn memory(&self) -> Option<DeviceMemory> {
+        self.release()
+            .memory_backend()
+            .memory()
+            .devices
+            .into_iter()
+            .next()
+    }
+
+    fn free(&self) -> u64 {
+        self.memory().map_or(self.capacity(), |memory| memory.free)
+    }
+
+    /// The most bytes in use at once since the attempt began.
+    fn peak(&self) -> u64 {
+        match self {
+            Gpu::Cuda { .. } => self.memory().and_then(|memory| memory.peak).unwrap_or(0),
+            Gpu::Simulated(sim) => sim.peak(),
+        }
+    }
+
+    /// What to do with memory between attempts: on a GPU the default, the CUDA backend; on the
+    /// simulated device, its own release.
+    fn release(&self) -> Release {
+        match self {
+            Gpu::Cuda { .. } => Release::cuda(),
+            Gpu::Simulated(sim) => Release::backend(sim.clone()),
+        }
+    }
+
+    fn release_count(&self) -> Option<u64> {
+        match self {
+            Gpu::Cuda { .. } => None,
+            Gpu::Simulated(sim) => Some(sim.release_count()),
+        }
+    }
+
+    /// `bytes` of device memory: the GPU's error is cudarc's `DriverError`, the simulated
+    /// device's this crate's `OutOfMemory`; both are recognised as out-of-memory.
+    fn alloc(&self, bytes: u64) -> anyhow::Result<Buffer> {
+        Ok(match self {
+            Gpu::Cuda { stream, .. } => {
+                Buffer::Cuda(stream.alloc_zeros::<u8>(usize::try_from(bytes)?)?)
+            }
+            Gpu::Simulated(sim) => Buffer::Simulated(sim.alloc(bytes)?),
+        })
+    }
 }
 
 /// Everything that holds device memory is created here, inside the function: after an
 /// out-of-memory error it is all dropped before the next attempt, so the retry starts clean.
-#[find_executable_batch_size(starting = cfg.batch_size, min = 4, release = gpu.clone())]
-fn train(
-    batch_size: usize,
-    cfg: &Config,
-    data: &Dataset,
-    gpu: &SimulatedDevice,
-) -> anyhow::Result<Metrics> {
+#[find_executable_batch_size(starting = cfg.batch_size, min = 4, release = gpu.release())]
+fn train(batch_size: usize, cfg: &Config, data: &Dataset, gpu: &Gpu) -> anyhow::Result<Metrics> {
     tracing::info!(
         "trying batch size {batch_size}: {} tokens a step",
         batch_size as u64 * cfg.seq_len
@@ -142,16 +263,12 @@ fn train(
 fn main() -> anyhow::Result<()> {
     batch_size_examples::init_tracing();
 
-    say_whether_a_gpu_is_here();
+    let gpu = Gpu::detect();
+    say_where(&gpu);
 
-    let cfg = Config::gpt2_small();
+    let mut cfg = Config::gpt2_small();
+    cfg.batch_size = cfg.starting_for(gpu.free());
     let data = Dataset { sequences: 4096 };
-    // 2 MiB blocks, as CUDA's allocators round; freed memory stays cached until released, as
-    // in a stream-ordered pool, so the release between attempts is what makes a retry possible.
-    let gpu = SimulatedDevice::new(24 << 30)
-        .named("sim:0")
-        .with_block_size(2 << 20)
-        .with_caching();
 
     let parameters = cfg.parameters();
     println!(
@@ -162,10 +279,10 @@ fn main() -> anyhow::Result<()> {
         Bytes(parameters * 16)
     );
     println!(
-        "Each sequence in a batch needs {} of activations and logits. Device: {} with {}.",
-        Bytes(cfg.layers * cfg.activation_bytes_per_layer(1) + cfg.logits_bytes(1)),
+        "Each sequence in a batch needs {} of activations and logits. Device: {}, {} free.",
+        Bytes(cfg.bytes_per_sequence()),
         gpu.name(),
-        Bytes(gpu.capacity())
+        Bytes(gpu.free())
     );
     println!(
         "Starting at batch size {}; on out-of-memory the size is halved (minimum 4).\n",
@@ -198,11 +315,14 @@ fn main() -> anyhow::Result<()> {
         }
         println!(
             "\n{} attempt(s) ran out of memory. Each failed attempt's buffers were dropped as it \
-             returned its error, but the cache kept them (free before release); the release \
+             returned its error, but the {} kept them (free before release); the release \
              between attempts gave them back to the device (free after release), so the next \
-             size started from an empty device. The device was released {} time(s).",
+             size started from an empty device.",
             report.out_of_memory_count(),
-            gpu.release_count()
+            match gpu.release_count() {
+                Some(_) => "cache",
+                None => "CUDA pool",
+            },
         );
     }
     Ok(())
@@ -236,19 +356,18 @@ fn row(attempt: &Attempt, metrics: &Metrics) -> String {
     )
 }
 
-/// On a machine with an NVIDIA driver, says which GPU a real run would use.
-fn say_whether_a_gpu_is_here() {
-    match batch_size_examples::cuda_device() {
-        Ok(device) => println!(
-            "Found {device}. A real training function would allocate there, and the default \
-             `release` (the CUDA backend, `Release::cuda()`) would free CUDA's pool between \
-             attempts and report its figures. This demo stays on a simulated device so that \
-             its output is the same everywhere.\n"
+/// Says which device the memory lives on.
+fn say_where(gpu: &Gpu) {
+    match gpu {
+        Gpu::Cuda { .. } => println!(
+            "Found {}: the model's memory is allocated there, and the default `release` (the \
+             CUDA backend) trims CUDA's pool between attempts.\n",
+            gpu.name()
         ),
-        Err(_) => println!(
-            "No CUDA GPU here: a simulated device stands in for one. (On a machine with a GPU, \
-             the default `release`, the CUDA backend, would free CUDA's pool between attempts \
-             and report its figures.)\n"
+        Gpu::Simulated(_) => println!(
+            "No CUDA GPU here: a simulated device stands in for one, with a cache that keeps \
+             freed memory until released, as CUDA's pool does. (On a machine with a GPU this \
+             example allocates on it instead.)\n"
         ),
     }
 }

@@ -185,8 +185,14 @@ fn control() -> Guard {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     if guard.is_none() {
+        // Programs run by hand against the driver (LD_LIBRARY_PATH) can size the device with
+        // FAKE_CUDA_CAPACITY (bytes); tests call fake_cuda_reset instead.
+        let capacity = std::env::var("FAKE_CUDA_CAPACITY")
+            .ok()
+            .and_then(|bytes| bytes.parse().ok())
+            .unwrap_or(1 << 30);
         *guard = Some(State {
-            devices: vec![Device::new(0, 1 << 30)],
+            devices: vec![Device::new(0, capacity)],
             next_handle: HANDLE_BASE,
             ..State::default()
         });

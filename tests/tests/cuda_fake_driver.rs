@@ -368,7 +368,8 @@ fn memory_figures_appear_in_the_warn_log_and_in_no_executable_batch_size() -> Te
     assert_eq!(none_fit.tried(), &[4, 2, 1]);
     let message = none_fit.to_string();
     assert!(
-        message.contains("Last out-of-memory error: CUDA driver error CUDA_ERROR_OUT_OF_MEMORY"),
+        // With libcuda loaded, cudarc's Display is safe: the whole chain, the caller's words too.
+        message.contains("Last out-of-memory error: a CUDA driver call failed: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"),
         "{message}"
     );
     assert!(message.contains("Memory at that failure: cuda:0 has a total capacity of 100.00 MiB of which 36.00 MiB is free; 0 bytes is allocated and 64.00 MiB is reserved by the pool but unallocated"), "{message}");
