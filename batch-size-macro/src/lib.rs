@@ -1,6 +1,8 @@
 //! The `#[find_executable_batch_size]` attribute. Use it through `batch-size-runtime`, which
 //! re-exports it and documents it; this crate only rewrites the function.
 
+#![warn(missing_docs)]
+
 mod args;
 mod expand;
 mod signature;

@@ -54,6 +54,8 @@
 //! Through `tracing`: each retry at WARN (`batch_size`, `next_batch_size`, `error`, `memory`),
 //! the size found at INFO, giving up at ERROR. The library never prints.
 
+#![warn(missing_docs)]
+
 /// Retries the function with smaller batch sizes whenever it runs out of device memory.
 ///
 /// The function's first parameter (after `&self` or `&mut self`) is the batch size, of any
