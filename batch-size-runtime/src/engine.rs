@@ -4,6 +4,20 @@
 //! [`BatchSizeSearch`] is the builder users call directly; [`Search`] is the state machine it
 //! runs, which the attribute drives from the code it generates (so that the attempt's error
 //! type is known where it is classified).
+//!
+//! ```
+//! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+//!
+//! let device = SimulatedDevice::new(1 << 30); // 1 GiB
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(256)
+//!     .with_factor(0.9)
+//!     .with_release(device.clone())
+//!     .run_dyn(|batch_size| {
+//!         let _activations = device.alloc(batch_size as u64 * (5 << 20))?; // 5 MiB a sample
+//!         Ok(batch_size)
+//!     });
+//! assert_eq!(fitted.unwrap(), 186); // 256, 230 and 207 did not fit
+//! ```
 
 use std::error::Error;
 use std::future::Future;
@@ -54,6 +68,15 @@ pub struct BatchSizeSearch<'r> {
 
 impl<'r> BatchSizeSearch<'r> {
     /// A search that starts at `starting`. With 0 it stops at once, calling nothing.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, StopReason};
+    /// let fitted = BatchSizeSearch::new(16).call(|batch_size| batch_size);
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// let never = BatchSizeSearch::new(0).call(|batch_size| batch_size).unwrap_err();
+    /// assert_eq!(never.reason(), &StopReason::StartedAtZero);
+    /// assert!(never.tried().is_empty());
+    /// ```
     pub fn new(starting: usize) -> Self {
         BatchSizeSearch {
             starting,
@@ -122,6 +145,17 @@ impl<'r> BatchSizeSearch<'r> {
     }
 
     /// Sets the reduction policy.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Reduction};
+    /// let minus_eight = Reduction::Custom(Box::new(|failed| failed.batch_size - 8));
+    /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(32)
+    ///     .with_reduction(minus_eight)
+    ///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
+    /// ```
     pub fn with_reduction(mut self, reduction: Reduction<'r>) -> Self {
         self.reduction = reduction;
         self
@@ -146,9 +180,15 @@ impl<'r> BatchSizeSearch<'r> {
     ///
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
-    /// let device = SimulatedDevice::new(1 << 20);
-    /// let search = BatchSizeSearch::new(64).with_release(device.clone());
-    /// # let _ = search;
+    /// let device = SimulatedDevice::new(100);
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
+    ///     .with_release(device.clone())
+    ///     .run_dyn(|batch_size| {
+    ///         let _batch = device.alloc(batch_size as u64 * 2)?;
+    ///         Ok(batch_size)
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 32);
+    /// assert_eq!(device.release_count(), 1); // once, after 64 ran out of memory
     /// ```
     pub fn with_release(mut self, release: impl Into<Release>) -> Self {
         self.release = Some(release.into());
@@ -156,6 +196,13 @@ impl<'r> BatchSizeSearch<'r> {
     }
 
     /// Names the search in its logs (the attribute passes the function's name).
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// // Its logs say `function="train_epoch"`.
+    /// let search = BatchSizeSearch::new(8).with_label("train_epoch");
+    /// assert_eq!(search.call(|batch_size| batch_size).unwrap(), 8);
+    /// ```
     pub fn with_label(mut self, label: &'static str) -> Self {
         self.label = label;
         self
@@ -178,6 +225,36 @@ impl<'r> BatchSizeSearch<'r> {
     /// unchanged; a panic that is not out-of-memory resumes unwinding. When no size is left,
     /// returns `E::from(NoExecutableBatchSize)`, keeping the last out-of-memory error as its
     /// `source()`.
+    ///
+    /// ```
+    /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// enum TrainError {
+    ///     #[error("forward pass failed")]
+    ///     Device(#[from] OutOfMemory),
+    ///     #[error("bad data: {0}")]
+    ///     Data(String),
+    ///     #[error(transparent)]
+    ///     NoBatchSize(#[from] NoExecutableBatchSize),
+    /// }
+    ///
+    /// let fitted = BatchSizeSearch::new(64).run(|batch_size| {
+    ///     if batch_size > 16 {
+    ///         return Err(TrainError::Device(OutOfMemory::new()));
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// assert_eq!(fitted.unwrap(), 16);
+    ///
+    /// // Not out of memory: returned after one attempt, unchanged.
+    /// let bad = BatchSizeSearch::new(64).run(|_| Err::<(), _>(TrainError::Data("row 7".into())));
+    /// assert!(matches!(bad, Err(TrainError::Data(_))));
+    ///
+    /// // Nothing fits: `E::from(NoExecutableBatchSize)`.
+    /// let none = BatchSizeSearch::new(2).run(|_| Err::<(), _>(OutOfMemory::new().into()));
+    /// assert!(matches!(none, Err(TrainError::NoBatchSize(_))));
+    /// ```
     pub fn run<T, E, F>(self, mut attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Result<T, E>,
@@ -205,6 +282,19 @@ impl<'r> BatchSizeSearch<'r> {
 
     /// Runs an attempt whose error is an `anyhow::Error` or a `Box<dyn Error + Send + Sync>`:
     /// the same as [`run`](Self::run), classifying through the whole chain.
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// type BoxError = Box<dyn std::error::Error + Send + Sync>;
+    ///
+    /// let fitted: Result<usize, BoxError> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    ///     if batch_size > 16 {
+    ///         return Err("CUDA out of memory. Tried to allocate 2.00 GiB".into()); // as text
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// ```
     pub fn run_dyn<T, E, F>(self, mut attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Result<T, E>,
@@ -264,6 +354,30 @@ impl<'r> BatchSizeSearch<'r> {
 
     /// The async form of [`run`](Self::run): `attempt` returns a future, whose panics are
     /// caught and classified like a synchronous attempt's.
+    ///
+    /// ```
+    /// use std::io::{Error, ErrorKind};
+    /// use batch_size_runtime::BatchSizeSearch;
+    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    /// #     let mut future = std::pin::pin!(future);
+    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    /// #     loop {
+    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+    /// #             break value;
+    /// #         }
+    /// #     }
+    /// # }
+    ///
+    /// let search = BatchSizeSearch::new(32).run_async(|batch_size| async move {
+    ///     if batch_size > 8 {
+    ///         return Err(Error::from(ErrorKind::OutOfMemory));
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// let fitted = block_on(search); // any executor: tokio, pollster, futures
+    /// assert_eq!(fitted?, 8);
+    /// # Ok::<(), Error>(())
+    /// ```
     pub async fn run_async<T, E, F, Fut>(self, mut attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Fut,
@@ -291,6 +405,28 @@ impl<'r> BatchSizeSearch<'r> {
     }
 
     /// The async form of [`run_dyn`](Self::run_dyn).
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    /// #     let mut future = std::pin::pin!(future);
+    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    /// #     loop {
+    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+    /// #             break value;
+    /// #         }
+    /// #     }
+    /// # }
+    /// let search = BatchSizeSearch::new(32).run_dyn_async(|batch_size| async move {
+    ///     if batch_size > 8 {
+    ///         anyhow::bail!("CUDA out of memory. Tried to allocate 1.00 GiB");
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// let fitted: anyhow::Result<usize> = block_on(search); // any executor
+    /// assert_eq!(fitted?, 8);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
     pub async fn run_dyn_async<T, E, F, Fut>(self, mut attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Fut,
@@ -320,6 +456,18 @@ impl<'r> BatchSizeSearch<'r> {
     }
 
     /// The state machine, for a loop of your own (this is what the attribute expands into).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, StopReason};
+    /// let mut search = BatchSizeSearch::new(8).start();
+    /// assert_eq!(search.begin()?, 8);
+    /// search.succeeded();
+    ///
+    /// // A configuration that cannot produce a size ends the search at the first `begin`.
+    /// let error = BatchSizeSearch::new(8).with_factor(2.0).start().begin().unwrap_err();
+    /// assert!(matches!(error.reason(), StopReason::InvalidConfiguration(_)));
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn start(mut self) -> Search<'r> {
         let stop = if let Some(why) = self.invalid.take() {
             Some(StopReason::InvalidConfiguration(why))
@@ -396,6 +544,16 @@ pub struct Search<'r> {
 
 impl Search<'_> {
     /// Starts the next attempt and returns its batch size, or the error that ends the search.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{oom, BatchSizeSearch, StopReason};
+    /// let mut search = BatchSizeSearch::new(4).with_max_attempts(1).start();
+    /// assert_eq!(search.begin()?, 4);
+    /// search.out_of_memory(oom::classify_text("CUDA out of memory").unwrap(), None);
+    /// let error = search.begin().unwrap_err();
+    /// assert_eq!(error.reason(), &StopReason::MaxAttempts(1));
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn begin(&mut self) -> Result<usize, NoExecutableBatchSize> {
         match std::mem::replace(&mut self.next, Next::Done) {
             Next::Size(batch_size) => {
@@ -450,6 +608,15 @@ impl Search<'_> {
     }
 
     /// The attempt returned its value: the search is over.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// let batch_size = search.begin()?;
+    /// search.succeeded();
+    /// assert_eq!(last_report().unwrap().batch_size(), Some(batch_size));
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn succeeded(&mut self) {
         let attempt = self.finish_attempt(Outcome::Succeeded);
         tracing::info!(
@@ -464,6 +631,17 @@ impl Search<'_> {
 
     /// The attempt returned an error that is not out-of-memory: the search is over and the
     /// error goes back to the caller.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, Outcome};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// search.failed(&std::io::Error::other("corrupt shard"));
+    /// let report = last_report().unwrap();
+    /// let attempt = report.attempts().next().unwrap();
+    /// assert_eq!(attempt.outcome, Outcome::Failed { error: "corrupt shard".to_owned() });
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn failed(&mut self, error: &(dyn Error + 'static)) {
         self.failed_described(oom::describe(error));
     }
@@ -478,6 +656,18 @@ impl Search<'_> {
 
     /// The attempt panicked. An out-of-memory panic is recorded like an out-of-memory error;
     /// any other panic is recorded and resumed with its original payload.
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// # std::panic::set_hook(Box::new(|_| {})); // keep the doctest's output clean
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// let oom = || panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+    /// let payload = std::panic::catch_unwind(oom).unwrap_err();
+    /// search.panicked(payload); // out of memory: recorded, no unwinding
+    /// assert_eq!(search.begin()?, 2);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn panicked(&mut self, payload: PanicPayload) {
         match oom::classify_panic(&*payload) {
             Some(found) => self.out_of_memory(found, None),
@@ -492,6 +682,17 @@ impl Search<'_> {
 
     /// The attempt ran out of memory: record it, release memory, pick the next size.
     /// `error` is kept as the `source()` of [`NoExecutableBatchSize`] if the search ends.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{oom, BatchSizeSearch, OutOfMemory};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// let error = OutOfMemory::new().with_requested(1 << 30);
+    /// search.out_of_memory(oom::classify_error(&error).unwrap(), Some(Box::new(error)));
+    /// assert_eq!(search.begin()?, 2);
+    /// assert_eq!(search.report().out_of_memory_count(), 1);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn out_of_memory(
         &mut self,
         found: OomMatch,
@@ -580,6 +781,16 @@ impl Search<'_> {
     }
 
     /// The attempts so far.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{oom, BatchSizeSearch};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// assert!(search.report().is_empty());
+    /// search.begin()?;
+    /// search.out_of_memory(oom::classify_text("CUDA out of memory").unwrap(), None);
+    /// assert_eq!(search.report().len(), 1);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
     pub fn report(&self) -> &SearchReport {
         &self.report
     }

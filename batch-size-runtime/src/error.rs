@@ -1,4 +1,16 @@
 //! The errors a caller can act on: no batch size fit, and a device ran out of memory.
+//!
+//! ```
+//! use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason};
+//!
+//! let result: Result<(), anyhow::Error> = BatchSizeSearch::new(4)
+//!     .run_dyn(|_batch_size| Err(OutOfMemory::new().with_requested(1 << 30).into()));
+//! let error = result.unwrap_err();
+//! let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+//! assert_eq!(none_fit.reason(), &StopReason::ReachedZero);
+//! let last_oom = std::error::Error::source(none_fit).unwrap();
+//! assert_eq!(last_oom.to_string(), "out of device memory: tried to allocate 1.00 GiB");
+//! ```
 
 use std::error::Error;
 use std::fmt;
@@ -7,6 +19,33 @@ use crate::memory::{Bytes, MemorySnapshot};
 use crate::record::SearchReport;
 
 /// Why the search stopped without finding a batch size that fits.
+///
+/// ```
+/// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason};
+///
+/// fn reason(search: BatchSizeSearch<'_>) -> StopReason {
+///     let result: Result<(), anyhow::Error> = search.run_dyn(|_| Err(OutOfMemory::new().into()));
+///     let error = result.unwrap_err();
+///     error.downcast_ref::<NoExecutableBatchSize>().unwrap().reason().clone()
+/// }
+///
+/// assert_eq!(reason(BatchSizeSearch::new(0)), StopReason::StartedAtZero);
+/// assert_eq!(reason(BatchSizeSearch::new(2)), StopReason::ReachedZero);
+/// assert_eq!(
+///     reason(BatchSizeSearch::new(16).with_min(6)),
+///     StopReason::BelowMinimum { next: 4, min: 6 }
+/// );
+/// assert_eq!(
+///     reason(BatchSizeSearch::new(16).with_reduce(|failed| failed.batch_size)),
+///     StopReason::NotSmaller { failed: 16, proposed: 16 }
+/// );
+/// assert_eq!(reason(BatchSizeSearch::new(16).with_max_attempts(3)), StopReason::MaxAttempts(3));
+/// assert!(matches!(
+///     reason(BatchSizeSearch::new(16).with_factor(1.5)),
+///     StopReason::InvalidConfiguration(_)
+/// ));
+/// assert_eq!(StopReason::ReachedZero.to_string(), "reached zero");
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum StopReason {
@@ -107,21 +146,67 @@ impl NoExecutableBatchSize {
     }
 
     /// The batch sizes that were tried, in order (empty when `starting` was 0).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
+    /// let result: Result<(), anyhow::Error> =
+    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(none_fit.tried(), &[4, 2, 1]);
+    /// ```
     pub fn tried(&self) -> &[usize] {
         &self.inner.tried
     }
 
     /// Why the search stopped.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
+    /// let result: Result<(), anyhow::Error> =
+    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(none_fit.reason(), &batch_size_runtime::StopReason::ReachedZero);
+    /// ```
     pub fn reason(&self) -> &StopReason {
         &self.inner.reason
     }
 
     /// Every attempt, with its outcome, duration and memory figures.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
+    /// let result: Result<(), anyhow::Error> =
+    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(none_fit.report().len(), 3);
+    /// assert_eq!(none_fit.report().out_of_memory_count(), 3);
+    /// ```
     pub fn report(&self) -> &SearchReport {
         &self.inner.report
     }
 
     /// The memory figures read when the last attempt ran out of memory, before release.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, SimulatedDevice};
+    /// // A caching device keeps what the failed attempt freed until the release.
+    /// let device = SimulatedDevice::new(1000).with_caching();
+    /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
+    ///     .with_release(device.clone())
+    ///     .run_dyn(|batch_size| {
+    ///         let _weights = device.alloc(900)?;
+    ///         let _batch = device.alloc(batch_size as u64 * 200)?;
+    ///         Ok(())
+    ///     });
+    /// let error = result.unwrap_err();
+    /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    /// let memory = none_fit.memory_at_last_failure().unwrap();
+    /// assert_eq!(memory.free(), 100); // the weights' 900 bytes were still cached
+    /// assert_eq!(device.free(), 1000); // and released afterwards
+    /// ```
     pub fn memory_at_last_failure(&self) -> Option<&MemorySnapshot> {
         self.inner
             .report
@@ -174,6 +259,17 @@ impl Error for NoExecutableBatchSize {
 
 /// `io::Result` functions can use the attribute too: the error becomes
 /// [`ErrorKind::OutOfMemory`](std::io::ErrorKind::OutOfMemory) with this error as its inner error.
+///
+/// ```
+/// use std::io::{Error, ErrorKind};
+/// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize};
+///
+/// let result: std::io::Result<()> =
+///     BatchSizeSearch::new(2).run(|_| Err(Error::from(ErrorKind::OutOfMemory)));
+/// let error = result.unwrap_err();
+/// assert_eq!(error.kind(), ErrorKind::OutOfMemory);
+/// assert!(error.get_ref().unwrap().is::<NoExecutableBatchSize>());
+/// ```
 impl From<NoExecutableBatchSize> for std::io::Error {
     fn from(error: NoExecutableBatchSize) -> Self {
         std::io::Error::new(std::io::ErrorKind::OutOfMemory, error)
@@ -209,29 +305,62 @@ pub struct OutOfMemory {
 
 impl OutOfMemory {
     /// An out-of-memory error with no figures.
+    ///
+    /// ```
+    /// # use batch_size_runtime::OutOfMemory;
+    /// assert_eq!(OutOfMemory::new().to_string(), "out of device memory");
+    /// ```
     pub fn new() -> Self {
         OutOfMemory::default()
     }
 
     /// Records the bytes the failed allocation asked for.
+    ///
+    /// ```
+    /// # use batch_size_runtime::OutOfMemory;
+    /// let error = OutOfMemory::new().with_requested(2 << 20);
+    /// assert_eq!(error.requested, Some(2 << 20));
+    /// assert_eq!(error.to_string(), "out of device memory: tried to allocate 2.00 MiB");
+    /// ```
     pub fn with_requested(mut self, bytes: u64) -> Self {
         self.requested = Some(bytes);
         self
     }
 
     /// Records the bytes that were free.
+    ///
+    /// ```
+    /// # use batch_size_runtime::OutOfMemory;
+    /// let error = OutOfMemory::new().with_free(512);
+    /// assert_eq!(error.free, Some(512));
+    /// assert_eq!(error.to_string(), "out of device memory: 512 bytes free");
+    /// ```
     pub fn with_free(mut self, bytes: u64) -> Self {
         self.free = Some(bytes);
         self
     }
 
     /// Records the device's total bytes.
+    ///
+    /// ```
+    /// # use batch_size_runtime::OutOfMemory;
+    /// let error = OutOfMemory::new().with_free(1 << 30).with_total(80 << 30);
+    /// assert_eq!(error.total, Some(80 << 30));
+    /// assert_eq!(error.to_string(), "out of device memory: 1.00 GiB free of 80.00 GiB");
+    /// ```
     pub fn with_total(mut self, bytes: u64) -> Self {
         self.total = Some(bytes);
         self
     }
 
     /// Names the device.
+    ///
+    /// ```
+    /// # use batch_size_runtime::OutOfMemory;
+    /// let error = OutOfMemory::new().on_device("cuda:1");
+    /// assert_eq!(error.device.as_deref(), Some("cuda:1"));
+    /// assert_eq!(error.to_string(), "out of device memory on cuda:1");
+    /// ```
     pub fn on_device(mut self, device: impl Into<String>) -> Self {
         self.device = Some(device.into());
         self

@@ -8,6 +8,17 @@
 //!
 //! cudarc's errors are never formatted here: their `Display` and `Debug` call into libcuda and
 //! panic where it is absent. They are recognised and described by their code's name.
+//!
+//! ```
+//! use batch_size_runtime::oom;
+//!
+//! // candle's errors, boxed as text:
+//! let candle: Box<dyn std::error::Error + Send + Sync> =
+//!     "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into();
+//! assert!(oom::is_out_of_memory(&*candle));
+//! assert!(oom::classify_text("HIP out of memory. Tried to allocate 2.00 MiB").is_some());
+//! assert!(!oom::is_out_of_memory(&std::io::Error::other("checkpoint not found")));
+//! ```
 
 use std::any::Any;
 use std::error::Error;
@@ -17,6 +28,15 @@ use std::sync::{Arc, RwLock};
 use crate::error::OutOfMemory;
 
 /// A text that marks an error message as an out-of-memory error, and where it comes from.
+///
+/// ```
+/// use batch_size_runtime::oom::{self, OomKind, OOM_PATTERNS};
+///
+/// let pytorch = OOM_PATTERNS.iter().find(|pattern| pattern.text == "CUDA out of memory").unwrap();
+/// assert!(pytorch.origin.contains("PyTorch"));
+/// let found = oom::classify_text("CUDA out of memory. Tried to allocate 20.00 MiB").unwrap();
+/// assert_eq!(found.kind, OomKind::Pattern(*pytorch));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OomPattern {
     /// Matched as a case-sensitive substring of the error's message.
@@ -29,6 +49,15 @@ pub struct OomPattern {
 ///
 /// Matching is by case-sensitive substring anywhere in the message of any error in the chain
 /// (or in a panic's message).
+///
+/// ```
+/// use batch_size_runtime::oom::{self, OOM_PATTERNS};
+///
+/// assert!(OOM_PATTERNS.iter().any(|pattern| pattern.text == "CUDA out of memory"));
+/// for pattern in OOM_PATTERNS {
+///     assert!(oom::classify_text(&format!("error: {}", pattern.text)).is_some());
+/// }
+/// ```
 pub const OOM_PATTERNS: &[OomPattern] = &[
     OomPattern {
         text: "CUDA out of memory",
@@ -110,6 +139,26 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
 ];
 
 /// How an out-of-memory error was recognised.
+///
+/// ```
+/// use batch_size_runtime::oom::{self, OomKind};
+/// use batch_size_runtime::OutOfMemory;
+/// use cudarc::driver::{sys::CUresult, DriverError};
+///
+/// let kind = |error: &(dyn std::error::Error + 'static)| oom::classify_error(error).unwrap().kind;
+/// assert_eq!(kind(&OutOfMemory::new()), OomKind::Crate);
+/// assert_eq!(
+///     kind(&DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)),
+///     OomKind::Cudarc("CUDA_ERROR_OUT_OF_MEMORY")
+/// );
+/// assert_eq!(kind(&std::io::Error::from(std::io::ErrorKind::OutOfMemory)), OomKind::Io);
+/// assert!(matches!(
+///     kind(&std::io::Error::other("CUDA out of memory. Tried to allocate 2.00 GiB")),
+///     OomKind::Pattern(pattern) if pattern.text == "CUDA out of memory"
+/// ));
+/// oom::add_rule(|error| error.to_string().contains("VK_ERROR_OUT_OF_DEVICE_MEMORY"));
+/// assert_eq!(kind(&std::io::Error::other("VK_ERROR_OUT_OF_DEVICE_MEMORY")), OomKind::Rule);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OomKind {
@@ -126,6 +175,19 @@ pub enum OomKind {
 }
 
 /// An error or panic recognised as out-of-memory.
+///
+/// ```
+/// use batch_size_runtime::oom;
+///
+/// let pytorch = "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total)\n\
+///                Traceback (most recent call last): ...";
+/// let found = oom::classify_text(pytorch).unwrap();
+/// assert_eq!(found.requested, Some(20 << 20));
+/// assert_eq!(
+///     found.description, // the first line
+///     "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total)"
+/// );
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OomMatch {
     /// How it was recognised.
@@ -137,6 +199,18 @@ pub struct OomMatch {
 }
 
 /// A rule that says whether an error is out-of-memory, for frameworks this crate does not know.
+///
+/// ```
+/// use std::sync::Arc;
+/// use batch_size_runtime::oom::{self, OomRule};
+///
+/// let level_zero: OomRule =
+///     Arc::new(|error| error.to_string().contains("ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY"));
+/// let error = std::io::Error::other("zeMemAllocDevice: ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY");
+/// assert!(level_zero(&error));
+/// oom::add_rule(move |error| level_zero(error));
+/// assert!(oom::is_out_of_memory(&error));
+/// ```
 pub type OomRule = Arc<dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync>;
 
 static RULES: RwLock<Vec<OomRule>> = RwLock::new(Vec::new());
@@ -260,6 +334,23 @@ pub fn classify_text(text: &str) -> Option<OomMatch> {
 /// Payloads of type `&str` and `String` (what `panic!`, `unwrap` and `expect` produce) are read
 /// as text; a payload that is an [`OutOfMemory`] (from `std::panic::panic_any`), an
 /// `anyhow::Error` or a boxed error is classified like a returned error.
+///
+/// ```
+/// use std::panic::{catch_unwind, panic_any};
+/// use batch_size_runtime::oom::{self, OomKind};
+/// use batch_size_runtime::OutOfMemory;
+/// # std::panic::set_hook(Box::new(|_| {})); // keep the doctest's output clean
+///
+/// let oom = || panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+/// let payload = catch_unwind(oom).unwrap_err();
+/// assert_eq!(oom::classify_panic(&*payload).unwrap().requested, Some(1 << 30));
+///
+/// let payload = catch_unwind(|| panic_any(OutOfMemory::new())).unwrap_err();
+/// assert_eq!(oom::classify_panic(&*payload).unwrap().kind, OomKind::Crate);
+///
+/// let payload = catch_unwind(|| panic!("index out of bounds")).unwrap_err();
+/// assert!(oom::classify_panic(&*payload).is_none());
+/// ```
 pub fn classify_panic(payload: &(dyn Any + Send)) -> Option<OomMatch> {
     if let Some(text) = payload.downcast_ref::<&'static str>() {
         return classify_text(text);
@@ -281,6 +372,14 @@ pub fn classify_panic(payload: &(dyn Any + Send)) -> Option<OomMatch> {
 }
 
 /// `error` and its sources, outermost first.
+///
+/// ```
+/// use batch_size_runtime::{oom, OutOfMemory};
+///
+/// let error = anyhow::Error::new(OutOfMemory::new()).context("forward pass");
+/// let messages: Vec<String> = oom::chain_of(error.as_ref()).map(|e| e.to_string()).collect();
+/// assert_eq!(messages, ["forward pass", "out of device memory"]);
+/// ```
 pub fn chain_of<'a>(
     error: &'a (dyn Error + 'static),
 ) -> impl Iterator<Item = &'a (dyn Error + 'static)> + Clone {

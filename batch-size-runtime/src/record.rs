@@ -1,4 +1,17 @@
 //! The record of a search: every attempt, its outcome, duration and memory figures.
+//!
+//! ```
+//! use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+//!
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(32).run_dyn(|batch_size| {
+//!     if batch_size > 8 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+//! });
+//! assert_eq!(fitted.unwrap(), 8);
+//! let report = last_report().unwrap();
+//! let sizes: Vec<usize> = report.attempts().map(|attempt| attempt.batch_size).collect();
+//! assert_eq!(sizes, [32, 16, 8]);
+//! assert_eq!(report.out_of_memory_count(), 2);
+//! ```
 
 use std::cell::RefCell;
 use std::fmt;
@@ -7,6 +20,26 @@ use std::time::Duration;
 use crate::memory::MemorySnapshot;
 
 /// How an attempt ended.
+///
+/// ```
+/// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory, Outcome};
+///
+/// let _ = BatchSizeSearch::new(2).run_dyn(|batch_size| -> anyhow::Result<()> {
+///     match batch_size {
+///         2 => Err(OutOfMemory::new().on_device("sim:0").into()),
+///         _ => anyhow::bail!("data loader closed"),
+///     }
+/// });
+/// let report = last_report().unwrap();
+/// let outcomes: Vec<&Outcome> = report.attempts().map(|attempt| &attempt.outcome).collect();
+/// assert_eq!(
+///     outcomes,
+///     [
+///         &Outcome::OutOfMemory { error: "out of device memory on sim:0".to_owned() },
+///         &Outcome::Failed { error: "data loader closed".to_owned() },
+///     ]
+/// );
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Outcome {
@@ -27,6 +60,31 @@ pub enum Outcome {
 }
 
 /// One call of the attempt.
+///
+/// ```
+/// use batch_size_runtime::{last_report, BatchSizeSearch, Outcome, SimulatedDevice};
+///
+/// let device = SimulatedDevice::new(100);
+/// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(16)
+///     .with_release(device.clone())
+///     .run_dyn(|batch_size| {
+///         let _batch = device.alloc(batch_size as u64 * 10)?;
+///         Ok(batch_size)
+///     });
+/// assert_eq!(fitted.unwrap(), 8);
+///
+/// let report = last_report().unwrap();
+/// let first = report.attempts().next().unwrap();
+/// assert_eq!((first.number, first.batch_size), (1, 16));
+/// assert!(matches!(first.outcome, Outcome::OutOfMemory { .. }));
+/// assert_eq!(first.memory_at_start.as_ref().unwrap().free(), 100);
+/// assert!(first.memory_at_end.is_some() && first.memory_after_release.is_some());
+/// assert!(first.to_string().starts_with("attempt 1 with batch size 16: out of memory ("));
+///
+/// let last = report.attempts().last().unwrap();
+/// assert_eq!((last.number, last.outcome.clone()), (2, Outcome::Succeeded));
+/// assert!(last.memory_at_end.is_none()); // only read when an attempt runs out of memory
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Attempt {
@@ -68,6 +126,24 @@ impl fmt::Display for Attempt {
 /// The attribute leaves the report of the last search that finished on the current thread
 /// in [`last_report()`]; [`NoExecutableBatchSize::report`](crate::NoExecutableBatchSize::report)
 /// carries it too.
+///
+/// ```
+/// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+///
+/// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+///     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+/// });
+/// assert_eq!(fitted.unwrap(), 16);
+///
+/// let report = last_report().unwrap();
+/// assert_eq!(report.len(), 3);
+/// assert!(!report.is_empty());
+/// assert_eq!(report.batch_size(), Some(16));
+/// assert_eq!(report.out_of_memory_count(), 2);
+/// let sizes: Vec<usize> = report.attempts().map(|attempt| attempt.batch_size).collect();
+/// assert_eq!(sizes, [64, 32, 16]);
+/// assert_eq!(report.to_string().lines().count(), 3); // one line per attempt
+/// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SearchReport {
     // The final attempt is kept apart so that a search whose first attempt succeeds records
@@ -84,21 +160,54 @@ impl SearchReport {
     }
 
     /// The attempts, in order.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// let sizes: Vec<usize> = report.attempts().map(|attempt| attempt.batch_size).collect();
+    /// assert_eq!(sizes, [64, 32, 16]);
+    /// ```
     pub fn attempts(&self) -> impl DoubleEndedIterator<Item = &Attempt> + '_ {
         self.earlier.iter().chain(self.last.as_ref())
     }
 
     /// How many attempts were made.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// assert_eq!(report.len(), 3);
+    /// ```
     pub fn len(&self) -> usize {
         self.earlier.len() + usize::from(self.last.is_some())
     }
 
     /// Whether no attempt was made.
+    ///
+    /// ```
+    /// use batch_size_runtime::SearchReport;
+    /// assert!(SearchReport::default().is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.last.is_none()
     }
 
     /// The batch size of the attempt that succeeded, if one did.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// assert_eq!(report.batch_size(), Some(16));
+    /// ```
     pub fn batch_size(&self) -> Option<usize> {
         self.last
             .as_ref()
@@ -107,6 +216,15 @@ impl SearchReport {
     }
 
     /// How many attempts ran out of memory.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// assert_eq!(report.out_of_memory_count(), 2);
+    /// ```
     pub fn out_of_memory_count(&self) -> usize {
         self.attempts()
             .filter(|attempt| matches!(attempt.outcome, Outcome::OutOfMemory { .. }))

@@ -1,6 +1,20 @@
 //! A simulated device: capacity, allocations that free themselves, out-of-memory past the
 //! capacity, and the figures a real backend reports. It lets a training function be written,
 //! driven through the attribute and tested on any machine, with no GPU.
+//!
+//! ```
+//! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+//!
+//! let device = SimulatedDevice::new(1 << 30); // 1 GiB
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
+//!     .with_release(device.clone())
+//!     .run_dyn(|batch_size| {
+//!         let _activations = device.alloc(batch_size as u64 * (24 << 20))?; // 24 MiB a sample
+//!         Ok(batch_size)
+//!     });
+//! assert_eq!(fitted.unwrap(), 32); // 64 needs 1.5 GiB
+//! assert_eq!(device.failed_allocation_count(), 1);
+//! ```
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,9 +62,14 @@ impl Device {
 /// let device = SimulatedDevice::new(1 << 30); // 1 GiB
 /// let weights = device.alloc(600 << 20)?;
 /// assert!(device.alloc(600 << 20).is_err()); // out of memory
+/// assert_eq!(device.free(), 424 << 20);
 /// drop(weights);
 /// assert_eq!(device.live(), 0);
 /// assert_eq!(device.peak(), 600 << 20);
+/// assert_eq!(device.cached(), 0); // no cache without `with_caching`
+/// assert_eq!(device.allocation_count(), 1);
+/// assert_eq!(device.failed_allocation_count(), 1);
+/// assert_eq!(device.release_count(), 0);
 /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
 /// ```
 ///
@@ -62,6 +81,12 @@ pub struct SimulatedDevice {
 
 impl SimulatedDevice {
     /// A device named `sim:0` with `capacity_bytes` of memory, exact allocations and no cache.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(8 << 30);
+    /// assert_eq!((device.name(), device.capacity(), device.free()), ("sim:0", 8 << 30, 8 << 30));
+    /// ```
     pub fn new(capacity_bytes: u64) -> Self {
         SimulatedDevice {
             device: Arc::new(Device {
@@ -89,6 +114,14 @@ impl SimulatedDevice {
     }
 
     /// Names the device in logs and errors. Call before allocating: it makes a new device.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100).named("sim:1");
+    /// assert_eq!(device.name(), "sim:1");
+    /// let error = device.alloc(200).unwrap_err();
+    /// assert_eq!(error.device.as_deref(), Some("sim:1"));
+    /// ```
     pub fn named(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.rebuild(|device| device.name = name)
@@ -129,6 +162,17 @@ impl SimulatedDevice {
 
     /// Allocates `bytes` (rounded up to the block size), or fails with [`OutOfMemory`] carrying
     /// the bytes requested and free. The allocation frees itself when dropped.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// let held = device.alloc(60)?;
+    /// let error = device.alloc(50).unwrap_err();
+    /// assert_eq!((error.requested, error.free, error.total), (Some(50), Some(40), Some(100)));
+    /// drop(held);
+    /// assert!(device.alloc(50).is_ok());
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn alloc(&self, bytes: u64) -> Result<SimAllocation, OutOfMemory> {
         let rounded = bytes
             .div_ceil(self.device.block_size)
@@ -160,47 +204,115 @@ impl SimulatedDevice {
     }
 
     /// The device's name.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// assert_eq!(SimulatedDevice::new(100).name(), "sim:0");
+    /// ```
     pub fn name(&self) -> &str {
         &self.device.name
     }
 
     /// Total bytes.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// assert_eq!(SimulatedDevice::new(100).capacity(), 100);
+    /// ```
     pub fn capacity(&self) -> u64 {
         self.device.capacity
     }
 
     /// Bytes held by live allocations.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// let _held = device.alloc(30)?;
+    /// assert_eq!(device.live(), 30);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn live(&self) -> u64 {
         self.device.usage().live
     }
 
     /// The most bytes live at once since the peak was last reset.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// drop(device.alloc(70)?);
+    /// let _held = device.alloc(20)?;
+    /// assert_eq!(device.peak(), 70);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn peak(&self) -> u64 {
         self.device.usage().peak
     }
 
     /// Bytes freed but still held by the cache (always 0 without [`with_caching`](Self::with_caching)).
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100).with_caching();
+    /// drop(device.alloc(30)?);
+    /// assert_eq!(device.cached(), 30);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn cached(&self) -> u64 {
         self.device.usage().cached
     }
 
     /// Bytes an allocation can still get.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// let _held = device.alloc(30)?;
+    /// assert_eq!(device.free(), 70);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn free(&self) -> u64 {
         let usage = self.device.usage();
         self.free_in(&usage)
     }
 
     /// Successful allocations so far.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// let _held = (device.alloc(10)?, device.alloc(10)?);
+    /// assert_eq!(device.allocation_count(), 2);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn allocation_count(&self) -> u64 {
         self.device.usage().allocations
     }
 
     /// Allocations that failed with out-of-memory so far.
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// assert!(device.alloc(101).is_err());
+    /// assert_eq!(device.failed_allocation_count(), 1);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn failed_allocation_count(&self) -> u64 {
         self.device.usage().failed_allocations
     }
 
     /// Releases so far (each gives the cache back).
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// use batch_size_runtime::memory::MemoryBackend;
+    /// let device = SimulatedDevice::new(100);
+    /// device.release()?;
+    /// assert_eq!(device.release_count(), 1);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
     pub fn release_count(&self) -> u64 {
         self.device.usage().releases
     }
@@ -235,6 +347,18 @@ impl MemoryBackend for SimulatedDevice {
 }
 
 /// Memory taken from a [`SimulatedDevice`]; given back when dropped.
+///
+/// ```
+/// use batch_size_runtime::SimulatedDevice;
+///
+/// let device = SimulatedDevice::new(1 << 20);
+/// let buffer = device.alloc(4096)?;
+/// assert_eq!(buffer.bytes(), 4096);
+/// assert_eq!(device.live(), 4096);
+/// drop(buffer);
+/// assert_eq!(device.live(), 0);
+/// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+/// ```
 pub struct SimAllocation {
     device: Arc<Device>,
     bytes: u64,
@@ -242,6 +366,13 @@ pub struct SimAllocation {
 
 impl SimAllocation {
     /// Bytes held (after rounding to the block size).
+    ///
+    /// ```
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100).with_block_size(8);
+    /// assert_eq!(device.alloc(10)?.bytes(), 16);
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     pub fn bytes(&self) -> u64 {
         self.bytes
     }

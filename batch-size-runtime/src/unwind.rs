@@ -35,8 +35,28 @@ static INSTALL_FILTER: Once = Once::new();
 /// out-of-memory always reach your hook.
 ///
 /// ```
-/// batch_size_runtime::set_quiet_oom_panics(false); // print them, as Rust does by default
-/// # batch_size_runtime::set_quiet_oom_panics(true);
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use batch_size_runtime::{set_quiet_oom_panics, BatchSizeSearch};
+///
+/// static PRINTED: AtomicUsize = AtomicUsize::new(0); // panics that reached the hook
+/// std::panic::set_hook(Box::new(|_| {
+///     PRINTED.fetch_add(1, Ordering::Relaxed);
+/// }));
+/// let search = || {
+///     BatchSizeSearch::new(2).call(|batch_size| {
+///         if batch_size > 1 {
+///             panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+///         }
+///         batch_size
+///     })
+/// };
+///
+/// assert_eq!(search().unwrap(), 1);
+/// assert_eq!(PRINTED.load(Ordering::Relaxed), 0); // quiet by default
+///
+/// set_quiet_oom_panics(false); // print them, as Rust does by default
+/// assert_eq!(search().unwrap(), 1);
+/// assert_eq!(PRINTED.load(Ordering::Relaxed), 1);
 /// ```
 pub fn set_quiet_oom_panics(quiet: bool) {
     QUIET_OOM_PANICS.store(quiet, Ordering::Relaxed);
@@ -91,6 +111,30 @@ pub fn catch_attempt<R>(attempt: impl FnOnce() -> R) -> Result<R, PanicPayload> 
 }
 
 /// A future that catches a panic raised while it is polled.
+///
+/// ```
+/// use std::future::Future;
+/// use std::pin::Pin;
+/// use std::task::{Context, Poll, Waker};
+/// use batch_size_runtime::{oom, CatchUnwind};
+///
+/// async fn step(batch_size: usize) -> usize {
+///     if batch_size > 4 {
+///         panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+///     }
+///     batch_size
+/// }
+///
+/// let mut context = Context::from_waker(Waker::noop());
+/// let mut fits = CatchUnwind::new(step(4));
+/// assert!(matches!(Pin::new(&mut fits).poll(&mut context), Poll::Ready(Ok(4))));
+///
+/// let mut too_big = CatchUnwind::new(step(8));
+/// let Poll::Ready(Err(payload)) = Pin::new(&mut too_big).poll(&mut context) else {
+///     panic!("the panic should have been caught");
+/// };
+/// assert_eq!(oom::classify_panic(&*payload).unwrap().requested, Some(1 << 30));
+/// ```
 #[derive(Debug)]
 #[must_use = "futures do nothing unless polled"]
 pub struct CatchUnwind<F> {
@@ -101,6 +145,15 @@ pub struct CatchUnwind<F> {
 
 impl<F: Future> CatchUnwind<F> {
     /// Wraps `future`.
+    ///
+    /// ```
+    /// # use std::future::Future;
+    /// # use std::task::{Context, Poll, Waker};
+    /// # use batch_size_runtime::CatchUnwind;
+    /// let mut future = CatchUnwind::new(async { 7 });
+    /// let polled = std::pin::Pin::new(&mut future).poll(&mut Context::from_waker(Waker::noop()));
+    /// assert!(matches!(polled, Poll::Ready(Ok(7))));
+    /// ```
     pub fn new(future: F) -> Self {
         CatchUnwind {
             future: Box::pin(future),

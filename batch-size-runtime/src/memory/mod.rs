@@ -6,6 +6,26 @@
 //! memory reserved. The engine therefore asks the backend to give it back before the next
 //! attempt, and reads the figures around every attempt so that logs and errors can say where
 //! the memory went.
+//!
+//! ```
+//! use batch_size_runtime::{last_report, BatchSizeSearch, SimulatedDevice};
+//!
+//! // A caching device keeps freed memory reserved, as CUDA's pools do.
+//! let device = SimulatedDevice::new(1000).with_caching();
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
+//!     .with_release(device.clone())
+//!     .run_dyn(|batch_size| {
+//!         let _weights = device.alloc(300)?;
+//!         let _batch = device.alloc(batch_size as u64 * 100)?;
+//!         Ok(batch_size)
+//!     });
+//! assert_eq!(fitted.unwrap(), 4);
+//!
+//! let report = last_report().unwrap();
+//! let failed = report.attempts().next().unwrap();
+//! assert_eq!(failed.memory_at_end.as_ref().unwrap().free(), 700); // the weights, cached
+//! assert_eq!(failed.memory_after_release.as_ref().unwrap().free(), 1000);
+//! ```
 
 mod cuda;
 
@@ -42,6 +62,25 @@ impl fmt::Display for Bytes {
 }
 
 /// The memory of one device at one moment.
+///
+/// ```
+/// use batch_size_runtime::memory::DeviceMemory;
+///
+/// let memory = DeviceMemory {
+///     device: "cuda:0".to_owned(),
+///     total: 80 << 30,
+///     free: 1 << 30,
+///     pool_reserved: Some(70 << 30),
+///     pool_used: Some(60 << 30),
+///     peak: Some(75 << 30),
+/// };
+/// assert_eq!(
+///     memory.to_string(),
+///     "cuda:0 has a total capacity of 80.00 GiB of which 1.00 GiB is free; 60.00 GiB is \
+///      allocated and 10.00 GiB is reserved by the pool but unallocated; the attempt's peak \
+///      was 75.00 GiB"
+/// );
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceMemory {
     /// The device's name in logs: `cuda:0`, `sim:0`.
@@ -86,6 +125,20 @@ impl fmt::Display for DeviceMemory {
 }
 
 /// The memory of every device a backend watches, at one moment (empty when unknown).
+///
+/// ```
+/// use batch_size_runtime::memory::MemoryBackend;
+/// use batch_size_runtime::SimulatedDevice;
+///
+/// let device = SimulatedDevice::new(1000);
+/// let _held = device.alloc(400)?;
+/// let snapshot = device.memory();
+/// assert!(!snapshot.is_empty());
+/// assert_eq!(snapshot.free(), 600);
+/// assert_eq!(snapshot.devices[0].device, "sim:0");
+/// assert_eq!(snapshot.devices[0].pool_used, Some(400));
+/// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemorySnapshot {
     /// One entry per device.
@@ -94,11 +147,24 @@ pub struct MemorySnapshot {
 
 impl MemorySnapshot {
     /// Whether no device was read.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::MemorySnapshot;
+    /// assert!(MemorySnapshot::default().is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.devices.is_empty()
     }
 
     /// Free bytes summed over the devices.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::MemoryBackend;
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let mut snapshot = SimulatedDevice::new(100).memory();
+    /// snapshot.devices.extend(SimulatedDevice::new(50).named("sim:1").memory().devices);
+    /// assert_eq!(snapshot.free(), 150);
+    /// ```
     pub fn free(&self) -> u64 {
         self.devices.iter().map(|device| device.free).sum()
     }
@@ -118,6 +184,31 @@ impl fmt::Display for MemorySnapshot {
 
 /// Releasing memory failed. The engine logs it at WARN and goes on: it never hides the error
 /// that made the attempt fail.
+///
+/// ```
+/// use batch_size_runtime::memory::{MemoryBackend, MemorySnapshot, ReleaseError};
+/// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+///
+/// #[derive(Debug)]
+/// struct BusyPool;
+///
+/// impl MemoryBackend for BusyPool {
+///     fn release(&self) -> Result<(), ReleaseError> {
+///         Err(ReleaseError::new("the pool is busy"))
+///     }
+///     fn memory(&self) -> MemorySnapshot {
+///         MemorySnapshot::default()
+///     }
+/// }
+///
+/// // The failed release is logged; the search goes on.
+/// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
+///     .with_release(BusyPool)
+///     .run_dyn(|batch_size| {
+///         if batch_size > 2 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+///     });
+/// assert_eq!(fitted.unwrap(), 2);
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("releasing device memory failed: {message}")]
 pub struct ReleaseError {
@@ -126,6 +217,15 @@ pub struct ReleaseError {
 
 impl ReleaseError {
     /// A release failure with its reason.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::ReleaseError;
+    /// let error = ReleaseError::new("cuMemPoolTrimTo returned CUDA_ERROR_INVALID_VALUE");
+    /// assert_eq!(
+    ///     error.to_string(),
+    ///     "releasing device memory failed: cuMemPoolTrimTo returned CUDA_ERROR_INVALID_VALUE"
+    /// );
+    /// ```
     pub fn new(message: impl Into<String>) -> Self {
         ReleaseError {
             message: message.into(),
@@ -141,33 +241,84 @@ impl ReleaseError {
 /// crate cannot see; for a cache that only needs a call, [`Release::hook`] is shorter.
 ///
 /// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
 /// use batch_size_runtime::memory::{MemoryBackend, MemorySnapshot, ReleaseError};
+/// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
 ///
-/// #[derive(Debug)]
-/// struct MyPool;
+/// #[derive(Debug, Clone, Default)]
+/// struct MyPool {
+///     releases: Arc<AtomicUsize>,
+/// }
 ///
 /// impl MemoryBackend for MyPool {
 ///     fn release(&self) -> Result<(), ReleaseError> {
 ///         // give cached blocks back to the device here
+///         self.releases.fetch_add(1, Ordering::Relaxed);
 ///         Ok(())
 ///     }
 ///     fn memory(&self) -> MemorySnapshot {
-///         MemorySnapshot::default()
+///         MemorySnapshot::default() // figures unknown
 ///     }
 /// }
+///
+/// let pool = MyPool::default();
+/// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
+///     .with_release(pool.clone())
+///     .run_dyn(|batch_size| {
+///         if batch_size > 2 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+///     });
+/// assert_eq!(fitted.unwrap(), 2);
+/// assert_eq!(pool.releases.load(Ordering::Relaxed), 2); // after 8 and after 4
 /// ```
 pub trait MemoryBackend: Send + Sync + fmt::Debug {
     /// Gives cached memory back to the device. Called after every out-of-memory attempt.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::MemoryBackend;
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100).with_caching();
+    /// drop(device.alloc(60)?);
+    /// assert_eq!(device.free(), 40);
+    /// device.release()?;
+    /// assert_eq!(device.free(), 100);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
     fn release(&self) -> Result<(), ReleaseError>;
 
     /// Reads the memory figures now. An empty snapshot means "unknown".
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::{MemoryBackend, NoRelease};
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// assert_eq!(SimulatedDevice::new(100).memory().free(), 100);
+    /// assert!(NoRelease.memory().is_empty());
+    /// ```
     fn memory(&self) -> MemorySnapshot;
 
     /// Starts a new peak, so that each attempt reports its own. Does nothing by default.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::MemoryBackend;
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// drop(device.alloc(70)?);
+    /// let _held = device.alloc(20)?;
+    /// device.reset_peak();
+    /// assert_eq!(device.peak(), 20); // what is live now
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
     fn reset_peak(&self) {}
 }
 
 /// A backend that releases nothing and reads nothing.
+///
+/// ```
+/// use batch_size_runtime::memory::{MemoryBackend, NoRelease};
+///
+/// assert!(NoRelease.release().is_ok());
+/// assert!(NoRelease.memory().is_empty());
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoRelease;
 
@@ -198,7 +349,11 @@ type Hook = Arc<dyn Fn() + Send + Sync>;
 /// let nothing = Release::none();                  // nothing to release
 /// let burn = Release::hook(|| { /* B::memory_cleanup(&device) */ }); // CUDA + a framework cache
 /// let simulated: Release = SimulatedDevice::new(1 << 30).into();
-/// # let _ = (default, nothing, burn, simulated);
+///
+/// assert!(default.memory_backend().memory().is_empty()); // no CUDA in use in this process
+/// assert!(nothing.memory_backend().memory().is_empty());
+/// assert!(burn.memory_backend().memory().is_empty()); // CUDA's figures: none here
+/// assert_eq!(simulated.memory_backend().memory().free(), 1 << 30);
 /// ```
 #[derive(Clone)]
 pub struct Release {
@@ -208,6 +363,12 @@ pub struct Release {
 
 impl Release {
     /// The CUDA backend over every device whose primary context is active.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::Release;
+    /// let release = Release::cuda();
+    /// assert!(release.memory_backend().memory().is_empty()); // no CUDA in use in this process
+    /// ```
     pub fn cuda() -> Self {
         // One backend for the process: the default release costs no allocation per call.
         static CUDA: OnceLock<Arc<dyn MemoryBackend>> = OnceLock::new();
@@ -218,6 +379,13 @@ impl Release {
     }
 
     /// Releases nothing and reads no figures.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::Release;
+    /// let release = Release::none();
+    /// assert!(release.memory_backend().release().is_ok());
+    /// assert!(release.memory_backend().memory().is_empty());
+    /// ```
     pub fn none() -> Self {
         static NONE: OnceLock<Arc<dyn MemoryBackend>> = OnceLock::new();
         Release {
@@ -227,6 +395,13 @@ impl Release {
     }
 
     /// The given backend.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::Release;
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let release = Release::backend(SimulatedDevice::new(100).named("sim:3"));
+    /// assert_eq!(release.memory_backend().memory().devices[0].device, "sim:3");
+    /// ```
     pub fn backend(backend: impl MemoryBackend + 'static) -> Self {
         Release {
             backend: Arc::new(backend),
@@ -236,17 +411,61 @@ impl Release {
 
     /// The CUDA backend plus `hook`, run after it at each release: for caches this crate
     /// cannot reach (burn's `memory_cleanup`, libtorch's `emptyCache`, your own pool).
+    ///
+    /// ```
+    /// # use std::sync::atomic::{AtomicUsize, Ordering};
+    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Release};
+    /// static CLEANUPS: AtomicUsize = AtomicUsize::new(0);
+    ///
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
+    ///     .with_release(Release::hook(|| {
+    ///         CLEANUPS.fetch_add(1, Ordering::Relaxed); // e.g. B::memory_cleanup(&device)
+    ///     }))
+    ///     .run_dyn(|batch_size| {
+    ///         if batch_size > 2 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 2);
+    /// assert_eq!(CLEANUPS.load(Ordering::Relaxed), 2); // after 8 and after 4
+    /// ```
     pub fn hook(hook: impl Fn() + Send + Sync + 'static) -> Self {
         Release::cuda().with_hook(hook)
     }
 
     /// Adds a hook, run after the backend's release and after the hooks added before it.
+    ///
+    /// ```
+    /// # use std::sync::Mutex;
+    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Release, SimulatedDevice};
+    /// static RAN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    ///
+    /// let device = SimulatedDevice::new(100);
+    /// let seen = device.clone();
+    /// let release = Release::backend(device.clone())
+    ///     .with_hook(move || {
+    ///         RAN.lock().unwrap().push(format!("first, after {} release", seen.release_count()))
+    ///     })
+    ///     .with_hook(|| RAN.lock().unwrap().push("second".to_owned()));
+    ///
+    /// let fitted: Result<usize, anyhow::Error> =
+    ///     BatchSizeSearch::new(2).with_release(release).run_dyn(|batch_size| {
+    ///         if batch_size > 1 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 1);
+    /// assert_eq!(*RAN.lock().unwrap(), ["first, after 1 release", "second"]);
+    /// ```
     pub fn with_hook(mut self, hook: impl Fn() + Send + Sync + 'static) -> Self {
         self.hooks.push(Arc::new(hook));
         self
     }
 
     /// The backend in use.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::Release;
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let release: Release = SimulatedDevice::new(100).into();
+    /// assert_eq!(release.memory_backend().memory().free(), 100);
+    /// ```
     pub fn memory_backend(&self) -> &dyn MemoryBackend {
         &*self.backend
     }
