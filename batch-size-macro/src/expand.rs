@@ -243,7 +243,7 @@ fn rewrite(
                                 return #value;
                             }
                             #private::Verdict::OutOfMemory(#found, #kept) => {
-                                #search.out_of_memory(#found, #kept);
+                                #search.out_of_memory_kept(#found, #kept);
                             }
                         }
                     }

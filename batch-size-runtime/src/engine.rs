@@ -23,7 +23,7 @@ use std::error::Error;
 use std::future::Future;
 use std::time::Instant;
 
-use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::error::{KeptError, NoExecutableBatchSize, StopReason};
 use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
 use crate::record::{self, Attempt, Outcome, SearchReport};
@@ -300,7 +300,8 @@ impl<'r> BatchSizeSearch<'r> {
         F: FnMut(usize) -> Result<T, E>,
         E: AsRef<dyn Error + Send + Sync + 'static>
             + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>,
+            + From<NoExecutableBatchSize>
+            + 'static,
     {
         let mut search = self.start();
         loop {
@@ -311,7 +312,7 @@ impl<'r> BatchSizeSearch<'r> {
                     return Ok(value);
                 }
                 Ok(Err(error)) => match oom::classify_error(error.as_ref()) {
-                    Some(found) => search.out_of_memory(found, Some(error.into())),
+                    Some(found) => search.out_of_memory_kept(found, Some(KeptError::keep(error))),
                     None => {
                         search.failed(error.as_ref());
                         return Err(error);
@@ -433,7 +434,8 @@ impl<'r> BatchSizeSearch<'r> {
         Fut: Future<Output = Result<T, E>>,
         E: AsRef<dyn Error + Send + Sync + 'static>
             + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>,
+            + From<NoExecutableBatchSize>
+            + 'static,
     {
         let mut search = self.start();
         loop {
@@ -444,7 +446,7 @@ impl<'r> BatchSizeSearch<'r> {
                     return Ok(value);
                 }
                 Ok(Err(error)) => match oom::classify_error(error.as_ref()) {
-                    Some(found) => search.out_of_memory(found, Some(error.into())),
+                    Some(found) => search.out_of_memory_kept(found, Some(KeptError::keep(error))),
                     None => {
                         search.failed(error.as_ref());
                         return Err(error);
@@ -539,7 +541,7 @@ pub struct Search<'r> {
     next: Next,
     running: Option<Running>,
     report: SearchReport,
-    last_error: Option<Box<dyn Error + Send + Sync + 'static>>,
+    last_error: Option<KeptError>,
 }
 
 impl Search<'_> {
@@ -567,16 +569,18 @@ impl Search<'_> {
                 Ok(batch_size)
             }
             Next::Stop(reason) => Err(self.give_up(reason)),
-            Next::Done => Err(self.give_up(StopReason::InvalidConfiguration(
-                "the search already ended".to_owned(),
-            ))),
+            // Called again after the end: say so, leaving `last_report()` to the search that ended.
+            Next::Done => Err(NoExecutableBatchSize::new(
+                StopReason::InvalidConfiguration("the search already ended".to_owned()),
+                self.report.clone(),
+                None,
+            )),
         }
     }
 
     fn give_up(&mut self, reason: StopReason) -> NoExecutableBatchSize {
-        let report = std::mem::take(&mut self.report);
-        record::store_last_report(report.clone());
-        let error = NoExecutableBatchSize::new(reason, report, self.last_error.take());
+        record::store_last_report(self.report.clone());
+        let error = NoExecutableBatchSize::new(reason, self.report.clone(), self.last_error.take());
         tracing::error!(
             function = self.config.label,
             tried = ?error.tried(),
@@ -626,7 +630,8 @@ impl Search<'_> {
             "found executable batch size"
         );
         self.report.push(attempt);
-        record::store_last_report(std::mem::take(&mut self.report));
+        // A clone, so that `report()` still answers; with no failed attempt it allocates nothing.
+        record::store_last_report(self.report.clone());
     }
 
     /// The attempt returned an error that is not out-of-memory: the search is over and the
@@ -651,7 +656,8 @@ impl Search<'_> {
     pub fn failed_described(&mut self, description: String) {
         let attempt = self.finish_attempt(Outcome::Failed { error: description });
         self.report.push(attempt);
-        record::store_last_report(std::mem::take(&mut self.report));
+        // A clone, so that `report()` still answers; with no failed attempt it allocates nothing.
+        record::store_last_report(self.report.clone());
     }
 
     /// The attempt panicked. An out-of-memory panic is recorded like an out-of-memory error;
@@ -674,7 +680,8 @@ impl Search<'_> {
             None => {
                 let attempt = self.finish_attempt(Outcome::Panicked);
                 self.report.push(attempt);
-                record::store_last_report(std::mem::take(&mut self.report));
+                // A clone, so that `report()` still answers; with no failed attempt it allocates nothing.
+                record::store_last_report(self.report.clone());
                 std::panic::resume_unwind(payload)
             }
         }
@@ -698,6 +705,12 @@ impl Search<'_> {
         found: OomMatch,
         error: Option<Box<dyn Error + Send + Sync + 'static>>,
     ) {
+        self.out_of_memory_kept(found, error.map(KeptError::from));
+    }
+
+    /// [`out_of_memory`](Self::out_of_memory), with the error already kept.
+    #[doc(hidden)]
+    pub fn out_of_memory_kept(&mut self, found: OomMatch, error: Option<KeptError>) {
         let mut attempt = self.finish_attempt(Outcome::OutOfMemory {
             error: found.description.clone(),
         });
@@ -773,14 +786,13 @@ impl Search<'_> {
             ),
         }
         self.report.push(attempt);
-        if error.is_some() {
-            self.last_error = error;
-        } else {
-            self.last_error = Some(Box::new(LastOutOfMemory(found.description)));
-        }
+        self.last_error = Some(error.unwrap_or_else(|| {
+            let text: Box<dyn Error + Send + Sync> = Box::new(LastOutOfMemory(found.description));
+            KeptError::from(text)
+        }));
     }
 
-    /// The attempts so far.
+    /// The attempts so far; once the search has ended, all of them (as `last_report()` has).
     ///
     /// ```
     /// # use batch_size_runtime::{oom, BatchSizeSearch};

@@ -122,14 +122,14 @@ struct NoExecutableBatchSizeInner {
     reason: StopReason,
     report: SearchReport,
     tried: Vec<usize>,
-    last_error: Option<Box<dyn Error + Send + Sync + 'static>>,
+    last_error: Option<KeptError>,
 }
 
 impl NoExecutableBatchSize {
     pub(crate) fn new(
         reason: StopReason,
         report: SearchReport,
-        last_error: Option<Box<dyn Error + Send + Sync + 'static>>,
+        last_error: Option<KeptError>,
     ) -> Self {
         let tried = report
             .attempts()
@@ -188,7 +188,8 @@ impl NoExecutableBatchSize {
         &self.inner.report
     }
 
-    /// The memory figures read when the last attempt ran out of memory, before release.
+    /// The memory figures read once the last attempt had failed (its values dropped), before the
+    /// release: what a pool or cache still held, and the attempt's peak.
     ///
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, SimulatedDevice};
@@ -250,10 +251,70 @@ impl fmt::Display for NoExecutableBatchSize {
 
 impl Error for NoExecutableBatchSize {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
-        self.inner
-            .last_error
-            .as_deref()
-            .map(|error| error as &(dyn Error + 'static))
+        self.inner.last_error.as_ref().map(KeptError::as_error)
+    }
+}
+
+/// The last out-of-memory error of a search, kept for [`NoExecutableBatchSize`]'s `source()`.
+///
+/// An `anyhow::Error` is kept as it is: turned into a `Box<dyn Error>` it would become anyhow's
+/// own wrapper type, and `source().downcast_ref::<YourError>()` would no longer find the error
+/// the attempt returned.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct KeptError(Kept);
+
+#[derive(Debug)]
+enum Kept {
+    Boxed(Box<dyn Error + Send + Sync + 'static>),
+    #[cfg(feature = "anyhow")]
+    Anyhow(anyhow::Error),
+}
+
+impl KeptError {
+    /// Keeps an error that converts into a box, unwrapping `anyhow::Error` as said above.
+    pub(crate) fn keep<E>(error: E) -> Self
+    where
+        E: Into<Box<dyn Error + Send + Sync + 'static>> + 'static,
+    {
+        #[cfg(feature = "anyhow")]
+        {
+            let mut slot = Some(error);
+            let any: &mut dyn std::any::Any = &mut slot;
+            if let Some(anyhow_error) = any
+                .downcast_mut::<Option<anyhow::Error>>()
+                .and_then(Option::take)
+            {
+                return KeptError(Kept::Anyhow(anyhow_error));
+            }
+            match slot {
+                Some(error) => KeptError(Kept::Boxed(error.into())),
+                // Only taken above, where it was an anyhow::Error and returned.
+                None => KeptError(Kept::Boxed("the out-of-memory error".into())),
+            }
+        }
+        #[cfg(not(feature = "anyhow"))]
+        {
+            KeptError(Kept::Boxed(error.into()))
+        }
+    }
+
+    fn as_error(&self) -> &(dyn Error + 'static) {
+        match &self.0 {
+            Kept::Boxed(error) => &**error,
+            // anyhow's `Deref` gives the error it was built from, downcastable to its type.
+            #[cfg(feature = "anyhow")]
+            Kept::Anyhow(error) => {
+                let error: &(dyn Error + Send + Sync + 'static) = error.as_ref();
+                error
+            }
+        }
+    }
+}
+
+impl From<Box<dyn Error + Send + Sync + 'static>> for KeptError {
+    fn from(error: Box<dyn Error + Send + Sync + 'static>) -> Self {
+        KeptError(Kept::Boxed(error))
     }
 }
 

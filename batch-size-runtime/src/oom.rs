@@ -45,7 +45,9 @@ pub struct OomPattern {
     pub origin: &'static str,
 }
 
-/// Every message pattern recognised as out-of-memory, each with where it comes from.
+/// Every message pattern recognised as out-of-memory, each with where it comes from. The first
+/// match names the source, so specific entries come before Accelerate's generic
+/// `" out of memory."`.
 ///
 /// Matching is by case-sensitive substring anywhere in the message of any error in the chain
 /// (or in a panic's message).
@@ -66,10 +68,6 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
     OomPattern {
         text: "CUDA error: out of memory",
         origin: "PyTorch's C10_CUDA_CHECK and CUDA runtime messages",
-    },
-    OomPattern {
-        text: " out of memory.",
-        origin: "Accelerate's list (utils/memory.py, should_reduce_batch_size)",
     },
     OomPattern {
         text: "CUDA_ERROR_OUT_OF_MEMORY",
@@ -136,6 +134,31 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
         text: "NPU out of memory",
         origin: "PyTorch on Ascend NPU (torch_npu)",
     },
+    OomPattern {
+        text: "CUDA failure 2: out of memory",
+        origin: "ONNX Runtime's CUDA execution provider (the ort crate)",
+    },
+    OomPattern {
+        text: "Failed to allocate memory for requested buffer",
+        origin: "ONNX Runtime's BFC arena (the ort crate)",
+    },
+    OomPattern {
+        text: "RESOURCE_EXHAUSTED: Out of memory",
+        origin: "XLA / PJRT (the xla crate)",
+    },
+    OomPattern {
+        text: "OOM when allocating tensor",
+        origin: "TensorFlow (the tensorflow crate)",
+    },
+    OomPattern {
+        text: "OUT_OF_DEVICE_MEMORY",
+        origin: "Vulkan `VK_ERROR_OUT_OF_DEVICE_MEMORY` (ash's `vk::Result` prints `ERROR_OUT_OF_DEVICE_MEMORY`; wgpu and burn-wgpu on Vulkan)",
+    },
+    // Last: the generic form, so that the specific entries above name the source.
+    OomPattern {
+        text: " out of memory.",
+        origin: "Accelerate's list (utils/memory.py, should_reduce_batch_size)",
+    },
 ];
 
 /// How an out-of-memory error was recognised.
@@ -156,8 +179,8 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
 ///     kind(&std::io::Error::other("CUDA out of memory. Tried to allocate 2.00 GiB")),
 ///     OomKind::Pattern(pattern) if pattern.text == "CUDA out of memory"
 /// ));
-/// oom::add_rule(|error| error.to_string().contains("VK_ERROR_OUT_OF_DEVICE_MEMORY"));
-/// assert_eq!(kind(&std::io::Error::other("VK_ERROR_OUT_OF_DEVICE_MEMORY")), OomKind::Rule);
+/// oom::add_rule(|error| error.to_string().contains("arena exhausted"));
+/// assert_eq!(kind(&std::io::Error::other("my_accel: arena exhausted")), OomKind::Rule);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -224,8 +247,8 @@ static RULES: RwLock<Vec<OomRule>> = RwLock::new(Vec::new());
 /// ```
 /// use batch_size_runtime::oom;
 ///
-/// oom::add_rule(|error| error.to_string().contains("VK_ERROR_OUT_OF_DEVICE_MEMORY"));
-/// let error = std::io::Error::other("vkAllocateMemory: VK_ERROR_OUT_OF_DEVICE_MEMORY");
+/// oom::add_rule(|error| error.to_string().contains("arena exhausted"));
+/// let error = std::io::Error::other("my_accel: arena exhausted");
 /// assert!(oom::is_out_of_memory(&error));
 /// ```
 pub fn add_rule(rule: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'static) {

@@ -7,7 +7,7 @@ use std::fmt::Display;
 use std::marker::PhantomData;
 
 pub use crate::engine::{BatchSizeSearch, Search};
-pub use crate::error::NoExecutableBatchSize;
+pub use crate::error::{KeptError, NoExecutableBatchSize};
 pub use crate::memory::Release;
 pub use crate::oom::OomMatch;
 pub use crate::unwind::CatchUnwind;
@@ -33,7 +33,7 @@ pub enum Verdict<R> {
     /// Give this error value back to the caller: it is not out-of-memory.
     ReturnError(R, String),
     /// Out of memory: record it and try again.
-    OutOfMemory(OomMatch, Option<Box<dyn Error + Send + Sync + 'static>>),
+    OutOfMemory(OomMatch, Option<KeptError>),
 }
 
 /// A zero-sized stand-in for the attempt's return type `R`, on which the `Judge*` traits pick
@@ -68,7 +68,7 @@ pub fn tag<R>() -> Tag<R> {
 fn judge_error<T, E>(
     error: E,
     view: impl Fn(&E) -> &(dyn Error + 'static),
-    keep: impl FnOnce(E) -> Option<Box<dyn Error + Send + Sync + 'static>>,
+    keep: impl FnOnce(E) -> Option<KeptError>,
 ) -> Verdict<Result<T, E>> {
     match crate::oom::classify_error(view(&error)) {
         Some(found) => Verdict::OutOfMemory(found, keep(error)),
@@ -98,7 +98,11 @@ pub mod judges {
                 Err(error) => judge_error(
                     error,
                     |error| error,
-                    |error| Some(Box::new(error) as Box<dyn Error + Send + Sync>),
+                    |error| {
+                        Some(KeptError::from(
+                            Box::new(error) as Box<dyn Error + Send + Sync>
+                        ))
+                    },
                 ),
             }
         }
@@ -130,7 +134,9 @@ pub mod judges {
     }
     impl<T, E> __BatchSizeJudge3 for &&&&Tag<Result<T, E>>
     where
-        E: AsRef<dyn Error + Send + Sync + 'static> + Into<Box<dyn Error + Send + Sync + 'static>>,
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + 'static,
     {
         type Output = Result<T, E>;
         fn judge(&self, value: Result<T, E>) -> Verdict<Result<T, E>> {
@@ -139,7 +145,7 @@ pub mod judges {
                 Err(error) => judge_error(
                     error,
                     |error| error.as_ref() as &(dyn Error + 'static),
-                    |error| Some(error.into()),
+                    |error| Some(KeptError::keep(error)),
                 ),
             }
         }

@@ -98,7 +98,8 @@ pub struct Attempt {
     pub duration: Duration,
     /// Device memory before it started, when the backend reports any.
     pub memory_at_start: Option<MemorySnapshot>,
-    /// Device memory when it ran out of memory, before release.
+    /// Device memory once the attempt had failed (what it owned already dropped), before the
+    /// release: what a pool or cache still holds, and the attempt's peak.
     pub memory_at_end: Option<MemorySnapshot>,
     /// Device memory after the release that followed.
     pub memory_after_release: Option<MemorySnapshot>,

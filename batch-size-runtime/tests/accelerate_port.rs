@@ -399,3 +399,34 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
         }
     }
 }
+
+#[test]
+fn the_source_of_an_anyhow_search_downcasts_to_the_error_the_attempt_returned() {
+    let result: anyhow::Result<()> = BatchSizeSearch::new(2)
+        .run_dyn(|n| Err(OutOfMemory::new().with_requested(n as u64).into()));
+    let error = result.unwrap_err();
+    let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    let source = none_fit.source().unwrap();
+    assert_eq!(
+        source.downcast_ref::<OutOfMemory>(),
+        Some(&OutOfMemory::new().with_requested(1))
+    );
+}
+
+#[test]
+fn the_state_machine_keeps_its_report_after_the_end() {
+    let mut search = BatchSizeSearch::new(4).start();
+    search.begin().unwrap();
+    let oom = OutOfMemory::new();
+    search.out_of_memory(batch_size_runtime::oom::classify_error(&oom).unwrap(), None);
+    search.begin().unwrap();
+    search.succeeded();
+    assert_eq!(search.report().len(), 2);
+    assert_eq!(search.report().batch_size(), Some(2));
+    // Beginning again says the search ended, and leaves last_report() alone.
+    let again = search.begin().unwrap_err();
+    assert!(
+        matches!(again.reason(), StopReason::InvalidConfiguration(why) if why.contains("ended"))
+    );
+    assert_eq!(last_report().unwrap().batch_size(), Some(2));
+}

@@ -184,12 +184,12 @@ fn panic_payloads_of_every_kind() {
 
 #[test]
 fn user_rules_extend_detection_to_errors_and_panics() {
-    const MARKER: &str = "VK_ERROR_OUT_OF_DEVICE_MEMORY (rule test)";
+    const MARKER: &str = "my_accel: arena exhausted (rule test)";
     assert!(oom::classify_text(MARKER).is_none());
-    oom::add_rule(|error| error.to_string().contains("VK_ERROR_OUT_OF_DEVICE_MEMORY"));
+    oom::add_rule(|error| error.to_string().contains("arena exhausted"));
     let found = oom::classify_text(MARKER).unwrap();
     assert_eq!(found.kind, OomKind::Rule);
-    let error = anyhow::anyhow!(MARKER).context("vulkan step");
+    let error = anyhow::anyhow!(MARKER).context("accelerator step");
     assert!(oom::is_out_of_memory(error.as_ref()));
 }
 
@@ -201,4 +201,31 @@ fn a_pattern_past_the_first_line_is_found_and_the_description_keeps_the_first_li
     let found = oom::classify_error(error.as_ref()).unwrap();
     assert_eq!(found.description, "step 12 failed");
     assert_eq!(found.requested, Some(1 << 30));
+}
+
+#[test]
+fn specific_patterns_name_the_source_before_the_generic_one() {
+    for (message, expected) in [
+        (
+            "HIP out of memory. Tried to allocate 2.00 GiB",
+            "HIP out of memory",
+        ),
+        (
+            "XPU out of memory. Tried to allocate 2.00 GiB",
+            "XPU out of memory",
+        ),
+        (
+            "NPU out of memory. Tried to allocate 2.00 GiB",
+            "NPU out of memory",
+        ),
+        ("RuntimeError: CUDA out of memory.", "CUDA out of memory"),
+        ("something else ran out of memory.", " out of memory."),
+    ] {
+        let found = oom::classify_text(message).unwrap();
+        assert_eq!(
+            found.kind,
+            OomKind::Pattern(*OOM_PATTERNS.iter().find(|p| p.text == expected).unwrap()),
+            "{message}"
+        );
+    }
 }

@@ -400,3 +400,24 @@ fn string_errors_are_classified_by_text_and_receive_the_message() {
         "{message}"
     );
 }
+
+#[find_executable_batch_size(starting = 8, min = 4)]
+fn inner_step(micro_batch: usize, outer_batch: usize) -> anyhow::Result<usize> {
+    // Needs 3 units per sample of the outer batch and 1 per micro-batch sample; 24 units free.
+    if 3 * outer_batch + micro_batch > 24 {
+        return Err(OutOfMemory::new().into());
+    }
+    Ok(micro_batch)
+}
+
+#[find_executable_batch_size(starting = 16)]
+fn outer_loop(outer_batch: usize) -> anyhow::Result<(usize, usize)> {
+    let micro_batch = inner_step(outer_batch)?;
+    Ok((outer_batch, micro_batch))
+}
+
+#[test]
+fn an_inner_search_that_gives_up_makes_the_outer_one_shrink() {
+    // outer 16 and 8: no micro-batch of at least 4 fits, the inner search gives up; outer 4: 8.
+    assert_eq!(outer_loop().unwrap(), (4, 8));
+}
