@@ -579,8 +579,9 @@ impl Search<'_> {
     }
 
     fn give_up(&mut self, reason: StopReason) -> NoExecutableBatchSize {
-        record::store_last_report(self.report.clone());
-        let error = NoExecutableBatchSize::new(reason, self.report.clone(), self.last_error.take());
+        let report = std::mem::take(&mut self.report);
+        record::store_last_report(report.clone());
+        let error = NoExecutableBatchSize::new(reason, report, self.last_error.take());
         tracing::error!(
             function = self.config.label,
             tried = ?error.tried(),
@@ -630,8 +631,8 @@ impl Search<'_> {
             "found executable batch size"
         );
         self.report.push(attempt);
-        // A clone, so that `report()` still answers; with no failed attempt it allocates nothing.
-        record::store_last_report(self.report.clone());
+        // Moved, not cloned: the success path copies as little as it can.
+        record::store_last_report(std::mem::take(&mut self.report));
     }
 
     /// The attempt returned an error that is not out-of-memory: the search is over and the
@@ -656,8 +657,8 @@ impl Search<'_> {
     pub fn failed_described(&mut self, description: String) {
         let attempt = self.finish_attempt(Outcome::Failed { error: description });
         self.report.push(attempt);
-        // A clone, so that `report()` still answers; with no failed attempt it allocates nothing.
-        record::store_last_report(self.report.clone());
+        // Moved, not cloned: the success path copies as little as it can.
+        record::store_last_report(std::mem::take(&mut self.report));
     }
 
     /// The attempt panicked. An out-of-memory panic is recorded like an out-of-memory error;
@@ -680,8 +681,7 @@ impl Search<'_> {
             None => {
                 let attempt = self.finish_attempt(Outcome::Panicked);
                 self.report.push(attempt);
-                // A clone, so that `report()` still answers; with no failed attempt it allocates nothing.
-                record::store_last_report(self.report.clone());
+                record::store_last_report(std::mem::take(&mut self.report));
                 std::panic::resume_unwind(payload)
             }
         }
@@ -792,7 +792,9 @@ impl Search<'_> {
         }));
     }
 
-    /// The attempts so far; once the search has ended, all of them (as `last_report()` has).
+    /// The attempts so far, while the search runs. When it ends, the report moves to
+    /// [`last_report()`](crate::last_report) (and to [`NoExecutableBatchSize::report`] when no
+    /// size fit), and this one is empty.
     ///
     /// ```
     /// # use batch_size_runtime::{oom, BatchSizeSearch};

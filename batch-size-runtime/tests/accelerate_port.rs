@@ -414,15 +414,18 @@ fn the_source_of_an_anyhow_search_downcasts_to_the_error_the_attempt_returned() 
 }
 
 #[test]
-fn the_state_machine_keeps_its_report_after_the_end() {
+fn the_state_machine_hands_its_report_to_last_report_at_the_end() {
     let mut search = BatchSizeSearch::new(4).start();
     search.begin().unwrap();
     let oom = OutOfMemory::new();
     search.out_of_memory(batch_size_runtime::oom::classify_error(&oom).unwrap(), None);
+    assert_eq!(search.report().len(), 1);
     search.begin().unwrap();
     search.succeeded();
-    assert_eq!(search.report().len(), 2);
-    assert_eq!(search.report().batch_size(), Some(2));
+    assert!(search.report().is_empty());
+    let report = last_report().unwrap();
+    assert_eq!(report.len(), 2);
+    assert_eq!(report.batch_size(), Some(2));
     // Beginning again says the search ended, and leaves last_report() alone.
     let again = search.begin().unwrap_err();
     assert!(

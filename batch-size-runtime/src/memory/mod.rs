@@ -357,8 +357,25 @@ type Hook = Arc<dyn Fn() + Send + Sync>;
 /// ```
 #[derive(Clone)]
 pub struct Release {
-    backend: Arc<dyn MemoryBackend>,
+    backend: Backend,
     hooks: Vec<Hook>,
+}
+
+/// The defaults are process-wide statics, shared without reference counting: the success path
+/// of a search with the default release touches no atomic.
+#[derive(Clone)]
+enum Backend {
+    Static(&'static dyn MemoryBackend),
+    Shared(Arc<dyn MemoryBackend>),
+}
+
+impl Backend {
+    fn get(&self) -> &dyn MemoryBackend {
+        match self {
+            Backend::Static(backend) => *backend,
+            Backend::Shared(backend) => &**backend,
+        }
+    }
 }
 
 impl Release {
@@ -371,9 +388,9 @@ impl Release {
     /// ```
     pub fn cuda() -> Self {
         // One backend for the process: the default release costs no allocation per call.
-        static CUDA: OnceLock<Arc<dyn MemoryBackend>> = OnceLock::new();
+        static CUDA: OnceLock<CudaBackend> = OnceLock::new();
         Release {
-            backend: Arc::clone(CUDA.get_or_init(|| Arc::new(CudaBackend::active()))),
+            backend: Backend::Static(CUDA.get_or_init(CudaBackend::active)),
             hooks: Vec::new(),
         }
     }
@@ -387,9 +404,9 @@ impl Release {
     /// assert!(release.memory_backend().memory().is_empty());
     /// ```
     pub fn none() -> Self {
-        static NONE: OnceLock<Arc<dyn MemoryBackend>> = OnceLock::new();
+        static NONE: NoRelease = NoRelease;
         Release {
-            backend: Arc::clone(NONE.get_or_init(|| Arc::new(NoRelease))),
+            backend: Backend::Static(&NONE),
             hooks: Vec::new(),
         }
     }
@@ -404,7 +421,7 @@ impl Release {
     /// ```
     pub fn backend(backend: impl MemoryBackend + 'static) -> Self {
         Release {
-            backend: Arc::new(backend),
+            backend: Backend::Shared(Arc::new(backend)),
             hooks: Vec::new(),
         }
     }
@@ -467,11 +484,11 @@ impl Release {
     /// assert_eq!(release.memory_backend().memory().free(), 100);
     /// ```
     pub fn memory_backend(&self) -> &dyn MemoryBackend {
-        &*self.backend
+        self.backend.get()
     }
 
     pub(crate) fn release(&self) -> Result<(), ReleaseError> {
-        let released = self.backend.release();
+        let released = self.backend.get().release();
         for hook in &self.hooks {
             hook();
         }
@@ -479,11 +496,11 @@ impl Release {
     }
 
     pub(crate) fn memory(&self) -> MemorySnapshot {
-        self.backend.memory()
+        self.backend.get().memory()
     }
 
     pub(crate) fn reset_peak(&self) {
-        self.backend.reset_peak();
+        self.backend.get().reset_peak();
     }
 }
 
@@ -496,7 +513,7 @@ impl Default for Release {
 impl fmt::Debug for Release {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Release")
-            .field("backend", &self.backend)
+            .field("backend", &self.backend.get())
             .field("hooks", &self.hooks.len())
             .finish()
     }
