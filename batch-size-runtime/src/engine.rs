@@ -263,19 +263,9 @@ impl<'r> BatchSizeSearch<'r> {
         let mut search = self.start();
         loop {
             let batch_size = search.begin().map_err(E::from)?;
-            match unwind::catch_attempt(|| attempt(batch_size)) {
-                Ok(Ok(value)) => {
-                    search.succeeded();
-                    return Ok(value);
-                }
-                Ok(Err(error)) => match oom::classify_error(&error) {
-                    Some(found) => search.out_of_memory(found, Some(Box::new(error))),
-                    None => {
-                        search.failed(&error);
-                        return Err(error);
-                    }
-                },
-                Err(payload) => search.panicked(payload),
+            let outcome = unwind::catch_attempt(|| attempt(batch_size));
+            if let Some(result) = search.settle(outcome, |error| error, keep_typed) {
+                return result;
             }
         }
     }
@@ -306,19 +296,9 @@ impl<'r> BatchSizeSearch<'r> {
         let mut search = self.start();
         loop {
             let batch_size = search.begin().map_err(E::from)?;
-            match unwind::catch_attempt(|| attempt(batch_size)) {
-                Ok(Ok(value)) => {
-                    search.succeeded();
-                    return Ok(value);
-                }
-                Ok(Err(error)) => match oom::classify_error(error.as_ref()) {
-                    Some(found) => search.out_of_memory_kept(found, Some(KeptError::keep(error))),
-                    None => {
-                        search.failed(error.as_ref());
-                        return Err(error);
-                    }
-                },
-                Err(payload) => search.panicked(payload),
+            let outcome = unwind::catch_attempt(|| attempt(batch_size));
+            if let Some(result) = search.settle(outcome, view_dyn, KeptError::keep) {
+                return result;
             }
         }
     }
@@ -388,19 +368,9 @@ impl<'r> BatchSizeSearch<'r> {
         let mut search = self.start();
         loop {
             let batch_size = search.begin().map_err(E::from)?;
-            match CatchUnwind::new(attempt(batch_size)).await {
-                Ok(Ok(value)) => {
-                    search.succeeded();
-                    return Ok(value);
-                }
-                Ok(Err(error)) => match oom::classify_error(&error) {
-                    Some(found) => search.out_of_memory(found, Some(Box::new(error))),
-                    None => {
-                        search.failed(&error);
-                        return Err(error);
-                    }
-                },
-                Err(payload) => search.panicked(payload),
+            let outcome = CatchUnwind::new(attempt(batch_size)).await;
+            if let Some(result) = search.settle(outcome, |error| error, keep_typed) {
+                return result;
             }
         }
     }
@@ -440,19 +410,9 @@ impl<'r> BatchSizeSearch<'r> {
         let mut search = self.start();
         loop {
             let batch_size = search.begin().map_err(E::from)?;
-            match CatchUnwind::new(attempt(batch_size)).await {
-                Ok(Ok(value)) => {
-                    search.succeeded();
-                    return Ok(value);
-                }
-                Ok(Err(error)) => match oom::classify_error(error.as_ref()) {
-                    Some(found) => search.out_of_memory_kept(found, Some(KeptError::keep(error))),
-                    None => {
-                        search.failed(error.as_ref());
-                        return Err(error);
-                    }
-                },
-                Err(payload) => search.panicked(payload),
+            let outcome = CatchUnwind::new(attempt(batch_size)).await;
+            if let Some(result) = search.settle(outcome, view_dyn, KeptError::keep) {
+                return result;
             }
         }
     }
@@ -609,6 +569,37 @@ impl Search<'_> {
             memory_at_start,
             memory_at_end: None,
             memory_after_release: None,
+        }
+    }
+
+    /// Records how one attempt of `run`, `run_dyn` and their async forms ended: `Some` ends the
+    /// search with that result, `None` means out of memory, so try the next size. `view` shows
+    /// the error to classification, `keep` keeps it for `NoExecutableBatchSize::source()`.
+    fn settle<T, E>(
+        &mut self,
+        outcome: Result<Result<T, E>, PanicPayload>,
+        view: impl Fn(&E) -> &(dyn Error + 'static),
+        keep: impl FnOnce(E) -> KeptError,
+    ) -> Option<Result<T, E>> {
+        match outcome {
+            Ok(Ok(value)) => {
+                self.succeeded();
+                Some(Ok(value))
+            }
+            Ok(Err(error)) => match oom::classify_error(view(&error)) {
+                Some(found) => {
+                    self.out_of_memory_kept(found, Some(keep(error)));
+                    None
+                }
+                None => {
+                    self.failed(view(&error));
+                    Some(Err(error))
+                }
+            },
+            Err(payload) => {
+                self.panicked(payload);
+                None
+            }
         }
     }
 
@@ -817,4 +808,15 @@ struct LastOutOfMemory(String);
 
 fn non_empty(snapshot: MemorySnapshot) -> Option<MemorySnapshot> {
     (!snapshot.is_empty()).then_some(snapshot)
+}
+
+/// How `run` keeps a typed error: boxed as it is.
+fn keep_typed<E: Error + Send + Sync + 'static>(error: E) -> KeptError {
+    let boxed: Box<dyn Error + Send + Sync + 'static> = Box::new(error);
+    KeptError::from(boxed)
+}
+
+/// How `run_dyn` shows an `anyhow::Error` or a boxed error to classification.
+fn view_dyn<E: AsRef<dyn Error + Send + Sync + 'static>>(error: &E) -> &(dyn Error + 'static) {
+    error.as_ref()
 }

@@ -320,17 +320,10 @@ fn async_functions_are_send_when_their_body_is() {
 
 /// A minimal executor: these futures never wait on anything.
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    use std::sync::Arc;
-    use std::task::{Context, Poll, Wake, Waker};
-    struct Noop;
-    impl Wake for Noop {
-        fn wake(self: Arc<Self>) {}
-    }
-    let waker = Waker::from(Arc::new(Noop));
-    let mut context = Context::from_waker(&waker);
     let mut future = std::pin::pin!(future);
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
     loop {
-        if let Poll::Ready(value) = future.as_mut().poll(&mut context) {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
             return value;
         }
     }
