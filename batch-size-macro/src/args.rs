@@ -1,12 +1,12 @@
-//! Parsing the attribute's arguments: `starting = EXPR, min = EXPR, factor = FLOAT | reduce = EXPR,
-//! max_attempts = EXPR, release = EXPR, crate = PATH`.
+//! Parsing the attribute's arguments: `starting = EXPR, min = EXPR,
+//! factor = FLOAT | reduce = EXPR | policy = EXPR, max_attempts = EXPR, release = EXPR,
+//! when = EXPR, notify = EXPR, on_report = EXPR, crate = PATH`.
 
 use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
-const VALID_KEYS: &str =
-    "`starting`, `min`, `factor`, `reduce`, `max_attempts`, `release`, `crate`";
+const VALID_KEYS: &str = "`starting`, `min`, `factor`, `reduce`, `policy`, `max_attempts`, `release`, `when`, `notify`, `on_report`, `crate`";
 
 /// The arguments, each with the span of its key for later errors.
 #[derive(Default)]
@@ -17,6 +17,10 @@ pub(crate) struct Args {
     pub(crate) reduce: Option<Expr>,
     pub(crate) max_attempts: Option<Expr>,
     pub(crate) release: Option<Expr>,
+    pub(crate) policy: Option<Expr>,
+    pub(crate) when: Option<Expr>,
+    pub(crate) notify: Option<Expr>,
+    pub(crate) on_report: Option<Expr>,
     pub(crate) krate: Option<Path>,
 }
 
@@ -27,6 +31,10 @@ mod kw {
     syn::custom_keyword!(reduce);
     syn::custom_keyword!(max_attempts);
     syn::custom_keyword!(release);
+    syn::custom_keyword!(policy);
+    syn::custom_keyword!(when);
+    syn::custom_keyword!(notify);
+    syn::custom_keyword!(on_report);
 }
 
 fn set<T>(slot: &mut Option<T>, value: T, key: &str, span: Span) -> syn::Result<()> {
@@ -83,19 +91,45 @@ impl Parse for Args {
                 input.parse::<kw::factor>()?;
                 let expr: Expr = value(input, "factor", key_span)?;
                 check_factor(&expr)?;
-                if args.factor.is_none() && factor_or_reduce == Some("reduce") {
-                    return Err(both_factor_and_reduce(key_span));
+                if args.factor.is_none() {
+                    if let Some(other) = factor_or_reduce {
+                        return Err(two_size_choices(key_span, other, "factor"));
+                    }
                 }
                 set(&mut args.factor, expr, "factor", key_span)?;
                 factor_or_reduce = Some("factor");
             } else if lookahead.peek(kw::reduce) {
                 input.parse::<kw::reduce>()?;
                 let expr = value(input, "reduce", key_span)?;
-                if args.reduce.is_none() && factor_or_reduce == Some("factor") {
-                    return Err(both_factor_and_reduce(key_span));
+                if args.reduce.is_none() {
+                    if let Some(other) = factor_or_reduce {
+                        return Err(two_size_choices(key_span, other, "reduce"));
+                    }
                 }
                 set(&mut args.reduce, expr, "reduce", key_span)?;
                 factor_or_reduce = Some("reduce");
+            } else if lookahead.peek(kw::policy) {
+                input.parse::<kw::policy>()?;
+                let expr = value(input, "policy", key_span)?;
+                if args.policy.is_none() {
+                    if let Some(other) = factor_or_reduce {
+                        return Err(two_size_choices(key_span, other, "policy"));
+                    }
+                }
+                set(&mut args.policy, expr, "policy", key_span)?;
+                factor_or_reduce = Some("policy");
+            } else if lookahead.peek(kw::when) {
+                input.parse::<kw::when>()?;
+                let expr = value(input, "when", key_span)?;
+                set(&mut args.when, expr, "when", key_span)?;
+            } else if lookahead.peek(kw::notify) {
+                input.parse::<kw::notify>()?;
+                let expr = value(input, "notify", key_span)?;
+                set(&mut args.notify, expr, "notify", key_span)?;
+            } else if lookahead.peek(kw::on_report) {
+                input.parse::<kw::on_report>()?;
+                let expr = value(input, "on_report", key_span)?;
+                set(&mut args.on_report, expr, "on_report", key_span)?;
             } else if lookahead.peek(kw::max_attempts) {
                 input.parse::<kw::max_attempts>()?;
                 let expr = value(input, "max_attempts", key_span)?;
@@ -131,13 +165,17 @@ impl Parse for Args {
     }
 }
 
-const KEYS: [&str; 7] = [
+const KEYS: [&str; 11] = [
     "starting",
     "min",
     "factor",
     "reduce",
+    "policy",
     "max_attempts",
     "release",
+    "when",
+    "notify",
+    "on_report",
     "crate",
 ];
 
@@ -175,10 +213,16 @@ fn edit_distance(a: &str, b: &str) -> usize {
     previous[b.len()]
 }
 
-fn both_factor_and_reduce(span: Span) -> syn::Error {
+/// `factor`, `reduce` and `policy` each choose the sizes: only one may be given.
+fn two_size_choices(span: Span, first: &str, second: &str) -> syn::Error {
+    let (first, second) = if first == "factor" || second == "policy" {
+        (first, second)
+    } else {
+        (second, first)
+    };
     syn::Error::new(
         span,
-        "`factor` and `reduce` both choose the next size: give one of them",
+        format!("`{first}` and `{second}` both choose the next size: give one of them"),
     )
 }
 

@@ -1,26 +1,23 @@
-//! Code generation: the rewritten function drives the runtime's search state machine, running
-//! the user's body once per attempt.
+//! Code generation: the rewritten function builds the search from the arguments and runs the
+//! user's body once per attempt through the runtime's driver, which owns the protocol.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned, ToTokens};
+use std::collections::HashSet;
 use syn::spanned::Spanned;
+
 use syn::{parse_quote, ItemFn};
 
 use crate::args::Args;
-use crate::signature::{self, ReturnShape, Split};
+use crate::signature::{self, Split};
 use crate::spans;
 
 pub(crate) fn find_executable_batch_size(args: TokenStream, item: TokenStream) -> TokenStream {
     let function: ItemFn = match syn::parse2(item.clone()) {
         Ok(function) => function,
-        Err(_) => {
-            let error = syn::Error::new(
-                item_span(&item),
-                "#[find_executable_batch_size] applies to a function (or method) whose first parameter is the batch size",
-            );
-            return with_error(item, error);
-        }
+        Err(_) => return unparsed_body(item, args),
     };
+    let used_by_args = idents_in(&args);
     let parsed_args = syn::parse2::<Args>(args);
     let krate: syn::Path = match &parsed_args {
         Ok(Args {
@@ -29,7 +26,7 @@ pub(crate) fn find_executable_batch_size(args: TokenStream, item: TokenStream) -
         _ => parse_quote!(::batch_size_runtime),
     };
     let private = private_module(&krate);
-    let split = match signature::split(&function.sig, &private) {
+    let split = match signature::split(&function.sig, &private, &used_by_args) {
         Ok(split) => split,
         Err(mut error) => {
             if let Err(args_error) = parsed_args {
@@ -101,6 +98,91 @@ fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     quote! { #error #item }
 }
 
+/// A function whose signature parses but whose body does not (tracing-attributes'
+/// `MaybeItemFn`): the rewritten signature over the body's tokens, so that rustc reports the one
+/// syntax error and callers, which already omit the batch size, raise none of their own.
+fn unparsed_body(item: TokenStream, args: TokenStream) -> TokenStream {
+    let not_a_function = || {
+        let error = syn::Error::new(
+            item_span(&item),
+            "#[find_executable_batch_size] applies to a function (or method) whose first parameter is the batch size",
+        );
+        with_error(item.clone(), error)
+    };
+    let Ok(function) = syn::parse2::<MaybeItemFn>(item.clone()) else {
+        return not_a_function();
+    };
+    let krate: syn::Path = match syn::parse2::<Args>(args) {
+        Ok(Args {
+            krate: Some(path), ..
+        }) => path,
+        _ => parse_quote!(::batch_size_runtime),
+    };
+    match signature::split(&function.sig, &private_module(&krate), &HashSet::new()) {
+        Ok(split) => {
+            let MaybeItemFn {
+                attrs, vis, body, ..
+            } = function;
+            let outer = &split.outer;
+            let pat = &split.batch_size.pat;
+            let ty = &split.batch_size.ty;
+            let value = quote_spanned!(Span::mixed_site()=> __batch_size_placeholder);
+            quote! {
+                #(#attrs)*
+                #vis #outer {
+                    #[allow(unused_variables, clippy::all)]
+                    {
+                        fn #value<T>() -> T {
+                            ::core::unreachable!()
+                        }
+                        let #pat: #ty = #value::<#ty>();
+                        #body
+                    }
+                }
+            }
+        }
+        Err(_) => not_a_function(),
+    }
+}
+
+/// A function item whose body is kept as tokens.
+struct MaybeItemFn {
+    attrs: Vec<syn::Attribute>,
+    vis: syn::Visibility,
+    sig: syn::Signature,
+    body: TokenStream,
+}
+
+impl syn::parse::Parse for MaybeItemFn {
+    fn parse(input: syn::parse::ParseStream<'_>) -> syn::Result<Self> {
+        Ok(MaybeItemFn {
+            attrs: input.call(syn::Attribute::parse_outer)?,
+            vis: input.parse()?,
+            sig: input.parse()?,
+            body: input.parse()?,
+        })
+    }
+}
+
+/// Every identifier in the attribute's arguments: a parameter named there is used by the
+/// attribute (`starting = cfg.batch_size`), so its copy in the body may go unused.
+fn idents_in(tokens: &TokenStream) -> HashSet<String> {
+    let mut found = HashSet::new();
+    let mut stack = vec![tokens.clone()];
+    while let Some(stream) = stack.pop() {
+        for token in stream {
+            match token {
+                proc_macro2::TokenTree::Ident(ident) => {
+                    found.insert(ident.to_string());
+                }
+                proc_macro2::TokenTree::Group(group) => stack.push(group.stream()),
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
 /// The rewritten signature over the original body, for when the attribute cannot apply:
 /// callers (which already omit the batch size) and the body still type-check, and nothing
 /// diverges before the body, so its parameters count as used and no lint fires.
@@ -143,62 +225,52 @@ fn rewrite(
     let batch_pat = &split.batch_size.pat;
     let batch_ty = &split.batch_size.ty;
     let rebind = &split.rebind;
-    let name = function.sig.ident.to_string();
     let shape = signature::return_shape(&function.sig.output);
-    let ret = &shape.ty;
 
     // Locals of the generated code are hygienic: the body can neither see nor shadow them.
-    let search = quote_spanned!(Span::mixed_site()=> __batch_size_search);
-    let builder = quote_spanned!(Span::mixed_site()=> __batch_size_builder);
-    let next = quote_spanned!(Span::mixed_site()=> __batch_size_next);
-    let none_fit = quote_spanned!(Span::mixed_site()=> __batch_size_none_fit);
-    let caught = quote_spanned!(Span::mixed_site()=> __batch_size_caught);
+    let driver = quote_spanned!(Span::mixed_site()=> __batch_size_driver);
+    let size = quote_spanned!(Span::mixed_site()=> __batch_size);
     let value = quote_spanned!(Span::mixed_site()=> __batch_size_value);
-    let tag = quote_spanned!(Span::mixed_site()=> __batch_size_tag);
-    let found = quote_spanned!(Span::mixed_site()=> __batch_size_found);
-    let kept = quote_spanned!(Span::mixed_site()=> __batch_size_kept);
-    let described = quote_spanned!(Span::mixed_site()=> __batch_size_described);
-    let payload = quote_spanned!(Span::mixed_site()=> __batch_size_payload);
 
-    let batch_size_int = quote_spanned! {batch_ty.span()=>
-        <#batch_ty as #private::BatchSizeInt>
+    let search = search_builder(args, starting, batch_ty, private, &function.sig.ident);
+    let (driver_new, typed) = match &shape.inferable {
+        // The return type with `_` for any `impl Trait` in it: the ladders pick the
+        // classification and the give-up by type, so a `Result` behind an alias is found too.
+        Some(ret) => {
+            let classify = spans::over(
+                quote! { (&&&&&&&#private::tag::<#ret>()).batch_size_classify_kind() },
+                &shape.ty,
+            );
+            let give_up = spans::over(
+                quote! { (&&&&&&#private::tag::<#ret>()).batch_size_give_up_kind() },
+                &shape.ty,
+            );
+            let new = spans::call_over(
+                quote! { #private::Driver::<#ret, _, _>::new },
+                quote! { #driver, #classify, #give_up },
+                &shape.ty,
+            );
+            (
+                quote! {{
+                    #[allow(unused_imports)]
+                    use #private::ladder::*;
+                    #new
+                }},
+                Some(quote! { ::<#ret, _> }),
+            )
+        }
+        // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
+        None => (
+            quote! { #private::Driver::new(#driver, #private::PanicOnly::new(), #private::PanicWithError::new()) },
+            None,
+        ),
     };
-    // Laid over the argument: a value of the wrong type is reported under it.
-    let starting = spans::call_over(
-        quote! { #private::starting_of },
-        starting.to_token_stream(),
-        starting,
-    );
-    let min = args.min.as_ref().map(|min| {
-        let min = spans::call_over(quote! { #private::min_of }, min.to_token_stream(), min);
-        quote! { let #builder = #builder.with_min(#min); }
-    });
-    let reduction = match (&args.factor, &args.reduce) {
-        (Some(factor), _) => Some(quote_spanned! {factor.span()=>
-            let #builder = #builder.with_factor(::core::convert::Into::<f64>::into(#factor));
-        }),
-        (None, Some(reduce)) => Some(quote_spanned! {reduce.span()=>
-            let #builder = #builder.with_reduce(#reduce);
-        }),
-        (None, None) => None,
-    };
-    let max_attempts = args.max_attempts.as_ref().map(|max| {
-        let max = spans::call_over(
-            quote! { #private::max_attempts_of },
-            max.to_token_stream(),
-            max,
-        );
-        quote! { let #builder = #builder.with_max_attempts(#max); }
-    });
-    let release = args.release.as_ref().map(|release| {
-        quote_spanned! {release.span()=> let #builder = #builder.with_release(#release); }
-    });
 
-    let give_up = give_up(&shape, private, &none_fit);
-    let typed = shape.nameable.then(|| quote! { ::<#ret, _> });
-
+    // Over the parameter's type, like the builder's check of it, so that a type that cannot be
+    // a batch size gives one error there.
+    let batch_size_as = spans::over(quote! { #private::batch_size_as::<#batch_ty> }, batch_ty);
     let attempt = quote! {
-        let #batch_pat: #batch_ty = #batch_size_int::from_batch_size(#next);
+        let #batch_pat: #batch_ty = #batch_size_as(#size);
         #(#rebind)*
         #block
     };
@@ -211,78 +283,70 @@ fn rewrite(
     quote! {
         #(#attrs)*
         #vis #outer {
-            let mut #search = {
-                let #builder = #private::search_for::<#batch_ty>(
-                    ::core::concat!(::core::module_path!(), "::", #name),
-                    #starting,
-                );
-                #min
-                #reduction
-                #max_attempts
-                #release
-                #builder.start()
-            };
+            let #driver = #search;
+            let mut #driver = #driver_new;
             loop {
-                let #next: usize = match #search.begin() {
-                    ::core::result::Result::Ok(#next) => #next,
-                    ::core::result::Result::Err(#none_fit) => #give_up,
+                let #size = match #driver.begin() {
+                    ::core::result::Result::Ok(#size) => #size,
+                    ::core::result::Result::Err(#value) => return #value,
                 };
-                let #caught = #run_attempt;
-                match #caught {
-                    ::core::result::Result::Ok(#value) => {
-                        #[allow(unused_imports)]
-                        use #private::judges::*;
-                        let #tag = #private::tag_of(&#value);
-                        match (&&&&&&&#tag).judge(#value) {
-                            #private::Verdict::Return(#value) => {
-                                #search.succeeded();
-                                return #value;
-                            }
-                            #private::Verdict::ReturnError(#value, #described) => {
-                                #search.failed_described(#described);
-                                return #value;
-                            }
-                            #private::Verdict::OutOfMemory(#found, #kept) => {
-                                #search.out_of_memory_kept(#found, #kept);
-                            }
-                        }
-                    }
-                    ::core::result::Result::Err(#payload) => #search.panicked(#payload),
+                if let ::core::option::Option::Some(#value) = #driver.settle(#run_attempt) {
+                    return #value;
                 }
             }
         }
     }
 }
 
-/// What the function does when no size fits: return the error, or panic with it where the
-/// return type cannot hold it.
-fn give_up(shape: &ReturnShape, private: &syn::Path, none_fit: &TokenStream) -> TokenStream {
-    let ret = &shape.ty;
-    if shape.nameable {
-        // The ladder picks, by type (so a `Result` behind an alias is found too), the first
-        // conversion the error type has: `From<NoExecutableBatchSize>`, `From<io::Error>`,
-        // `From<String>`; a `Result` with none of them is reported at the return type.
-        let kind = spans::over(
-            quote! { (&&&&&#private::tag::<#ret>()).give_up_kind() },
-            ret,
-        );
-        let call = spans::call_over(
-            quote! { #private::give_up_as },
-            quote! { #kind, #none_fit },
-            ret,
-        );
-        quote! {{
-            #[allow(unused_imports)]
-            use #private::judges::*;
-            return #call;
-        }}
-    } else if shape.is_result {
-        // Laid over the return type: an error type without `From<NoExecutableBatchSize>` is
-        // reported there, with the runtime's `on_unimplemented` message.
-        let call = spans::call_over(quote! { #private::give_up_result }, none_fit.clone(), ret);
-        quote! { return #call }
-    } else {
-        // Diverges: no `return`, which would be unreachable.
-        quote! { #private::panic_no_executable_batch_size(#none_fit) }
+/// The builder for the attribute's arguments, each laid over its argument so that a value of
+/// the wrong type is reported there.
+fn search_builder(
+    args: &Args,
+    starting: &syn::Expr,
+    batch_ty: &syn::Type,
+    private: &syn::Path,
+    name: &syn::Ident,
+) -> TokenStream {
+    let name = name.to_string();
+    let starting = spans::call_over(
+        quote! { #private::starting_of },
+        starting.to_token_stream(),
+        starting,
+    );
+    let mut search = quote! {
+        #private::search::<#batch_ty>(
+            ::core::concat!(::core::module_path!(), "::", #name),
+            #starting,
+        )
+    };
+    if let Some(min) = &args.min {
+        search = spans::call_over(quote! { #private::with_min }, quote! { #search, #min }, min);
     }
+    if let Some(max) = &args.max_attempts {
+        search = spans::call_over(
+            quote! { #private::with_max_attempts },
+            quote! { #search, #max },
+            max,
+        );
+    }
+    if let Some(factor) = &args.factor {
+        search = quote_spanned! {factor.span()=>
+            #search.with_factor(::core::convert::Into::<f64>::into(#factor))
+        };
+    }
+    let methods = [
+        ("with_reduce", &args.reduce),
+        ("with_policy", &args.policy),
+        ("with_release", &args.release),
+        ("when", &args.when),
+        ("notify", &args.notify),
+        ("on_report", &args.on_report),
+    ];
+    for (method, argument) in methods {
+        if let Some(argument) = argument {
+            let method = syn::Ident::new(method, argument.span());
+            search = quote_spanned! {argument.span()=> #search.#method(#argument) };
+        }
+    }
+    search
 }

@@ -3,9 +3,12 @@
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote, ToTokens};
+use std::collections::HashSet;
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
+
 use syn::visit::Visit;
+use syn::visit_mut::VisitMut;
 use syn::{FnArg, Ident, Pat, PatIdent, PatType, ReturnType, Signature, Token, Type};
 
 /// The batch-size parameter, removed from the signature.
@@ -37,7 +40,11 @@ pub(crate) fn combine(errors: &mut Option<syn::Error>, error: syn::Error) {
 }
 
 /// Splits `sig`, or explains why it has no batch size to take out.
-pub(crate) fn split(sig: &Signature, private: &syn::Path) -> syn::Result<Split> {
+pub(crate) fn split(
+    sig: &Signature,
+    private: &syn::Path,
+    used_by_args: &HashSet<String>,
+) -> syn::Result<Split> {
     let mut error = None;
     if let Some(constness) = &sig.constness {
         combine(
@@ -101,7 +108,8 @@ pub(crate) fn split(sig: &Signature, private: &syn::Path) -> syn::Result<Split> 
             continue;
         };
         let (outer_pat, name) = outer_pattern(&param.pat, index);
-        rebind.push(rebinding(param, &name, private));
+        let used_by_attribute = used_by_args.contains(&name.to_string());
+        rebind.push(rebinding(param, &name, private, used_by_attribute));
         let mut outer_param = param.clone();
         outer_param.pat = Box::new(outer_pat);
         outer_inputs.push(FnArg::Typed(outer_param));
@@ -199,18 +207,26 @@ fn outer_pattern(pat: &Pat, index: usize) -> (Pat, Ident) {
 
 /// One attempt's binding of a parameter: shared references are copied, mutable ones
 /// reborrowed, owned values cloned (a compile error names a parameter that is not `Clone`).
-fn rebinding(param: &PatType, name: &Ident, private: &syn::Path) -> TokenStream {
+///
+/// The binding carries the user's pattern, so a parameter the body never uses still gets
+/// rustc's unused-variable warning at the parameter; one that the attribute's arguments use
+/// (`starting = cfg.batch_size`) is used, and its copy is allowed to go unused.
+fn rebinding(
+    param: &PatType,
+    name: &Ident,
+    private: &syn::Path,
+    used_by_attribute: bool,
+) -> TokenStream {
     let PatType { pat, ty, .. } = param;
     if let Pat::Wild(_) = &**pat {
         return TokenStream::new();
     }
+    let allow = used_by_attribute.then(|| quote! { #[allow(unused_variables)] });
     match &**ty {
-        // A parameter used only by the attribute's arguments (`starting = cfg.batch_size`) is
-        // unused in the body: that is not the user's mistake.
         Type::Reference(reference) if reference.mutability.is_some() => {
-            quote! { #[allow(unused_variables)] let #pat = &mut *#name; }
+            quote! { #allow let #pat = &mut *#name; }
         }
-        Type::Reference(_) => quote! { #[allow(unused_variables)] let #pat = #name; },
+        Type::Reference(_) => quote! { #allow let #pat = #name; },
         _ => {
             // Laid over the parameter: one whose type is not `Clone` is reported there.
             let clone = crate::spans::call_over(
@@ -218,7 +234,7 @@ fn rebinding(param: &PatType, name: &Ident, private: &syn::Path) -> TokenStream 
                 crate::spans::over(quote! { &#name }, param),
                 param,
             );
-            quote! { #[allow(unused_variables)] let #pat = #clone; }
+            quote! { #allow let #pat = #clone; }
         }
     }
 }
@@ -227,33 +243,29 @@ fn rebinding(param: &PatType, name: &Ident, private: &syn::Path) -> TokenStream 
 pub(crate) struct ReturnShape {
     /// The type as written (`()` when there is none).
     pub(crate) ty: Type,
-    /// Written as `...Result<...>`: when no size fits, return `Err(E::from(...))`.
-    pub(crate) is_result: bool,
-    /// Contains no `impl Trait`, so it can be named in the body.
-    pub(crate) nameable: bool,
+    /// The type with `_` for each `impl Trait` in it, for the driver and the dispatch ladders;
+    /// `None` when the whole type is an `impl Trait`.
+    pub(crate) inferable: Option<Type>,
 }
 
 pub(crate) fn return_shape(output: &ReturnType) -> ReturnShape {
     match output {
         ReturnType::Default => ReturnShape {
             ty: syn::parse_quote!(()),
-            is_result: false,
-            nameable: true,
+            inferable: Some(syn::parse_quote!(())),
         },
         ReturnType::Type(_, ty) => {
-            let is_result = match &**ty {
-                Type::Path(path) => path.path.segments.last().is_some_and(|last| {
-                    last.ident == "Result"
-                        && matches!(last.arguments, syn::PathArguments::AngleBracketed(_))
-                }),
-                _ => false,
+            let inferable = match &**ty {
+                Type::ImplTrait(_) => None,
+                _ => {
+                    let mut inferable = (**ty).clone();
+                    ImplTraitToInfer.visit_type_mut(&mut inferable);
+                    Some(inferable)
+                }
             };
-            let mut finder = ImplTraitFinder(false);
-            finder.visit_type(ty);
             ReturnShape {
                 ty: (**ty).clone(),
-                is_result,
-                nameable: !finder.0,
+                inferable,
             }
         }
     }
@@ -264,5 +276,20 @@ struct ImplTraitFinder(bool);
 impl<'ast> Visit<'ast> for ImplTraitFinder {
     fn visit_type_impl_trait(&mut self, _: &'ast syn::TypeImplTrait) {
         self.0 = true;
+    }
+}
+
+/// Replaces each `impl Trait` with `_`, which inference fills from the body.
+struct ImplTraitToInfer;
+
+impl syn::visit_mut::VisitMut for ImplTraitToInfer {
+    fn visit_type_mut(&mut self, ty: &mut Type) {
+        if let Type::ImplTrait(impl_trait) = ty {
+            *ty = Type::Infer(syn::TypeInfer {
+                underscore_token: Token![_](impl_trait.impl_token.span),
+            });
+            return;
+        }
+        syn::visit_mut::visit_type_mut(self, ty);
     }
 }

@@ -15,6 +15,7 @@
 use std::error::Error;
 use std::fmt;
 
+use crate::kept::KeptError;
 use crate::memory::{Bytes, MemorySnapshot};
 use crate::record::SearchReport;
 
@@ -69,8 +70,14 @@ pub enum StopReason {
     },
     /// The cap set with `max_attempts` was reached.
     MaxAttempts(usize),
-    /// The configuration cannot produce a size (a `factor` outside (0, 1), a negative `starting`).
+    /// The configuration cannot produce a size (a `factor` outside (0, 1), a negative
+    /// `starting`, a `min` or `max_attempts` of 0 or below).
     InvalidConfiguration(String),
+    /// The policy accepted before any attempt had succeeded: there is no value to return.
+    NothingToAccept,
+    /// The policy stopped the search, saying why (for example: the part of memory that does not
+    /// depend on the batch size already exceeds the device).
+    Policy(String),
 }
 
 impl fmt::Display for StopReason {
@@ -87,6 +94,10 @@ impl fmt::Display for StopReason {
             ),
             StopReason::MaxAttempts(cap) => write!(f, "reached the cap of {cap} attempts"),
             StopReason::InvalidConfiguration(why) => write!(f, "invalid configuration: {why}"),
+            StopReason::NothingToAccept => {
+                f.write_str("the policy accepted before any attempt succeeded")
+            }
+            StopReason::Policy(why) => f.write_str(why),
         }
     }
 }
@@ -241,7 +252,9 @@ impl fmt::Display for NoExecutableBatchSize {
             }
         }
         match &self.inner.reason {
-            StopReason::StartedAtZero | StopReason::InvalidConfiguration(_) => Ok(()),
+            StopReason::StartedAtZero
+            | StopReason::InvalidConfiguration(_)
+            | StopReason::NothingToAccept => Ok(()),
             _ => f.write_str(
                 ". Lower `min`, shrink the model or sequence length, or use gradient accumulation",
             ),
@@ -252,69 +265,6 @@ impl fmt::Display for NoExecutableBatchSize {
 impl Error for NoExecutableBatchSize {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         self.inner.last_error.as_ref().map(KeptError::as_error)
-    }
-}
-
-/// The last out-of-memory error of a search, kept for [`NoExecutableBatchSize`]'s `source()`.
-///
-/// An `anyhow::Error` is kept as it is: turned into a `Box<dyn Error>` it would become anyhow's
-/// own wrapper type, and `source().downcast_ref::<YourError>()` would no longer find the error
-/// the attempt returned.
-#[doc(hidden)]
-#[derive(Debug)]
-pub struct KeptError(Kept);
-
-#[derive(Debug)]
-enum Kept {
-    Boxed(Box<dyn Error + Send + Sync + 'static>),
-    #[cfg(feature = "anyhow")]
-    Anyhow(anyhow::Error),
-}
-
-impl KeptError {
-    /// Keeps an error that converts into a box, unwrapping `anyhow::Error` as said above.
-    pub(crate) fn keep<E>(error: E) -> Self
-    where
-        E: Into<Box<dyn Error + Send + Sync + 'static>> + 'static,
-    {
-        #[cfg(feature = "anyhow")]
-        {
-            let mut slot = Some(error);
-            let any: &mut dyn std::any::Any = &mut slot;
-            if let Some(anyhow_error) = any
-                .downcast_mut::<Option<anyhow::Error>>()
-                .and_then(Option::take)
-            {
-                return KeptError(Kept::Anyhow(anyhow_error));
-            }
-            match slot {
-                Some(error) => KeptError(Kept::Boxed(error.into())),
-                // Only taken above, where it was an anyhow::Error and returned.
-                None => KeptError(Kept::Boxed("the out-of-memory error".into())),
-            }
-        }
-        #[cfg(not(feature = "anyhow"))]
-        {
-            KeptError(Kept::Boxed(error.into()))
-        }
-    }
-
-    fn as_error(&self) -> &(dyn Error + 'static) {
-        match &self.0 {
-            Kept::Boxed(error) => &**error,
-            // anyhow's `Deref` gives the error it was built from, downcastable to its type.
-            #[cfg(feature = "anyhow")]
-            Kept::Anyhow(error) => {
-                let error: &(dyn Error + Send + Sync + 'static) = error.as_ref();
-                error
-            }
-        }
-    }
-}
-
-impl From<Box<dyn Error + Send + Sync + 'static>> for KeptError {
-    fn from(error: Box<dyn Error + Send + Sync + 'static>) -> Self {
-        KeptError(Kept::Boxed(error))
     }
 }
 

@@ -189,10 +189,13 @@
 #[doc(inline)]
 pub use batch_size_macro::find_executable_batch_size;
 
+mod dispatch;
 pub mod engine;
 pub mod error;
+mod kept;
 pub mod memory;
 pub mod oom;
+pub mod policy;
 pub mod record;
 pub mod reduce;
 pub mod simulated;
@@ -205,6 +208,7 @@ pub mod __private;
 pub use engine::{BatchSizeSearch, Search};
 pub use error::{NoExecutableBatchSize, OutOfMemory, StopReason};
 pub use memory::{MemoryBackend, Release};
+pub use policy::{Decision, SizePolicy};
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use reduce::{FailedAttempt, Reduction};
 pub use simulated::{SimAllocation, SimulatedDevice};

@@ -103,6 +103,10 @@ pub struct Attempt {
     pub memory_at_end: Option<MemorySnapshot>,
     /// Device memory after the release that followed.
     pub memory_after_release: Option<MemorySnapshot>,
+    /// Bytes the failed allocation asked for, when the out-of-memory error said.
+    pub requested: Option<u64>,
+    /// How the policy chose this size, when it says (an estimate, a fitted limit).
+    pub rationale: Option<String>,
 }
 
 impl fmt::Display for Attempt {
@@ -153,7 +157,80 @@ pub struct SearchReport {
     last: Option<Attempt>,
 }
 
+impl Outcome {
+    /// Whether the attempt returned its value.
+    ///
+    /// ```
+    /// use batch_size_runtime::Outcome;
+    /// assert!(Outcome::Succeeded.is_success());
+    /// assert!(!Outcome::Panicked.is_success());
+    /// ```
+    pub fn is_success(&self) -> bool {
+        matches!(self, Outcome::Succeeded)
+    }
+
+    /// Whether the attempt ran out of memory.
+    ///
+    /// ```
+    /// use batch_size_runtime::Outcome;
+    /// assert!(Outcome::OutOfMemory { error: "CUDA out of memory".into() }.is_out_of_memory());
+    /// assert!(!Outcome::Succeeded.is_out_of_memory());
+    /// ```
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Outcome::OutOfMemory { .. })
+    }
+}
+
 impl SearchReport {
+    /// The latest attempt: for a [`SizePolicy`](crate::policy::SizePolicy), the one it is
+    /// deciding after.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// assert_eq!(report.last().unwrap().batch_size, 16);
+    /// ```
+    pub fn last(&self) -> Option<&Attempt> {
+        self.last.as_ref()
+    }
+
+    /// The smallest size that ran out of memory in this search, if any did.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// assert_eq!(report.smallest_out_of_memory(), Some(32));
+    /// ```
+    pub fn smallest_out_of_memory(&self) -> Option<usize> {
+        self.attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory())
+            .map(|attempt| attempt.batch_size)
+            .min()
+    }
+
+    /// The largest size that succeeded in this search, if any did.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
+    /// assert_eq!(report.largest_success(), Some(16));
+    /// ```
+    pub fn largest_success(&self) -> Option<usize> {
+        self.attempts()
+            .filter(|attempt| attempt.outcome.is_success())
+            .map(|attempt| attempt.batch_size)
+            .max()
+    }
+
     pub(crate) fn push(&mut self, attempt: Attempt) {
         if let Some(previous) = self.last.replace(attempt) {
             self.earlier.push(previous);

@@ -53,7 +53,7 @@ pub struct FailedAttempt<'a> {
     pub memory: Option<&'a MemorySnapshot>,
 }
 
-type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize + Send + 'r>;
+pub(crate) type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize + Send + 'r>;
 
 /// The policy that picks the next size.
 ///
@@ -78,6 +78,7 @@ type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize + Send + '
 /// assert_eq!(sizes_tried(minus_one), [128, 127, 126, 125]);
 /// ```
 #[derive(Default)]
+#[non_exhaustive]
 pub enum Reduction<'r> {
     /// `next = size / 2`.
     #[default]
@@ -96,28 +97,6 @@ impl fmt::Debug for Reduction<'_> {
             Reduction::Halve => f.write_str("Halve"),
             Reduction::Factor(factor) => f.debug_tuple("Factor").field(factor).finish(),
             Reduction::Custom(_) => f.write_str("Custom(..)"),
-        }
-    }
-}
-
-impl Reduction<'_> {
-    /// Why this reduction can never produce a size, if it cannot.
-    pub(crate) fn invalid(&self) -> Option<String> {
-        match self {
-            Reduction::Factor(factor) if !(*factor > 0.0 && *factor < 1.0) => Some(format!(
-                "`factor` must be strictly between 0 and 1, got {factor}"
-            )),
-            _ => None,
-        }
-    }
-
-    /// The size after `failed`.
-    pub(crate) fn next(&mut self, failed: &FailedAttempt<'_>) -> usize {
-        match self {
-            Reduction::Halve => failed.batch_size / 2,
-            // `as` saturates and the product is below `batch_size`, so this cannot overflow.
-            Reduction::Factor(factor) => (failed.batch_size as f64 * *factor).floor() as usize,
-            Reduction::Custom(reduce) => reduce(failed),
         }
     }
 }

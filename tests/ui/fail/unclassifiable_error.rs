@@ -1,4 +1,5 @@
-// A `Result` the macro cannot see (an alias) is checked the same way.
+// An error type that is neither `Error` nor `Display` could hide an out-of-memory error: a
+// compile error at the return type, also behind an alias.
 use batch_size_runtime::find_executable_batch_size;
 
 #[derive(Debug)]

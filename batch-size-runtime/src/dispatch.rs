@@ -1,0 +1,432 @@
+//! How an attempt's return type is handled, chosen by its type where the function is written:
+//! how a returned error is classified, and what the function returns when no size fits.
+//!
+//! The choice is autoref specialization, as anyhow's `kind.rs` does it: the generated code calls
+//! `(&&&&&&&tag::<R>()).batch_size_classify_kind()` and
+//! `(&&&&&&tag::<R>()).batch_size_give_up_kind()`; method lookup takes the rung with the most
+//! references whose bounds hold, and each rung returns a zero-sized kind that carries the
+//! real bound. [`Driver`](crate::__private::Driver) does the rest in ordinary code.
+//!
+//! Classification, best first: `E: Error + Send + Sync` (classified by type, kept as
+//! `source()`), `anyhow::Error` or `Box<dyn Error + Send + Sync>` (the chain, kept),
+//! `E: Error` (by type), `Box<dyn Error>` (the chain), `E: Display` (by text). A `Result` whose
+//! error is none of these is a compile error at the return type that names the bound to add:
+//! it could hide an out-of-memory error, and the promise is "retried, or it does not compile".
+//! Any other return type: only a panic can be out-of-memory.
+//!
+//! Giving up, first that applies: `Err(E::from(NoExecutableBatchSize))`,
+//! `Err(E::from(io::Error))` of kind `OutOfMemory` holding it, `Err(E::from(String))` with its
+//! message, `Err(E::from(Box<dyn Error + Send + Sync>))`, and otherwise the last out-of-memory
+//! error itself (toma's rule), or a panic with the message where there is no error to return.
+
+use std::convert::Infallible;
+use std::error::Error;
+use std::fmt::{self, Display};
+use std::marker::PhantomData;
+
+use crate::engine::Search;
+use crate::error::NoExecutableBatchSize;
+use crate::kept::KeptError;
+use crate::oom::{self, OomMatch};
+
+/// How one attempt ended, once its value is classified.
+#[derive(Debug)]
+pub enum Judged<R, E> {
+    /// A success: the value, for the caller if the policy accepts.
+    Succeeded(R),
+    /// An error that is not out-of-memory: the value goes back unchanged, with a description.
+    Failed(R, String),
+    /// Out of memory, with the error value where there is one.
+    OutOfMemory(OomMatch, Option<E>),
+}
+
+/// Classifies the values of one return type `R`.
+pub trait Classify<R> {
+    /// The error type of `R` (or [`Infallible`] where there is none).
+    type Error;
+    /// Sorts an attempt's value, with the search's own `when` rules.
+    fn judge(&self, value: R, search: &Search<'_>) -> Judged<R, Self::Error>;
+    /// Keeps an out-of-memory error as `NoExecutableBatchSize::source()`, where it can be.
+    fn keep(&self, error: Self::Error) -> Option<KeptError>;
+}
+
+/// What a function returns when no size fits.
+pub trait GiveUp<R> {
+    /// The error type of `R`, as [`Classify::Error`].
+    type Error;
+    /// What [`Driver::begin`](crate::__private::Driver::begin) returns when no size fits: the
+    /// function's value (or the `NoExecutableBatchSize` for `BatchSizeSearch::call`).
+    type Output;
+    /// Whether the last out-of-memory error is returned as it is (it is then not boxed).
+    fn returns_last_error(&self) -> bool {
+        false
+    }
+    /// The value for `none_fit`, given the last out-of-memory error where it was kept.
+    fn give_up(&self, none_fit: NoExecutableBatchSize, last: Option<Self::Error>) -> Self::Output;
+}
+
+macro_rules! zero_sized_kind {
+    ($($(#[$doc:meta])* $name:ident<$param:ident>;)*) => {$(
+        $(#[$doc])*
+        pub struct $name<$param>(PhantomData<fn() -> $param>);
+
+        impl<$param> $name<$param> {
+            /// The kind.
+            #[allow(clippy::new_without_default)]
+            pub const fn new() -> Self {
+                $name(PhantomData)
+            }
+        }
+
+        impl<$param> fmt::Debug for $name<$param> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(stringify!($name))
+            }
+        }
+    )*};
+}
+
+zero_sized_kind! {
+    /// `E: Error + Send + Sync + 'static`: classified by type, kept.
+    TypedKept<E>;
+    /// `anyhow::Error`, `Box<dyn Error + Send + Sync>`: the chain classified, kept.
+    DynKept<E>;
+    /// `E: Error + 'static`: classified by type.
+    TypedView<E>;
+    /// `Box<dyn Error>`: the chain classified.
+    DynView<E>;
+    /// `E: Display`: classified by text.
+    Text<E>;
+    /// A `Result` whose error cannot be inspected: a compile error.
+    Unclassifiable<E>;
+    /// Not a `Result`: only a panic can be out-of-memory.
+    PanicOnly<R>;
+    /// `E: From<NoExecutableBatchSize>`.
+    ViaFrom<E>;
+    /// `E: From<std::io::Error>` (candle's and tch's errors).
+    ViaIo<E>;
+    /// `E: From<String>`.
+    ViaString<E>;
+    /// `E: From<Box<dyn Error + Send + Sync>>` (ort's error).
+    ViaBox<E>;
+    /// Any other `Result`: the last out-of-memory error itself.
+    ReturnLastError<E>;
+    /// Not a `Result`: a panic with the message.
+    PanicWithError<R>;
+}
+
+/// `BatchSizeSearch::call` returns the failure itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ReturnNoExecutableBatchSize;
+
+fn judge_error<T, E>(
+    error: E,
+    search: &Search<'_>,
+    view: impl Fn(&E) -> &(dyn Error + 'static),
+) -> Judged<Result<T, E>, E> {
+    match search.classify_error(view(&error)) {
+        Some(found) => Judged::OutOfMemory(found, Some(error)),
+        None => {
+            let description = oom::describe(view(&error));
+            Judged::Failed(Err(error), description)
+        }
+    }
+}
+
+impl<T, E: Error + Send + Sync + 'static> Classify<Result<T, E>> for TypedKept<E> {
+    type Error = E;
+    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+        match value {
+            Ok(value) => Judged::Succeeded(Ok(value)),
+            Err(error) => judge_error(error, search, |error| error),
+        }
+    }
+    fn keep(&self, error: E) -> Option<KeptError> {
+        let boxed: Box<dyn Error + Send + Sync> = Box::new(error);
+        Some(KeptError::from(boxed))
+    }
+}
+
+impl<T, E> Classify<Result<T, E>> for DynKept<E>
+where
+    E: AsRef<dyn Error + Send + Sync + 'static>
+        + Into<Box<dyn Error + Send + Sync + 'static>>
+        + 'static,
+{
+    type Error = E;
+    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+        match value {
+            Ok(value) => Judged::Succeeded(Ok(value)),
+            Err(error) => judge_error(error, search, |error| {
+                error.as_ref() as &(dyn Error + 'static)
+            }),
+        }
+    }
+    fn keep(&self, error: E) -> Option<KeptError> {
+        Some(KeptError::keep(error))
+    }
+}
+
+impl<T, E: Error + 'static> Classify<Result<T, E>> for TypedView<E> {
+    type Error = E;
+    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+        match value {
+            Ok(value) => Judged::Succeeded(Ok(value)),
+            Err(error) => judge_error(error, search, |error| error),
+        }
+    }
+    fn keep(&self, _: E) -> Option<KeptError> {
+        None
+    }
+}
+
+impl<T, E: AsRef<dyn Error + 'static>> Classify<Result<T, E>> for DynView<E> {
+    type Error = E;
+    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+        match value {
+            Ok(value) => Judged::Succeeded(Ok(value)),
+            Err(error) => judge_error(error, search, |error| error.as_ref()),
+        }
+    }
+    fn keep(&self, _: E) -> Option<KeptError> {
+        None
+    }
+}
+
+impl<T, E: Display> Classify<Result<T, E>> for Text<E> {
+    type Error = E;
+    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+        match value {
+            Ok(value) => Judged::Succeeded(Ok(value)),
+            Err(error) => {
+                let text = error.to_string();
+                match search.classify_text(&text) {
+                    Some(found) => Judged::OutOfMemory(found, Some(error)),
+                    None => Judged::Failed(Err(error), text),
+                }
+            }
+        }
+    }
+    fn keep(&self, _: E) -> Option<KeptError> {
+        None
+    }
+}
+
+/// The bound an error type needs for its out-of-memory errors to be recognised. Nothing
+/// implements it: reaching it is the compile error.
+#[diagnostic::on_unimplemented(
+    message = "`#[find_executable_batch_size]` cannot tell whether an error of type `{Self}` is out-of-memory",
+    label = "the error type of this return type can be neither inspected nor printed",
+    note = "for a generic error type, add the bound `{Self}: std::error::Error + Send + Sync + 'static` (or at least `std::fmt::Display`); for your own type, implement `std::error::Error` or `Display`"
+)]
+pub trait InspectableError {}
+
+/// A kind the driver accepts: every kind but [`Unclassifiable`], which needs
+/// [`InspectableError`], so that the one error the user sees is that bound, at the return type.
+pub trait UsableKind {}
+
+impl<E: InspectableError> UsableKind for Unclassifiable<E> {}
+
+macro_rules! usable {
+    ($($kind:ident),*) => {$(impl<E> UsableKind for $kind<E> {})*};
+}
+
+usable!(TypedKept, DynKept, TypedView, DynView, Text, PanicOnly);
+
+impl<T, E> Classify<Result<T, E>> for Unclassifiable<E> {
+    type Error = E;
+    fn judge(&self, value: Result<T, E>, _: &Search<'_>) -> Judged<Result<T, E>, E> {
+        match value {
+            Ok(value) => Judged::Succeeded(Ok(value)),
+            Err(error) => Judged::Failed(Err(error), String::new()),
+        }
+    }
+    fn keep(&self, _: E) -> Option<KeptError> {
+        None
+    }
+}
+
+impl<R> Classify<R> for PanicOnly<R> {
+    type Error = Infallible;
+    fn judge(&self, value: R, _: &Search<'_>) -> Judged<R, Infallible> {
+        Judged::Succeeded(value)
+    }
+    fn keep(&self, error: Infallible) -> Option<KeptError> {
+        match error {}
+    }
+}
+
+impl<T, E: From<NoExecutableBatchSize>> GiveUp<Result<T, E>> for ViaFrom<E> {
+    type Error = E;
+    type Output = Result<T, E>;
+    fn give_up(&self, none_fit: NoExecutableBatchSize, _: Option<E>) -> Result<T, E> {
+        Err(E::from(none_fit))
+    }
+}
+
+impl<T, E: From<std::io::Error>> GiveUp<Result<T, E>> for ViaIo<E> {
+    type Error = E;
+    type Output = Result<T, E>;
+    fn give_up(&self, none_fit: NoExecutableBatchSize, _: Option<E>) -> Result<T, E> {
+        Err(E::from(std::io::Error::from(none_fit)))
+    }
+}
+
+impl<T, E: From<String>> GiveUp<Result<T, E>> for ViaString<E> {
+    type Error = E;
+    type Output = Result<T, E>;
+    fn give_up(&self, none_fit: NoExecutableBatchSize, _: Option<E>) -> Result<T, E> {
+        Err(E::from(none_fit.to_string()))
+    }
+}
+
+impl<T, E: From<Box<dyn Error + Send + Sync>>> GiveUp<Result<T, E>> for ViaBox<E> {
+    type Error = E;
+    type Output = Result<T, E>;
+    fn give_up(&self, none_fit: NoExecutableBatchSize, _: Option<E>) -> Result<T, E> {
+        let boxed: Box<dyn Error + Send + Sync> = Box::new(none_fit);
+        Err(E::from(boxed))
+    }
+}
+
+impl<T, E> GiveUp<Result<T, E>> for ReturnLastError<E> {
+    type Error = E;
+    type Output = Result<T, E>;
+    fn returns_last_error(&self) -> bool {
+        true
+    }
+    fn give_up(&self, none_fit: NoExecutableBatchSize, last: Option<E>) -> Result<T, E> {
+        match last {
+            Some(error) => Err(error),
+            // No attempt returned an error (none ran, or every one panicked): nothing of type
+            // `E` exists to return.
+            None => panic_no_executable_batch_size(none_fit),
+        }
+    }
+}
+
+impl<R> GiveUp<R> for PanicWithError<R> {
+    type Error = Infallible;
+    type Output = R;
+    fn give_up(&self, none_fit: NoExecutableBatchSize, _: Option<Infallible>) -> R {
+        panic_no_executable_batch_size(none_fit)
+    }
+}
+
+impl<R> GiveUp<R> for ReturnNoExecutableBatchSize {
+    type Error = Infallible;
+    type Output = NoExecutableBatchSize;
+    fn give_up(
+        &self,
+        none_fit: NoExecutableBatchSize,
+        _: Option<Infallible>,
+    ) -> NoExecutableBatchSize {
+        none_fit
+    }
+}
+
+/// A function that cannot return the failure panics with it.
+#[allow(clippy::panic)]
+pub fn panic_no_executable_batch_size(error: NoExecutableBatchSize) -> ! {
+    panic!("{error}")
+}
+
+/// The return type `R`, as a value the ladders can take references of.
+pub struct Tag<R>(PhantomData<fn() -> R>);
+
+impl<R> fmt::Debug for Tag<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Tag")
+    }
+}
+
+/// The tag of the return type `R`.
+pub const fn tag<R>() -> Tag<R> {
+    Tag(PhantomData)
+}
+
+/// The rungs: one trait per rung (method lookup tries them by the number of references), each
+/// returning the kind for its bound. Imported together by the generated code.
+pub mod ladder {
+    use super::*;
+
+    macro_rules! rung {
+        ($(#[$doc:meta])* $rung:ident, $method:ident, $self_ty:ty, $kind:ty, [$($bounds:tt)*]) => {
+            $(#[$doc])*
+            #[doc = concat!("The rung that chooses `", stringify!($kind), "`.")]
+            pub trait $rung {
+                /// The kind chosen.
+                type Kind;
+                /// The kind chosen.
+                fn $method(&self) -> Self::Kind;
+            }
+            impl<T, E> $rung for $self_ty where $($bounds)* {
+                type Kind = $kind;
+                fn $method(&self) -> $kind {
+                    <$kind>::new()
+                }
+            }
+        };
+    }
+
+    rung!(ClassifyTypedKept, batch_size_classify_kind, &&&&&&Tag<Result<T, E>>, TypedKept<E>,
+        [E: Error + Send + Sync + 'static]);
+    rung!(ClassifyDynKept, batch_size_classify_kind, &&&&&Tag<Result<T, E>>, DynKept<E>,
+        [E: AsRef<dyn Error + Send + Sync + 'static> + Into<Box<dyn Error + Send + Sync + 'static>> + 'static]);
+    rung!(ClassifyTypedView, batch_size_classify_kind, &&&&Tag<Result<T, E>>, TypedView<E>,
+        [E: Error + 'static]);
+    rung!(ClassifyDynView, batch_size_classify_kind, &&&Tag<Result<T, E>>, DynView<E>,
+        [E: AsRef<dyn Error + 'static>]);
+    rung!(ClassifyText, batch_size_classify_kind, &&Tag<Result<T, E>>, Text<E>, [E: Display]);
+    rung!(
+        ClassifyUnclassifiable,
+        batch_size_classify_kind,
+        &Tag<Result<T, E>>,
+        Unclassifiable<E>,
+        []
+    );
+
+    /// Not a `Result`: only a panic can be out-of-memory.
+    pub trait ClassifyPanicOnly {
+        /// The kind chosen.
+        type Kind;
+        /// The kind chosen.
+        fn batch_size_classify_kind(&self) -> Self::Kind;
+    }
+    impl<R> ClassifyPanicOnly for Tag<R> {
+        type Kind = PanicOnly<R>;
+        fn batch_size_classify_kind(&self) -> PanicOnly<R> {
+            PanicOnly::new()
+        }
+    }
+
+    rung!(GiveUpViaFrom, batch_size_give_up_kind, &&&&&Tag<Result<T, E>>, ViaFrom<E>,
+        [E: From<NoExecutableBatchSize>]);
+    rung!(GiveUpViaIo, batch_size_give_up_kind, &&&&Tag<Result<T, E>>, ViaIo<E>,
+        [E: From<std::io::Error>]);
+    rung!(GiveUpViaString, batch_size_give_up_kind, &&&Tag<Result<T, E>>, ViaString<E>,
+        [E: From<String>]);
+    rung!(GiveUpViaBox, batch_size_give_up_kind, &&Tag<Result<T, E>>, ViaBox<E>,
+        [E: From<Box<dyn Error + Send + Sync>>]);
+    rung!(
+        GiveUpReturnLastError,
+        batch_size_give_up_kind,
+        &Tag<Result<T, E>>,
+        ReturnLastError<E>,
+        []
+    );
+
+    /// Not a `Result`: a panic with the message.
+    pub trait GiveUpPanic {
+        /// The kind chosen.
+        type Kind;
+        /// The kind chosen.
+        fn batch_size_give_up_kind(&self) -> Self::Kind;
+    }
+    impl<R> GiveUpPanic for Tag<R> {
+        type Kind = PanicWithError<R>;
+        fn batch_size_give_up_kind(&self) -> PanicWithError<R> {
+            PanicWithError::new()
+        }
+    }
+}

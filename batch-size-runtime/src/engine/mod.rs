@@ -1,0 +1,583 @@
+//! The retry engine: try a size, and on out-of-memory release memory, pick a smaller size and
+//! try again, until an attempt succeeds or no size is left.
+//!
+//! [`BatchSizeSearch`] is the builder users call directly; [`Search`] is the state machine it
+//! runs: one loop for every policy ([`SizePolicy`](crate::policy::SizePolicy)), sync and async,
+//! which the attribute's generated code also calls.
+//!
+//! ```
+//! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+//!
+//! let device = SimulatedDevice::new(1 << 30); // 1 GiB
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(256)
+//!     .with_factor(0.9)
+//!     .with_release(device.clone())
+//!     .run_dyn(|batch_size| {
+//!         let _activations = device.alloc(batch_size as u64 * (5 << 20))?; // 5 MiB a sample
+//!         Ok(batch_size)
+//!     });
+//! assert_eq!(fitted.unwrap(), 186); // 256, 230 and 207 did not fit
+//! ```
+
+use std::error::Error;
+use std::future::Future;
+
+use crate::dispatch;
+#[allow(unused_imports)] // for the docs' links
+use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::memory::Release;
+use crate::policy::{Factor, Halve, Reduce, SizePolicy};
+use crate::record::{Attempt, SearchReport};
+use crate::reduce::{FailedAttempt, Reduction};
+use crate::unwind::{self, CatchUnwind};
+
+mod active;
+mod drive;
+mod search;
+
+pub(crate) use active::{ActivePolicy, Hooks};
+#[doc(hidden)]
+pub use drive::Driver;
+pub use search::Search;
+
+/// Finds a batch size that fits: calls an attempt with `starting`, and after each
+/// out-of-memory failure (a returned error or a panic) releases device memory and calls it
+/// again with a smaller size.
+///
+/// # Default
+/// - reduction: halving (`with_factor(0.9)` is Accelerate 1.x)
+/// - `min`: 1; no cap on attempts
+/// - release: [`Release::cuda()`], which does nothing where CUDA is not in use
+///
+/// ```
+/// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+///
+/// let trained: Result<usize, anyhow::Error> = BatchSizeSearch::new(128)
+///     .with_min(8)
+///     .run_dyn(|batch_size| {
+///         if batch_size > 32 {
+///             return Err(OutOfMemory::new().into()); // what your framework returns
+///         }
+///         Ok(batch_size)
+///     });
+/// assert_eq!(trained.unwrap(), 32);
+/// ```
+#[derive(Debug)]
+#[must_use = "a search does nothing until it is run"]
+pub struct BatchSizeSearch<'r> {
+    pub(crate) starting: usize,
+    pub(crate) min: usize,
+    pub(crate) max_attempts: Option<usize>,
+    pub(crate) policy: ActivePolicy<'r>,
+    // `None` until chosen: the default is resolved when the search starts, so that a search
+    // given its own release never builds the default one.
+    pub(crate) release: Option<Release>,
+    pub(crate) label: &'static str,
+    pub(crate) invalid: Option<String>,
+    pub(crate) hooks: Hooks<'r>,
+}
+
+impl<'r> BatchSizeSearch<'r> {
+    /// A search that starts at `starting`. With 0 it stops at once, calling nothing.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, StopReason};
+    /// let fitted = BatchSizeSearch::new(16).call(|batch_size| batch_size);
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// let never = BatchSizeSearch::new(0).call(|batch_size| batch_size).unwrap_err();
+    /// assert_eq!(never.reason(), &StopReason::StartedAtZero);
+    /// assert!(never.tried().is_empty());
+    /// ```
+    pub fn new(starting: usize) -> Self {
+        BatchSizeSearch {
+            starting,
+            min: 1,
+            max_attempts: None,
+            policy: ActivePolicy::Halve(Halve),
+            release: None,
+            label: "batch_size_search",
+            invalid: None,
+            hooks: Hooks::default(),
+        }
+    }
+
+    /// Stops when the next size would be below `min` (default 1). A `min` of 0 is refused:
+    /// the search stops before its first attempt with [`StopReason::InvalidConfiguration`].
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    /// let result: Result<(), anyhow::Error> =
+    ///     BatchSizeSearch::new(64).with_min(16).run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(error.tried(), &[64, 32, 16]);
+    /// ```
+    pub fn with_min(mut self, min: usize) -> Self {
+        if min == 0 {
+            self.invalidate("`min` must be at least 1, got 0".to_owned());
+        }
+        self.min = min.max(1);
+        self
+    }
+
+    /// Multiplies the size by `factor` (0 < f < 1) after each failure, rounding down.
+    /// `0.9` reproduces Accelerate 1.x. A factor outside (0, 1) stops the search before the
+    /// first attempt with [`StopReason::InvalidConfiguration`].
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)
+    ///     .with_factor(0.9)
+    ///     .with_max_attempts(5)
+    ///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(error.tried(), &[128, 115, 103, 92, 82]);
+    /// ```
+    pub fn with_factor(mut self, factor: f64) -> Self {
+        self.policy = ActivePolicy::Factor(Factor(factor));
+        self
+    }
+
+    /// Picks the next size with your function of the failed attempt. It must return a smaller
+    /// size; anything else stops the search with [`StopReason::NotSmaller`].
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    /// let result: Result<usize, anyhow::Error> = BatchSizeSearch::new(100)
+    ///     .with_reduce(|failed| failed.batch_size - 10)
+    ///     .run_dyn(|batch_size| {
+    ///         if batch_size > 75 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    ///     });
+    /// assert_eq!(result.unwrap(), 70);
+    /// ```
+    pub fn with_reduce(
+        mut self,
+        reduce: impl FnMut(&FailedAttempt<'_>) -> usize + Send + 'r,
+    ) -> Self {
+        self.policy = ActivePolicy::Reduce(Reduce::new(reduce));
+        self
+    }
+
+    /// Sets the reduction policy.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Reduction};
+    /// let minus_eight = Reduction::Custom(Box::new(|failed| failed.batch_size - 8));
+    /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(32)
+    ///     .with_reduction(minus_eight)
+    ///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
+    /// ```
+    pub fn with_reduction(mut self, reduction: Reduction<'r>) -> Self {
+        self.policy = ActivePolicy::from(reduction);
+        self
+    }
+
+    /// Makes at most `max_attempts` attempts. 0 is refused: the search stops before its first
+    /// attempt with [`StopReason::InvalidConfiguration`].
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory, StopReason};
+    /// let result: Result<(), anyhow::Error> =
+    ///     BatchSizeSearch::new(64).with_max_attempts(2).run_dyn(|_| Err(OutOfMemory::new().into()));
+    /// let error = result.unwrap_err();
+    /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
+    /// assert_eq!(error.reason(), &StopReason::MaxAttempts(2));
+    /// ```
+    pub fn with_max_attempts(mut self, max_attempts: usize) -> Self {
+        if max_attempts == 0 {
+            self.invalidate("`max_attempts` must be at least 1, got 0".to_owned());
+        }
+        self.max_attempts = Some(max_attempts.max(1));
+        self
+    }
+
+    /// Chooses what happens to device memory between attempts (default: [`Release::cuda()`]).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+    /// let device = SimulatedDevice::new(100);
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
+    ///     .with_release(device.clone())
+    ///     .run_dyn(|batch_size| {
+    ///         let _batch = device.alloc(batch_size as u64 * 2)?;
+    ///         Ok(batch_size)
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 32);
+    /// assert_eq!(device.release_count(), 1); // once, after 64 ran out of memory
+    /// ```
+    pub fn with_release(mut self, release: impl Into<Release>) -> Self {
+        self.release = Some(release.into());
+        self
+    }
+
+    /// Names the search in its logs (the attribute passes the function's name).
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// // Its logs say `function="train_epoch"`.
+    /// let search = BatchSizeSearch::new(8).with_label("train_epoch");
+    /// assert_eq!(search.call(|batch_size| batch_size).unwrap(), 8);
+    /// ```
+    pub fn with_label(mut self, label: &'static str) -> Self {
+        self.label = label;
+        self
+    }
+
+    /// Makes the search stop before its first attempt with
+    /// [`StopReason::InvalidConfiguration`] (a negative `starting` or `min`, a `min` of 0).
+    pub(crate) fn invalidate(&mut self, why: String) {
+        // The first problem found is the one reported.
+        self.invalid.get_or_insert(why);
+    }
+
+    /// Chooses sizes with `policy` instead of halving: a policy of this crate
+    /// ([`policy`](crate::policy)) or your own.
+    ///
+    /// ```
+    /// use batch_size_runtime::policy::Factor;
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    ///
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(128)
+    ///     .with_policy(Factor(0.75))
+    ///     .run_dyn(|batch_size| {
+    ///         if batch_size > 80 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 72); // 128, 96, 72
+    /// ```
+    pub fn with_policy(mut self, policy: impl SizePolicy + 'r) -> Self {
+        self.policy = ActivePolicy::Custom(Box::new(policy));
+        self
+    }
+
+    /// Also counts as out-of-memory, for this search only, every error for which `predicate`
+    /// is true (each error of a `source()` chain in turn; a panic's message as an error whose
+    /// `Display` is that text). [`oom::add_rule`](crate::oom::add_rule) does the same for the
+    /// whole process.
+    ///
+    /// ```
+    /// use batch_size_runtime::BatchSizeSearch;
+    ///
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
+    ///     .when(|error| error.to_string().contains("arena exhausted"))
+    ///     .run_dyn(|batch_size| {
+    ///         if batch_size > 16 { anyhow::bail!("my_accel: arena exhausted") }
+    ///         Ok(batch_size)
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// ```
+    pub fn when(
+        mut self,
+        predicate: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r,
+    ) -> Self {
+        self.hooks.when = Some(Box::new(predicate));
+        self
+    }
+
+    /// Calls `callback` with every attempt as it ends (after the release that follows an
+    /// out-of-memory attempt): for progress bars and logs of your own.
+    ///
+    /// ```
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    ///
+    /// let mut seen = Vec::new();
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
+    ///     .notify(|attempt| seen.push((attempt.batch_size, attempt.outcome.is_success())))
+    ///     .run_dyn(|batch_size| {
+    ///         if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// assert_eq!(seen, [(64, false), (32, false), (16, true)]);
+    /// ```
+    pub fn notify(mut self, callback: impl FnMut(&Attempt) + Send + 'r) -> Self {
+        self.hooks.notify = Some(Box::new(callback));
+        self
+    }
+
+    /// Hands the search's report to `callback` when the search ends, however it ends: the
+    /// report of this search and no other, also for an `async` search that moved between
+    /// threads or many searches running at once (where [`last_report()`](crate::last_report),
+    /// per thread, cannot tell them apart).
+    ///
+    /// ```
+    /// use std::sync::mpsc;
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    ///
+    /// let (reports, received) = mpsc::channel();
+    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
+    ///     .on_report(move |report| reports.send(report.clone()).unwrap())
+    ///     .run_dyn(|batch_size| {
+    ///         if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// assert_eq!(received.recv().unwrap().len(), 3);
+    /// ```
+    pub fn on_report(mut self, callback: impl FnOnce(&SearchReport) + Send + 'r) -> Self {
+        self.hooks.on_report = Some(Box::new(callback));
+        self
+    }
+
+    /// Runs an attempt whose error type implements [`std::error::Error`] and
+    /// `From<NoExecutableBatchSize>` (your `thiserror` enum with a `#[from]` variant, holding
+    /// cudarc's or a framework's errors). The attribute also accepts error types that only
+    /// have `From<std::io::Error>`, such as candle's.
+    ///
+    /// Returns the first `Ok`. An error that is not out-of-memory is returned at once,
+    /// unchanged; a panic that is not out-of-memory resumes unwinding. When no size is left,
+    /// returns `E::from(NoExecutableBatchSize)`, keeping the last out-of-memory error as its
+    /// `source()`.
+    ///
+    /// ```
+    /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// enum TrainError {
+    ///     #[error("forward pass failed")]
+    ///     Device(#[from] OutOfMemory),
+    ///     #[error("bad data: {0}")]
+    ///     Data(String),
+    ///     #[error(transparent)]
+    ///     NoBatchSize(#[from] NoExecutableBatchSize),
+    /// }
+    ///
+    /// let fitted = BatchSizeSearch::new(64).run(|batch_size| {
+    ///     if batch_size > 16 {
+    ///         return Err(TrainError::Device(OutOfMemory::new()));
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// assert_eq!(fitted.unwrap(), 16);
+    ///
+    /// // Not out of memory: returned after one attempt, unchanged.
+    /// let bad = BatchSizeSearch::new(64).run(|_| Err::<(), _>(TrainError::Data("row 7".into())));
+    /// assert!(matches!(bad, Err(TrainError::Data(_))));
+    ///
+    /// // Nothing fits: `E::from(NoExecutableBatchSize)`.
+    /// let none = BatchSizeSearch::new(2).run(|_| Err::<(), _>(OutOfMemory::new().into()));
+    /// assert!(matches!(none, Err(TrainError::NoBatchSize(_))));
+    /// ```
+    pub fn run<T, E, F>(self, mut attempt: F) -> Result<T, E>
+    where
+        F: FnMut(usize) -> Result<T, E>,
+        E: Error + Send + Sync + 'static + From<NoExecutableBatchSize>,
+    {
+        let mut driver = Driver::new(self, dispatch::TypedKept::new(), dispatch::ViaFrom::new());
+        loop {
+            let batch_size = match driver.begin() {
+                Ok(batch_size) => batch_size,
+                Err(none_fit) => return none_fit,
+            };
+            if let Some(result) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
+                return result;
+            }
+        }
+    }
+
+    /// Runs an attempt whose error is an `anyhow::Error` or a `Box<dyn Error + Send + Sync>`:
+    /// the same as [`run`](Self::run), classifying through the whole chain.
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// type BoxError = Box<dyn std::error::Error + Send + Sync>;
+    ///
+    /// let fitted: Result<usize, BoxError> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    ///     if batch_size > 16 {
+    ///         return Err("CUDA out of memory. Tried to allocate 2.00 GiB".into()); // as text
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// ```
+    pub fn run_dyn<T, E, F>(self, mut attempt: F) -> Result<T, E>
+    where
+        F: FnMut(usize) -> Result<T, E>,
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        let mut driver = Driver::new(self, dispatch::DynKept::new(), dispatch::ViaFrom::new());
+        loop {
+            let batch_size = match driver.begin() {
+                Ok(batch_size) => batch_size,
+                Err(none_fit) => return none_fit,
+            };
+            if let Some(result) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
+                return result;
+            }
+        }
+    }
+
+    /// Runs an attempt that returns a plain value: out-of-memory can only come as a panic
+    /// (tch's plain methods, burn's `into_data`, cudarc's `unwrap`s), which is retried.
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// let fitted = BatchSizeSearch::new(16).call(|batch_size| {
+    ///     if batch_size > 4 {
+    ///         panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+    ///     }
+    ///     batch_size
+    /// });
+    /// assert_eq!(fitted.unwrap(), 4);
+    /// ```
+    pub fn call<T, F>(self, mut attempt: F) -> Result<T, NoExecutableBatchSize>
+    where
+        F: FnMut(usize) -> T,
+    {
+        let mut driver = Driver::new(
+            self,
+            dispatch::PanicOnly::new(),
+            dispatch::ReturnNoExecutableBatchSize,
+        );
+        loop {
+            let batch_size = driver.begin()?;
+            if let Some(value) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
+                return Ok(value);
+            }
+        }
+    }
+
+    /// The async form of [`run`](Self::run): `attempt` returns a future, whose panics are
+    /// caught and classified like a synchronous attempt's.
+    ///
+    /// ```
+    /// use std::io::{Error, ErrorKind};
+    /// use batch_size_runtime::BatchSizeSearch;
+    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    /// #     let mut future = std::pin::pin!(future);
+    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    /// #     loop {
+    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+    /// #             break value;
+    /// #         }
+    /// #     }
+    /// # }
+    ///
+    /// let search = BatchSizeSearch::new(32).run_async(|batch_size| async move {
+    ///     if batch_size > 8 {
+    ///         return Err(Error::from(ErrorKind::OutOfMemory));
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// let fitted = block_on(search); // any executor: tokio, pollster, futures
+    /// assert_eq!(fitted?, 8);
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub async fn run_async<T, E, F, Fut>(self, mut attempt: F) -> Result<T, E>
+    where
+        F: FnMut(usize) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: Error + Send + Sync + 'static + From<NoExecutableBatchSize>,
+    {
+        let mut driver = Driver::new(self, dispatch::TypedKept::new(), dispatch::ViaFrom::new());
+        loop {
+            let batch_size = match driver.begin() {
+                Ok(batch_size) => batch_size,
+                Err(none_fit) => return none_fit,
+            };
+            if let Some(result) = driver.settle(CatchUnwind::new(attempt(batch_size)).await) {
+                return result;
+            }
+        }
+    }
+
+    /// The async form of [`run_dyn`](Self::run_dyn).
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    /// #     let mut future = std::pin::pin!(future);
+    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    /// #     loop {
+    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+    /// #             break value;
+    /// #         }
+    /// #     }
+    /// # }
+    /// let search = BatchSizeSearch::new(32).run_dyn_async(|batch_size| async move {
+    ///     if batch_size > 8 {
+    ///         anyhow::bail!("CUDA out of memory. Tried to allocate 1.00 GiB");
+    ///     }
+    ///     Ok(batch_size)
+    /// });
+    /// let fitted: anyhow::Result<usize> = block_on(search); // any executor
+    /// assert_eq!(fitted?, 8);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub async fn run_dyn_async<T, E, F, Fut>(self, mut attempt: F) -> Result<T, E>
+    where
+        F: FnMut(usize) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        let mut driver = Driver::new(self, dispatch::DynKept::new(), dispatch::ViaFrom::new());
+        loop {
+            let batch_size = match driver.begin() {
+                Ok(batch_size) => batch_size,
+                Err(none_fit) => return none_fit,
+            };
+            if let Some(result) = driver.settle(CatchUnwind::new(attempt(batch_size)).await) {
+                return result;
+            }
+        }
+    }
+
+    /// [`run_dyn`](Self::run_dyn), returning the search's report beside the result (and not
+    /// in [`last_report()`](crate::last_report)).
+    ///
+    /// ```
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    ///
+    /// let (fitted, report) = BatchSizeSearch::new(64).run_with_report(|batch_size| {
+    ///     if batch_size > 16 { return Err(OutOfMemory::new().into()) }
+    ///     Ok::<_, anyhow::Error>(batch_size)
+    /// });
+    /// assert_eq!(fitted.unwrap(), 16);
+    /// assert_eq!(report.out_of_memory_count(), 2);
+    /// ```
+    pub fn run_with_report<T, E, F>(self, mut attempt: F) -> (Result<T, E>, SearchReport)
+    where
+        F: FnMut(usize) -> Result<T, E>,
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        let mut driver = Driver::new(self, dispatch::DynKept::new(), dispatch::ViaFrom::new());
+        driver.keep_report();
+        let result = loop {
+            let batch_size = match driver.begin() {
+                Ok(batch_size) => batch_size,
+                Err(none_fit) => break none_fit,
+            };
+            if let Some(result) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
+                break result;
+            }
+        };
+        (result, driver.take_report())
+    }
+
+    /// The state machine, for a loop of your own (this is what the attribute expands into).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchSizeSearch, StopReason};
+    /// let mut search = BatchSizeSearch::new(8).start();
+    /// assert_eq!(search.begin()?, 8);
+    /// search.succeeded();
+    ///
+    /// // A configuration that cannot produce a size ends the search at the first `begin`.
+    /// let error = BatchSizeSearch::new(8).with_factor(2.0).start().begin().unwrap_err();
+    /// assert!(matches!(error.reason(), StopReason::InvalidConfiguration(_)));
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn start(self) -> Search<'r> {
+        Search::new(self)
+    }
+}

@@ -1,0 +1,561 @@
+//! The one search loop's state: which size comes next, the record of every attempt, and the
+//! rules every policy is held to. [`Driver`](super::Driver) runs it for the builder's `run*`
+//! methods and for the attribute's generated code; it is public for loops of your own.
+
+use std::error::Error;
+use std::fmt;
+use std::time::Instant;
+
+use super::{ActivePolicy, BatchSizeSearch, Hooks};
+use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::kept::KeptError;
+use crate::memory::{Bytes, MemorySnapshot, Release};
+use crate::oom::{self, OomKind, OomMatch};
+use crate::policy::Decision;
+use crate::record::{self, Attempt, Outcome, SearchReport};
+use crate::unwind::PanicPayload;
+
+#[derive(Debug)]
+enum Next {
+    Size(usize),
+    Stop(StopReason),
+    /// The policy accepted: the search ended with a success.
+    Accepted,
+    /// The search ended otherwise (an error, a panic, no size).
+    Ended,
+}
+
+#[derive(Debug)]
+struct Running {
+    batch_size: usize,
+    started: Instant,
+    memory_at_start: Option<MemorySnapshot>,
+}
+
+/// One search in progress: [`begin`](Self::begin) an attempt, then report how it ended with
+/// [`succeeded`](Self::succeeded), [`out_of_memory`](Self::out_of_memory),
+/// [`failed`](Self::failed) or [`panicked`](Self::panicked). After `succeeded`,
+/// [`is_accepted`](Self::is_accepted) says whether the policy ended the search there (a policy
+/// that grows, or runs many chunks, asks for more attempts).
+///
+/// ```
+/// use batch_size_runtime::{oom, BatchSizeSearch, OutOfMemory};
+///
+/// let mut search = BatchSizeSearch::new(8).start();
+/// let fitted = loop {
+///     let batch_size = search.begin()?;
+///     if batch_size > 2 {
+///         let error = OutOfMemory::new();
+///         search.out_of_memory(oom::classify_error(&error).unwrap(), None);
+///         continue;
+///     }
+///     search.succeeded();
+///     if search.is_accepted() {
+///         break batch_size;
+///     }
+/// };
+/// assert_eq!(fitted, 2);
+/// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+/// ```
+pub struct Search<'r> {
+    policy: ActivePolicy<'r>,
+    hooks: Hooks<'r>,
+    min: usize,
+    max_attempts: Option<usize>,
+    label: &'static str,
+    release: Release,
+    next: Next,
+    running: Option<Running>,
+    report: SearchReport,
+    last_error: Option<KeptError>,
+    smallest_failed: Option<usize>,
+    succeeded_once: bool,
+    rationale: Option<String>,
+    keep_report: bool,
+}
+
+impl fmt::Debug for Search<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Search")
+            .field("policy", &self.policy)
+            .field("min", &self.min)
+            .field("max_attempts", &self.max_attempts)
+            .field("next", &self.next)
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'r> Search<'r> {
+    pub(crate) fn new(config: BatchSizeSearch<'r>) -> Self {
+        let BatchSizeSearch {
+            starting,
+            min,
+            max_attempts,
+            policy,
+            release,
+            label,
+            invalid,
+            hooks,
+        } = config;
+        let mut search = Search {
+            policy,
+            hooks,
+            min,
+            max_attempts,
+            label,
+            release: release.unwrap_or_default(),
+            next: Next::Ended,
+            running: None,
+            report: SearchReport::default(),
+            last_error: None,
+            smallest_failed: None,
+            succeeded_once: false,
+            rationale: None,
+            keep_report: false,
+        };
+        search.next = if let Some(why) = invalid {
+            Next::Stop(StopReason::InvalidConfiguration(why))
+        } else if starting == 0 {
+            Next::Stop(StopReason::StartedAtZero)
+        } else if let Err(why) = search.policy.check() {
+            Next::Stop(StopReason::InvalidConfiguration(why))
+        } else {
+            let first = search.policy.first(starting);
+            search.rationale = search.policy.rationale();
+            search.apply(first)
+        };
+        search
+    }
+}
+
+impl Search<'_> {
+    /// The engine's rules over what the policy decided.
+    fn apply(&self, decision: Decision) -> Next {
+        match decision {
+            Decision::Accept if self.succeeded_once => Next::Accepted,
+            Decision::Accept => Next::Stop(StopReason::NothingToAccept),
+            Decision::Stop(reason) => Next::Stop(reason),
+            Decision::Try(size) => {
+                let made = self.report.len();
+                if self.max_attempts.is_some_and(|max| made >= max) {
+                    Next::Stop(StopReason::MaxAttempts(made))
+                } else if size == 0 {
+                    Next::Stop(if made == 0 {
+                        StopReason::StartedAtZero
+                    } else {
+                        StopReason::ReachedZero
+                    })
+                } else if let Some(failed) = self.smallest_failed.filter(|&failed| size >= failed) {
+                    Next::Stop(StopReason::NotSmaller {
+                        failed,
+                        proposed: size,
+                    })
+                } else if size < self.min {
+                    Next::Stop(StopReason::BelowMinimum {
+                        next: size,
+                        min: self.min,
+                    })
+                } else {
+                    Next::Size(size)
+                }
+            }
+        }
+    }
+
+    /// Starts the next attempt and returns its batch size, or the error that ends the search.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{oom, BatchSizeSearch, StopReason};
+    /// let mut search = BatchSizeSearch::new(4).with_max_attempts(1).start();
+    /// assert_eq!(search.begin()?, 4);
+    /// search.out_of_memory(oom::classify_text("CUDA out of memory").unwrap(), None);
+    /// let error = search.begin().unwrap_err();
+    /// assert_eq!(error.reason(), &StopReason::MaxAttempts(1));
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn begin(&mut self) -> Result<usize, NoExecutableBatchSize> {
+        match std::mem::replace(&mut self.next, Next::Ended) {
+            Next::Size(batch_size) => {
+                self.release.reset_peak();
+                let memory_at_start = non_empty(self.release.memory());
+                self.running = Some(Running {
+                    batch_size,
+                    started: Instant::now(),
+                    memory_at_start,
+                });
+                Ok(batch_size)
+            }
+            Next::Stop(reason) => Err(self.give_up(reason)),
+            // Called again after the end: say so, leaving `last_report()` to the search that ended.
+            ended @ (Next::Accepted | Next::Ended) => {
+                self.next = ended;
+                Err(NoExecutableBatchSize::new(
+                    StopReason::InvalidConfiguration("the search already ended".to_owned()),
+                    self.report.clone(),
+                    None,
+                ))
+            }
+        }
+    }
+
+    /// Whether the policy accepted the latest success: the search is over, with that size.
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// assert!(!search.is_accepted());
+    /// search.succeeded();
+    /// assert!(search.is_accepted());
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn is_accepted(&self) -> bool {
+        matches!(self.next, Next::Accepted)
+    }
+
+    fn give_up(&mut self, reason: StopReason) -> NoExecutableBatchSize {
+        let report = self.finish_report();
+        let error = NoExecutableBatchSize::new(reason, report, self.last_error.take());
+        tracing::error!(
+            function = self.label,
+            tried = ?error.tried(),
+            reason = %error.reason(),
+            "no executable batch size found"
+        );
+        error
+    }
+
+    /// The search is over: the report goes to `on_report` and `last_report()` (or stays here
+    /// for [`Driver::take_report`](super::Driver::take_report)); a copy is returned for
+    /// [`NoExecutableBatchSize`].
+    fn finish_report(&mut self) -> SearchReport {
+        if let Some(on_report) = self.hooks.on_report.take() {
+            on_report(&self.report);
+        }
+        if self.keep_report {
+            return self.report.clone();
+        }
+        let report = std::mem::take(&mut self.report);
+        record::store_last_report(report.clone());
+        report
+    }
+
+    /// Like `finish_report` on the paths that need no copy: a success, an error, a panic.
+    fn finish(&mut self) {
+        if let Some(on_report) = self.hooks.on_report.take() {
+            on_report(&self.report);
+        }
+        if !self.keep_report {
+            // Moved, not cloned: the success path copies as little as it can.
+            record::store_last_report(std::mem::take(&mut self.report));
+        }
+    }
+
+    pub(crate) fn keep_report(&mut self) {
+        self.keep_report = true;
+    }
+
+    pub(crate) fn take_report(&mut self) -> SearchReport {
+        std::mem::take(&mut self.report)
+    }
+
+    fn finish_attempt(&mut self, outcome: Outcome) -> Attempt {
+        let running = self.running.take();
+        let (batch_size, duration, memory_at_start) = match running {
+            Some(running) => (
+                running.batch_size,
+                running.started.elapsed(),
+                running.memory_at_start,
+            ),
+            None => (0, Default::default(), None),
+        };
+        Attempt {
+            number: self.report.len() + 1,
+            batch_size,
+            outcome,
+            duration,
+            memory_at_start,
+            memory_at_end: None,
+            memory_after_release: None,
+            requested: None,
+            rationale: self.rationale.take(),
+        }
+    }
+
+    fn notify_last(&mut self) {
+        if let (Some(notify), Some(attempt)) = (self.hooks.notify.as_mut(), self.report.last()) {
+            notify(attempt);
+        }
+    }
+
+    /// The attempt returned its value. The policy decides whether the search ends here
+    /// ([`is_accepted`](Self::is_accepted)) or goes on with another size.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// let batch_size = search.begin()?;
+    /// search.succeeded();
+    /// assert_eq!(last_report().unwrap().batch_size(), Some(batch_size));
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn succeeded(&mut self) {
+        let mut attempt = self.finish_attempt(Outcome::Succeeded);
+        if self.policy.reads_memory_after_success() {
+            attempt.memory_at_end = non_empty(self.release.memory());
+        }
+        self.succeeded_once = true;
+        self.report.push(attempt);
+        self.notify_last();
+        let decision = self.policy.after(&self.report);
+        self.rationale = self.policy.rationale();
+        self.next = self.apply(decision);
+        match &self.next {
+            Next::Accepted => {
+                if let Some(attempt) = self.report.last() {
+                    tracing::info!(
+                        function = self.label,
+                        batch_size = attempt.batch_size,
+                        attempts = attempt.number,
+                        "found executable batch size"
+                    );
+                }
+                self.finish();
+            }
+            Next::Size(next) => tracing::debug!(
+                function = self.label,
+                next_batch_size = *next,
+                "attempt succeeded; the policy continues"
+            ),
+            Next::Stop(_) | Next::Ended => {}
+        }
+    }
+
+    /// The attempt returned an error that is not out-of-memory: the search is over and the
+    /// error goes back to the caller.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, Outcome};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// search.failed(&std::io::Error::other("corrupt shard"));
+    /// let report = last_report().unwrap();
+    /// let attempt = report.attempts().next().unwrap();
+    /// assert_eq!(attempt.outcome, Outcome::Failed { error: "corrupt shard".to_owned() });
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn failed(&mut self, error: &(dyn Error + 'static)) {
+        self.failed_with(oom::describe(error));
+    }
+
+    pub(crate) fn failed_with(&mut self, description: String) {
+        let attempt = self.finish_attempt(Outcome::Failed { error: description });
+        self.report.push(attempt);
+        self.notify_last();
+        self.next = Next::Ended;
+        self.finish();
+    }
+
+    /// The attempt panicked. An out-of-memory panic is recorded like an out-of-memory error;
+    /// any other panic is recorded and resumed with its original payload.
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// # std::panic::set_hook(Box::new(|_| {})); // keep the doctest's output clean
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// let oom = || panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+    /// let payload = std::panic::catch_unwind(oom).unwrap_err();
+    /// search.panicked(payload); // out of memory: recorded, no unwinding
+    /// assert_eq!(search.begin()?, 2);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn panicked(&mut self, payload: PanicPayload) {
+        match self.classify_panic(&payload) {
+            Some(found) => self.record_out_of_memory(found, None),
+            None => {
+                let attempt = self.finish_attempt(Outcome::Panicked);
+                self.report.push(attempt);
+                self.notify_last();
+                self.next = Next::Ended;
+                self.finish();
+                std::panic::resume_unwind(payload)
+            }
+        }
+    }
+
+    /// Whether `error` is out-of-memory: the process-wide rules ([`oom::classify_error`]),
+    /// then this search's [`when`](BatchSizeSearch::when).
+    pub(crate) fn classify_error(&self, error: &(dyn Error + 'static)) -> Option<OomMatch> {
+        oom::classify_error(error).or_else(|| {
+            let when = self.hooks.when.as_ref()?;
+            oom::chain_of(error)
+                .any(|layer| when(layer))
+                .then(|| OomMatch {
+                    kind: OomKind::Rule,
+                    description: oom::describe(error),
+                    requested: None,
+                })
+        })
+    }
+
+    /// Whether a message is out-of-memory, by the same rules.
+    pub(crate) fn classify_text(&self, text: &str) -> Option<OomMatch> {
+        oom::classify_text(text).or_else(|| {
+            let when = self.hooks.when.as_ref()?;
+            when(&TextError(text.to_owned())).then(|| OomMatch {
+                kind: OomKind::Rule,
+                description: text.lines().next().unwrap_or_default().to_owned(),
+                requested: None,
+            })
+        })
+    }
+
+    fn classify_panic(&self, payload: &PanicPayload) -> Option<OomMatch> {
+        oom::classify_panic(&**payload).or_else(|| {
+            let text = payload
+                .downcast_ref::<&'static str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))?;
+            self.classify_text(text)
+        })
+    }
+
+    /// The attempt ran out of memory: record it, release memory, pick the next size.
+    /// `error` is kept as the `source()` of [`NoExecutableBatchSize`] if the search ends.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{oom, BatchSizeSearch, OutOfMemory};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// search.begin()?;
+    /// let error = OutOfMemory::new().with_requested(1 << 30);
+    /// search.out_of_memory(oom::classify_error(&error).unwrap(), Some(Box::new(error)));
+    /// assert_eq!(search.begin()?, 2);
+    /// assert_eq!(search.report().out_of_memory_count(), 1);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn out_of_memory(
+        &mut self,
+        found: OomMatch,
+        error: Option<Box<dyn Error + Send + Sync + 'static>>,
+    ) {
+        self.record_out_of_memory(found, error.map(KeptError::from));
+    }
+
+    pub(crate) fn record_out_of_memory(&mut self, found: OomMatch, error: Option<KeptError>) {
+        let mut attempt = self.finish_attempt(Outcome::OutOfMemory {
+            error: found.description.clone(),
+        });
+        let failed_size = attempt.batch_size;
+        attempt.requested = found.requested;
+        attempt.memory_at_end = non_empty(self.release.memory());
+        self.smallest_failed = Some(
+            self.smallest_failed
+                .map_or(failed_size, |smallest| smallest.min(failed_size)),
+        );
+
+        if let Err(release_error) = self.release.release() {
+            tracing::warn!(
+                function = self.label,
+                error = %release_error,
+                "could not release device memory before the next attempt"
+            );
+        }
+        attempt.memory_after_release = non_empty(self.release.memory());
+        let number = attempt.number;
+        self.report.push(attempt);
+
+        // The policy sees the failure with the memory the release made free.
+        let decision = self.policy.after(&self.report);
+        self.rationale = self.policy.rationale();
+        self.next = self.apply(decision);
+        self.log_retry(failed_size, number, &found.description);
+        self.notify_last();
+        self.last_error = Some(error.unwrap_or_else(|| {
+            let text: Box<dyn Error + Send + Sync> = Box::new(LastOutOfMemory(found.description));
+            KeptError::from(text)
+        }));
+        if matches!(self.next, Next::Accepted) {
+            self.finish();
+        }
+    }
+
+    fn log_retry(&self, failed_size: usize, number: usize, description: &str) {
+        // As PyTorch's message does: the memory when the attempt failed; then what the release
+        // made free for the next attempt.
+        let last = self.report.last();
+        let memory = last
+            .and_then(|attempt| attempt.memory_at_end.as_ref())
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let free_after_release = last
+            .and_then(|attempt| attempt.memory_after_release.as_ref())
+            .map(|after| Bytes(after.free()).to_string())
+            .unwrap_or_default();
+        let because = self
+            .rationale
+            .as_deref()
+            .map(|rationale| format!(" ({rationale})"))
+            .unwrap_or_default();
+        match &self.next {
+            Next::Size(next) => tracing::warn!(
+                function = self.label,
+                batch_size = failed_size,
+                next_batch_size = *next,
+                attempt = number,
+                error = %description,
+                memory = %memory,
+                free_after_release = %free_after_release,
+                "out of memory with batch size {failed_size}; retrying with {next}{because}"
+            ),
+            Next::Accepted => tracing::warn!(
+                function = self.label,
+                batch_size = failed_size,
+                attempt = number,
+                error = %description,
+                "out of memory with batch size {failed_size}; keeping the last size that ran"
+            ),
+            Next::Stop(_) | Next::Ended => tracing::warn!(
+                function = self.label,
+                batch_size = failed_size,
+                attempt = number,
+                error = %description,
+                memory = %memory,
+                free_after_release = %free_after_release,
+                "out of memory with batch size {failed_size}; no smaller size is left"
+            ),
+        }
+    }
+
+    /// The attempts so far, while the search runs. When it ends, the report moves to
+    /// [`last_report()`](crate::last_report) (and to [`NoExecutableBatchSize::report`] when no
+    /// size fit), and this one is empty.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{oom, BatchSizeSearch};
+    /// let mut search = BatchSizeSearch::new(4).start();
+    /// assert!(search.report().is_empty());
+    /// search.begin()?;
+    /// search.out_of_memory(oom::classify_text("CUDA out of memory").unwrap(), None);
+    /// assert_eq!(search.report().len(), 1);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn report(&self) -> &SearchReport {
+        &self.report
+    }
+}
+
+/// What the last out-of-memory panic said, kept as `source()` where no error value exists.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct LastOutOfMemory(String);
+
+/// A panic's message shown to a `when` predicate as an error.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TextError(String);
+
+fn non_empty(snapshot: MemorySnapshot) -> Option<MemorySnapshot> {
+    (!snapshot.is_empty()).then_some(snapshot)
+}

@@ -1,0 +1,157 @@
+//! How sizes are chosen: a [`SizePolicy`] decides the first size and, after every attempt,
+//! whether to try another size, accept, or stop. The engine runs the attempts and applies what
+//! is common to every policy.
+//!
+//! The engine owns the loop: it runs each attempt (catching panics), classifies its outcome,
+//! releases memory after an out-of-memory failure, reads the memory figures, logs, and keeps
+//! the report. A policy owns only the choice, and sees every attempt so far. Whatever a policy
+//! proposes, the engine holds it to the same rules:
+//! - never below `min` ([`StopReason::BelowMinimum`]), never 0 ([`StopReason::ReachedZero`]);
+//! - never a size at or above one that already ran out of memory in this search
+//!   ([`StopReason::NotSmaller`]);
+//! - at most `max_attempts` attempts ([`StopReason::MaxAttempts`]);
+//! - [`Decision::Accept`] ends the search with the value of the latest successful attempt, so it
+//!   needs one ([`StopReason::NothingToAccept`] otherwise).
+//!
+//! The policies here: [`Halve`], [`Factor`] and [`Reduce`] (the `reduce = ...` closure).
+//!
+//! # Writing a policy
+//! A policy that shrinks implements [`after`](SizePolicy::after) for out-of-memory attempts and
+//! accepts the first success. Start at `starting`, then try 3/4 of the last failure:
+//!
+//! ```
+//! use batch_size_runtime::policy::{Decision, SizePolicy};
+//! use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Outcome, SearchReport};
+//!
+//! #[derive(Debug)]
+//! struct ThreeQuarters;
+//!
+//! impl SizePolicy for ThreeQuarters {
+//!     fn after(&mut self, history: &SearchReport) -> Decision {
+//!         match history.last() {
+//!             Some(last) if last.outcome == Outcome::Succeeded => Decision::Accept,
+//!             Some(last) => Decision::Try(last.batch_size * 3 / 4),
+//!             None => Decision::Accept, // not called before an attempt
+//!         }
+//!     }
+//! }
+//!
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(100)
+//!     .with_policy(ThreeQuarters)
+//!     .run_dyn(|batch_size| {
+//!         if batch_size > 50 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+//!     });
+//! assert_eq!(fitted.unwrap(), 42); // 100, 75, 56, 42
+//! ```
+//!
+//! A policy that grows (a tuner) tries larger sizes after each success and accepts once it has
+//! bracketed the limit; the engine still refuses any size at or above one that failed. Double
+//! from 1 until out of memory, then accept the largest size that ran:
+//!
+//! ```
+//! use batch_size_runtime::policy::{Decision, SizePolicy};
+//! use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Outcome, SearchReport};
+//!
+//! #[derive(Debug)]
+//! struct Doubling;
+//!
+//! impl SizePolicy for Doubling {
+//!     fn first(&mut self, _starting: usize) -> Decision {
+//!         Decision::Try(1)
+//!     }
+//!     fn after(&mut self, history: &SearchReport) -> Decision {
+//!         match history.last() {
+//!             Some(last) if last.outcome == Outcome::Succeeded => Decision::Try(last.batch_size * 2),
+//!             _ => Decision::Accept, // the value of the latest success comes back
+//!         }
+//!     }
+//! }
+//!
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(1)
+//!     .with_policy(Doubling)
+//!     .run_dyn(|batch_size| {
+//!         if batch_size > 20 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+//!     });
+//! assert_eq!(fitted.unwrap(), 16); // 1, 2, 4, 8, 16 ran; 32 did not
+//! ```
+//!
+//! Other shapes build on the same two methods without touching the engine:
+//! - work that succeeds many times (chunks of a dataset, training steps) answers `Try(next)`
+//!   after each success until the work is done, then `Accept`; the attempt closure keeps its
+//!   own progress;
+//! - a wrapper that makes several processes agree holds another policy, exchanges each
+//!   outcome with the other ranks before calling the inner policy with the shared verdict, and
+//!   proposes the smallest of the ranks' sizes.
+
+use std::fmt;
+
+use crate::error::StopReason;
+use crate::record::SearchReport;
+
+mod shrink;
+
+pub use shrink::{Factor, Halve, Reduce};
+
+/// What a policy wants after an attempt (or before the first).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Run an attempt with this size.
+    Try(usize),
+    /// End the search with the value of the latest successful attempt.
+    Accept,
+    /// End the search without a size.
+    Stop(StopReason),
+}
+
+/// Chooses the batch size of each attempt from the history of the search.
+///
+/// The engine calls [`first`](Self::first) once, then [`after`](Self::after) after every attempt
+/// that succeeded or ran out of memory (an error or panic that is not out-of-memory ends the
+/// search without asking). See the [module docs](self) for the rules the engine adds and for
+/// examples of a shrinking and a growing policy.
+pub trait SizePolicy: Send + fmt::Debug {
+    /// The first size to try, given the search's `starting` (default: `starting` itself).
+    fn first(&mut self, starting: usize) -> Decision {
+        Decision::Try(starting)
+    }
+
+    /// What to do after the attempt that just ended, the last of `history`.
+    fn after(&mut self, history: &SearchReport) -> Decision;
+
+    /// Why this policy cannot run as configured, if it cannot: the search stops before its
+    /// first attempt with [`StopReason::InvalidConfiguration`].
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Whether the engine should read the memory figures after a successful attempt too
+    /// (a tuner fitting memory against the size needs them; a shrinking policy does not, and
+    /// the success path stays free of device queries).
+    fn reads_memory_after_success(&self) -> bool {
+        false
+    }
+
+    /// A line on how the latest decision was reached (an estimate, a fitted limit), shown in
+    /// the retry's log and kept on the next attempt's record.
+    fn rationale(&self) -> Option<String> {
+        None
+    }
+}
+
+impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
+    fn first(&mut self, starting: usize) -> Decision {
+        (**self).first(starting)
+    }
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        (**self).after(history)
+    }
+    fn check(&self) -> Result<(), String> {
+        (**self).check()
+    }
+    fn reads_memory_after_success(&self) -> bool {
+        (**self).reads_memory_after_success()
+    }
+    fn rationale(&self) -> Option<String> {
+        (**self).rationale()
+    }
+}
