@@ -391,7 +391,7 @@ impl Search<'_> {
         oom::classify_error(error).or_else(|| {
             let when = self.hooks.when.as_ref()?;
             oom::chain_of(error)
-                .any(|layer| when(layer))
+                .any(when)
                 .then(|| OomMatch {
                     kind: OomKind::Rule,
                     description: oom::describe(error),
