@@ -332,3 +332,80 @@ fn source_text(expr: &Expr) -> String {
         other => quote::ToTokens::to_token_stream(other).to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expr(text: &str) -> Expr {
+        syn::parse_str(text).unwrap()
+    }
+
+    #[test]
+    fn misspelt_keys_suggest_the_closest() {
+        assert_eq!(closest_key("minimum"), Some("min"));
+        assert_eq!(closest_key("startng"), Some("starting"));
+        assert_eq!(closest_key("max_attempt"), Some("max_attempts"));
+        assert_eq!(closest_key("polcy"), Some("policy"));
+        assert_eq!(closest_key("on_reprt"), Some("on_report"));
+        assert_eq!(closest_key("zzzzzz"), None);
+    }
+
+    #[test]
+    fn literal_integers_are_read_through_signs_and_parentheses() {
+        assert_eq!(integer_literal(&expr("8")), Some(8));
+        assert_eq!(integer_literal(&expr("-8")), Some(-8));
+        assert_eq!(integer_literal(&expr("(-(4))")), Some(-4));
+        assert_eq!(integer_literal(&expr("cfg.batch_size")), None);
+    }
+
+    #[test]
+    fn zero_and_negative_literals_are_refused_with_the_key_named() {
+        let zero_min = reject_zero_or_negative(&expr("0"), "min").unwrap_err();
+        assert!(zero_min.to_string().starts_with("`min = 0`"));
+        let negative = reject_zero_or_negative(&expr("-3"), "max_attempts").unwrap_err();
+        assert_eq!(
+            negative.to_string(),
+            "`max_attempts` must be a positive integer, got -3"
+        );
+        assert!(reject_zero_or_negative(&expr("n - 1"), "min").is_ok());
+    }
+
+    #[test]
+    fn factors_outside_zero_one_are_refused_as_written() {
+        assert!(check_factor(&expr("0.9")).is_ok());
+        assert!(check_factor(&expr("ratio")).is_ok()); // checked at run time
+        let error = check_factor(&expr("-0.5")).unwrap_err();
+        assert!(error.to_string().ends_with("got -0.5"), "{error}");
+        assert!(check_factor(&expr("1")).is_err());
+        assert!(check_factor(&expr("\"0.5\"")).is_err());
+    }
+
+    #[test]
+    fn size_choices_exclude_each_other_in_a_stable_order() {
+        let span = Span::call_site();
+        assert_eq!(
+            two_size_choices(span, "factor", "reduce").to_string(),
+            "`factor` and `reduce` both choose the next size: give one of them"
+        );
+        assert_eq!(
+            two_size_choices(span, "reduce", "factor").to_string(),
+            "`factor` and `reduce` both choose the next size: give one of them"
+        );
+        assert_eq!(
+            two_size_choices(span, "reduce", "policy").to_string(),
+            "`reduce` and `policy` both choose the next size: give one of them"
+        );
+    }
+
+    #[test]
+    fn every_key_parses_once_and_duplicates_are_refused() {
+        let args: Args = syn::parse_str(
+            "starting = 8, min = 2, policy = p, max_attempts = 3, release = r, when = w, notify = n, on_report = o, crate = rt",
+        )
+        .unwrap();
+        assert!(args.starting.is_some() && args.policy.is_some() && args.on_report.is_some());
+        let duplicate = syn::parse_str::<Args>("starting = 8, starting = 4").err().unwrap();
+        assert_eq!(duplicate.to_string(), "duplicate argument `starting`: give it once");
+    }
+}

@@ -293,3 +293,44 @@ impl syn::visit_mut::VisitMut for ImplTraitToInfer {
         syn::visit_mut::visit_type_mut(self, ty);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use quote::ToTokens;
+
+    use super::*;
+
+    fn shape(text: &str) -> ReturnShape {
+        let sig: Signature = syn::parse_str(text).unwrap();
+        return_shape(&sig.output)
+    }
+
+    #[test]
+    fn impl_trait_in_the_return_type_is_left_to_inference() {
+        let inferable = shape("fn f() -> Result<impl Display, anyhow::Error>").inferable;
+        assert_eq!(
+            inferable.unwrap().to_token_stream().to_string(),
+            "Result < _ , anyhow :: Error >"
+        );
+        assert!(shape("fn f() -> impl Display").inferable.is_none());
+        assert_eq!(
+            shape("fn f()").inferable.unwrap().to_token_stream().to_string(),
+            "()"
+        );
+    }
+
+    #[test]
+    fn the_batch_size_parameter_is_taken_out() {
+        let sig: Signature =
+            syn::parse_str("fn train(&self, batch_size: u32, data: &[u8], n: usize) -> usize")
+                .unwrap();
+        let private: syn::Path = syn::parse_str("::rt::__private").unwrap();
+        let split = split(&sig, &private, &HashSet::new()).unwrap();
+        assert_eq!(
+            split.outer.to_token_stream().to_string(),
+            "fn train (& self , data : & [u8] , n : usize) -> usize"
+        );
+        assert_eq!(split.rebind.len(), 2);
+        assert!(split.error.is_none());
+    }
+}
