@@ -405,7 +405,12 @@ mod tests {
         )
         .unwrap();
         assert!(args.starting.is_some() && args.policy.is_some() && args.on_report.is_some());
-        let duplicate = syn::parse_str::<Args>("starting = 8, starting = 4").err().unwrap();
-        assert_eq!(duplicate.to_string(), "duplicate argument `starting`: give it once");
+        let duplicate = syn::parse_str::<Args>("starting = 8, starting = 4")
+            .err()
+            .unwrap();
+        assert_eq!(
+            duplicate.to_string(),
+            "duplicate argument `starting`: give it once"
+        );
     }
 }

@@ -314,7 +314,11 @@ mod tests {
         );
         assert!(shape("fn f() -> impl Display").inferable.is_none());
         assert_eq!(
-            shape("fn f()").inferable.unwrap().to_token_stream().to_string(),
+            shape("fn f()")
+                .inferable
+                .unwrap()
+                .to_token_stream()
+                .to_string(),
             "()"
         );
     }

@@ -68,17 +68,28 @@
 /// - `min = EXPR` (default 1): the search stops instead of trying a smaller size.
 /// - `factor = FLOAT` (0 < f < 1) or `reduce = EXPR` (a `FnMut(&FailedAttempt) -> usize`), not
 ///   both. Default: halving.
+/// - `policy = EXPR`: any [`SizePolicy`] instead (excludes `factor` and `reduce`).
 /// - `max_attempts = EXPR`: at most this many attempts.
 /// - `release = EXPR`: anything `Into<`[`Release`]`>` (default: [`Release::cuda()`]).
+/// - `when = EXPR`: a `Fn(&dyn Error) -> bool` that counts more errors as out-of-memory, for
+///   this function only ([`BatchSizeSearch::when`]).
+/// - `notify = EXPR`: a `FnMut(&Attempt)` called as each attempt ends ([`BatchSizeSearch::notify`]).
+/// - `on_report = EXPR`: a `FnOnce(&SearchReport)` called when the search ends, with this call's
+///   report, whatever thread an `async fn` ends on ([`BatchSizeSearch::on_report`]).
 /// - `crate = PATH`: where the runtime is, when renamed or re-exported.
 ///
 /// # Parameters and return type
 /// - `&T` and `&mut T` parameters are re-borrowed for every attempt; owned parameters are
 ///   cloned for every attempt (they must be `Clone`). `self` by value is refused: the body may
 ///   run several times.
-/// - `Result<T, E>`: when no size fits, the function returns `Err(E::from(NoExecutableBatchSize))`.
-///   `anyhow::Error`, `Box<dyn Error + Send + Sync>` and `std::io::Error` accept it already; for
-///   your own enum, add `#[error(transparent)] NoBatchSize(#[from] NoExecutableBatchSize)`.
+/// - `Result<T, E>`: when no size fits, the function returns `Err(E::from(NoExecutableBatchSize))`
+///   (`anyhow::Error`, `Box<dyn Error + Send + Sync>`, `std::io::Error`, your enum with
+///   `#[error(transparent)] NoBatchSize(#[from] NoExecutableBatchSize)`); failing that
+///   `E::from(io::Error)`, `E::from(String)` or `E::from(Box<dyn Error + Send + Sync>)`; and
+///   for any other error type, the last out-of-memory error itself.
+/// - `E` must be inspectable (`Error`, `anyhow::Error`, a boxed error) or at least `Display`:
+///   otherwise an out-of-memory error could pass unseen, and it is a compile error at the
+///   return type naming the bound to add.
 /// - Any other return type: out-of-memory can only come as a panic, which is retried; when no
 ///   size fits the function panics with the `NoExecutableBatchSize` message.
 /// - Errors and panics that are not out-of-memory come back unchanged after one attempt.

@@ -3,7 +3,7 @@
 //! (`::batch_size_runtime::__private`), so nothing the user names can shadow it.
 //!
 //! The expansion of a plain function is a builder, the two dispatch kinds for its return type
-//! ([`dispatch`](crate::dispatch)), and a loop of [`Driver::begin`] and [`Driver::settle`]
+//! (the `dispatch` module), and a loop of [`Driver::begin`] and [`Driver::settle`]
 //! around the body; everything else lives in the engine.
 
 pub use crate::dispatch::{ladder, tag, InspectableError, PanicOnly, PanicWithError};

@@ -53,7 +53,10 @@ fn concurrent_async_searches_each_receive_their_own_report() {
             let expected = 1usize << fits.ilog2();
             assert_eq!(found, expected, "fits {fits}");
             assert_eq!(report.batch_size(), Some(expected), "fits {fits}");
-            let sizes: Vec<usize> = report.attempts().map(|attempt| attempt.batch_size).collect();
+            let sizes: Vec<usize> = report
+                .attempts()
+                .map(|attempt| attempt.batch_size)
+                .collect();
             let mut halving = vec![256usize];
             while *halving.last().unwrap() > expected {
                 halving.push(halving.last().unwrap() / 2);

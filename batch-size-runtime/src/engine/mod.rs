@@ -2,7 +2,7 @@
 //! try again, until an attempt succeeds or no size is left.
 //!
 //! [`BatchSizeSearch`] is the builder users call directly; [`Search`] is the state machine it
-//! runs: one loop for every policy ([`SizePolicy`](crate::policy::SizePolicy)), sync and async,
+//! runs: one loop for every policy ([`SizePolicy`]), sync and async,
 //! which the attribute's generated code also calls.
 //!
 //! ```

@@ -390,13 +390,11 @@ impl Search<'_> {
     pub(crate) fn classify_error(&self, error: &(dyn Error + 'static)) -> Option<OomMatch> {
         oom::classify_error(error).or_else(|| {
             let when = self.hooks.when.as_ref()?;
-            oom::chain_of(error)
-                .any(when)
-                .then(|| OomMatch {
-                    kind: OomKind::Rule,
-                    description: oom::describe(error),
-                    requested: None,
-                })
+            oom::chain_of(error).any(when).then(|| OomMatch {
+                kind: OomKind::Rule,
+                description: oom::describe(error),
+                requested: None,
+            })
         })
     }
 
