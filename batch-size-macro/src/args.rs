@@ -334,6 +334,7 @@ fn source_text(expr: &Expr) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -352,6 +352,7 @@ fn search_builder(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use std::collections::BTreeSet;
 

@@ -295,6 +295,7 @@ impl syn::visit_mut::VisitMut for ImplTraitToInfer {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use quote::ToTokens;
 
