@@ -2,6 +2,8 @@
 //! move between the threads of a multi-threaded executor while many searches run at once:
 //! `last_report()`, per thread, cannot promise that.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
