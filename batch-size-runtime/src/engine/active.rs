@@ -46,7 +46,19 @@ impl ActivePolicy<'_> {
         }
     }
 
+    /// The shrinking policies accept every success and start at `starting`: the engine skips
+    /// asking them, which keeps the success path short.
+    pub(crate) fn is_shrinking(&self) -> bool {
+        matches!(
+            self,
+            ActivePolicy::Halve(_) | ActivePolicy::Factor(_) | ActivePolicy::Reduce(_)
+        )
+    }
+
     pub(crate) fn first(&mut self, starting: usize) -> Decision {
+        if self.is_shrinking() {
+            return Decision::Try(starting);
+        }
         self.policy_mut().first(starting)
     }
 
@@ -63,7 +75,10 @@ impl ActivePolicy<'_> {
     }
 
     pub(crate) fn rationale(&self) -> Option<String> {
-        self.policy().rationale()
+        match self {
+            ActivePolicy::Custom(policy) => policy.rationale(),
+            _ => None,
+        }
     }
 }
 

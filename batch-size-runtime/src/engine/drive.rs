@@ -47,6 +47,7 @@ where
 {
     /// Starts `search`, whose attempts are classified by `classify`; when no size fits, the
     /// function's value comes from `give_up`.
+    #[inline]
     pub fn new(search: BatchSizeSearch<'r>, classify: C, give_up: G) -> Self
     where
         C: UsableKind,
@@ -61,6 +62,7 @@ where
     }
 
     /// The next attempt's size, or the value the function returns because no size fits.
+    #[inline]
     pub fn begin(&mut self) -> Result<usize, G::Output> {
         self.search
             .begin()
@@ -69,6 +71,7 @@ where
 
     /// Records how an attempt ended: `Some(value)` ends the search with what the function
     /// returns; `None` means run [`begin`](Self::begin) again.
+    #[inline]
     pub fn settle(&mut self, outcome: Result<R, PanicPayload>) -> Option<R> {
         match outcome {
             Ok(value) => match self.classify.judge(value, &self.search) {

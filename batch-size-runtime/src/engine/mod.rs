@@ -74,7 +74,8 @@ pub struct BatchSizeSearch<'r> {
     pub(crate) release: Option<Release>,
     pub(crate) label: &'static str,
     pub(crate) invalid: Option<String>,
-    pub(crate) hooks: Hooks<'r>,
+    // Boxed and absent until one is set: the common search carries one pointer, not three.
+    pub(crate) hooks: Option<Box<Hooks<'r>>>,
 }
 
 impl<'r> BatchSizeSearch<'r> {
@@ -97,7 +98,7 @@ impl<'r> BatchSizeSearch<'r> {
             release: None,
             label: "batch_size_search",
             invalid: None,
-            hooks: Hooks::default(),
+            hooks: None,
         }
     }
 
@@ -273,7 +274,7 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         predicate: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r,
     ) -> Self {
-        self.hooks.when = Some(Box::new(predicate));
+        self.hooks.get_or_insert_with(Box::default).when = Some(Box::new(predicate));
         self
     }
 
@@ -293,7 +294,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(seen, [(64, false), (32, false), (16, true)]);
     /// ```
     pub fn notify(mut self, callback: impl FnMut(&Attempt) + Send + 'r) -> Self {
-        self.hooks.notify = Some(Box::new(callback));
+        self.hooks.get_or_insert_with(Box::default).notify = Some(Box::new(callback));
         self
     }
 
@@ -316,7 +317,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(received.recv().unwrap().len(), 3);
     /// ```
     pub fn on_report(mut self, callback: impl FnOnce(&SearchReport) + Send + 'r) -> Self {
-        self.hooks.on_report = Some(Box::new(callback));
+        self.hooks.get_or_insert_with(Box::default).on_report = Some(Box::new(callback));
         self
     }
 

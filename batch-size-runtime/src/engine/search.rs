@@ -59,7 +59,7 @@ struct Running {
 /// ```
 pub struct Search<'r> {
     policy: ActivePolicy<'r>,
-    hooks: Hooks<'r>,
+    hooks: Option<Box<Hooks<'r>>>,
     min: usize,
     max_attempts: Option<usize>,
     label: &'static str,
@@ -87,6 +87,7 @@ impl fmt::Debug for Search<'_> {
 }
 
 impl<'r> Search<'r> {
+    #[inline]
     pub(crate) fn new(config: BatchSizeSearch<'r>) -> Self {
         let BatchSizeSearch {
             starting,
@@ -98,39 +99,47 @@ impl<'r> Search<'r> {
             invalid,
             hooks,
         } = config;
-        let mut search = Search {
+        let mut policy = policy;
+        let next = if let Some(why) = invalid {
+            Next::Stop(StopReason::InvalidConfiguration(why))
+        } else if starting == 0 {
+            Next::Stop(StopReason::StartedAtZero)
+        } else if let Err(why) = policy.check() {
+            Next::Stop(StopReason::InvalidConfiguration(why))
+        } else {
+            match policy.first(starting) {
+                Decision::Try(0) => Next::Stop(StopReason::StartedAtZero),
+                Decision::Try(size) if size < min => {
+                    Next::Stop(StopReason::BelowMinimum { next: size, min })
+                }
+                Decision::Try(size) => Next::Size(size),
+                Decision::Stop(reason) => Next::Stop(reason),
+                Decision::Accept => Next::Stop(StopReason::NothingToAccept),
+            }
+        };
+        // Built in one expression, in place: the success path moves as little as it can.
+        Search {
+            rationale: policy.rationale(),
             policy,
             hooks,
             min,
             max_attempts,
             label,
             release: release.unwrap_or_default(),
-            next: Next::Ended,
+            next,
             running: None,
             report: SearchReport::default(),
             last_error: None,
             smallest_failed: None,
             succeeded_once: false,
-            rationale: None,
             keep_report: false,
-        };
-        search.next = if let Some(why) = invalid {
-            Next::Stop(StopReason::InvalidConfiguration(why))
-        } else if starting == 0 {
-            Next::Stop(StopReason::StartedAtZero)
-        } else if let Err(why) = search.policy.check() {
-            Next::Stop(StopReason::InvalidConfiguration(why))
-        } else {
-            let first = search.policy.first(starting);
-            search.rationale = search.policy.rationale();
-            search.apply(first)
-        };
-        search
+        }
     }
 }
 
 impl Search<'_> {
     /// The engine's rules over what the policy decided.
+    #[inline]
     fn apply(&self, decision: Decision) -> Next {
         match decision {
             Decision::Accept if self.succeeded_once => Next::Accepted,
@@ -210,6 +219,7 @@ impl Search<'_> {
     /// assert!(search.is_accepted());
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
+    #[inline]
     pub fn is_accepted(&self) -> bool {
         matches!(self.next, Next::Accepted)
     }
@@ -230,7 +240,7 @@ impl Search<'_> {
     /// for [`Driver::take_report`](super::Driver::take_report)); a copy is returned for
     /// [`NoExecutableBatchSize`].
     fn finish_report(&mut self) -> SearchReport {
-        if let Some(on_report) = self.hooks.on_report.take() {
+        if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);
         }
         if self.keep_report {
@@ -243,7 +253,7 @@ impl Search<'_> {
 
     /// Like `finish_report` on the paths that need no copy: a success, an error, a panic.
     fn finish(&mut self) {
-        if let Some(on_report) = self.hooks.on_report.take() {
+        if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);
         }
         if !self.keep_report {
@@ -284,7 +294,8 @@ impl Search<'_> {
     }
 
     fn notify_last(&mut self) {
-        if let (Some(notify), Some(attempt)) = (self.hooks.notify.as_mut(), self.report.last()) {
+        let notify = self.hooks.as_mut().and_then(|hooks| hooks.notify.as_mut());
+        if let (Some(notify), Some(attempt)) = (notify, self.report.last()) {
             notify(attempt);
         }
     }
@@ -308,9 +319,13 @@ impl Search<'_> {
         self.succeeded_once = true;
         self.report.push(attempt);
         self.notify_last();
-        let decision = self.policy.after(&self.report);
-        self.rationale = self.policy.rationale();
-        self.next = self.apply(decision);
+        self.next = if self.policy.is_shrinking() {
+            Next::Accepted
+        } else {
+            let decision = self.policy.after(&self.report);
+            self.rationale = self.policy.rationale();
+            self.apply(decision)
+        };
         match &self.next {
             Next::Accepted => {
                 if let Some(attempt) = self.report.last() {
@@ -389,7 +404,7 @@ impl Search<'_> {
     /// then this search's [`when`](BatchSizeSearch::when).
     pub(crate) fn classify_error(&self, error: &(dyn Error + 'static)) -> Option<OomMatch> {
         oom::classify_error(error).or_else(|| {
-            let when = self.hooks.when.as_ref()?;
+            let when = self.hooks.as_ref()?.when.as_ref()?;
             oom::chain_of(error).any(when).then(|| OomMatch {
                 kind: OomKind::Rule,
                 description: oom::describe(error),
@@ -401,7 +416,7 @@ impl Search<'_> {
     /// Whether a message is out-of-memory, by the same rules.
     pub(crate) fn classify_text(&self, text: &str) -> Option<OomMatch> {
         oom::classify_text(text).or_else(|| {
-            let when = self.hooks.when.as_ref()?;
+            let when = self.hooks.as_ref()?.when.as_ref()?;
             when(&TextError(text.to_owned())).then(|| OomMatch {
                 kind: OomKind::Rule,
                 description: text.lines().next().unwrap_or_default().to_owned(),

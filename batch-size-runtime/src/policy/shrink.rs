@@ -24,6 +24,7 @@ use crate::reduce::FailedAttempt;
 pub struct Halve;
 
 impl SizePolicy for Halve {
+    #[inline]
     fn after(&mut self, history: &SearchReport) -> Decision {
         shrink(history, |failed| failed.batch_size / 2)
     }
