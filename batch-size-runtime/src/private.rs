@@ -7,7 +7,8 @@
 //! around the body; everything else lives in the engine.
 
 pub use crate::dispatch::{ladder, tag, InspectableError, PanicOnly, PanicWithError};
-pub use crate::engine::{BatchSizeSearch, Driver};
+pub use crate::engine::drive::Driver;
+pub use crate::engine::BatchSizeSearch;
 pub use core;
 
 /// Runs one synchronous attempt, catching its panic.

@@ -32,12 +32,11 @@ use crate::reduce::{FailedAttempt, Reduction};
 use crate::unwind::{self, CatchUnwind};
 
 mod active;
-mod drive;
+pub(crate) mod drive;
 mod search;
 
 pub(crate) use active::{ActivePolicy, Hooks};
-#[doc(hidden)]
-pub use drive::Driver;
+pub(crate) use drive::Driver;
 pub use search::Search;
 
 /// Finds a batch size that fits: calls an attempt with `starting`, and after each
