@@ -66,6 +66,10 @@ impl ActivePolicy<'_> {
         self.policy_mut().after(history)
     }
 
+    pub(crate) fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.policy_mut().ended_by_failure(history)
+    }
+
     pub(crate) fn check(&self) -> Result<(), String> {
         self.policy().check()
     }

@@ -367,6 +367,7 @@ impl Search<'_> {
     pub(crate) fn failed_with(&mut self, description: String) {
         let attempt = self.finish_attempt(Outcome::Failed { error: description });
         self.report.push(attempt);
+        self.policy.ended_by_failure(&self.report);
         self.notify_last();
         self.next = Next::Ended;
         self.finish();
@@ -392,6 +393,7 @@ impl Search<'_> {
             None => {
                 let attempt = self.finish_attempt(Outcome::Panicked);
                 self.report.push(attempt);
+                self.policy.ended_by_failure(&self.report);
                 self.notify_last();
                 self.next = Next::Ended;
                 self.finish();

@@ -118,6 +118,14 @@ pub trait SizePolicy: Send + fmt::Debug {
     /// What to do after the attempt that just ended, the last of `history`.
     fn after(&mut self, history: &SearchReport) -> Decision;
 
+    /// The attempt that just ended (the last of `history`) failed with an error or a panic that
+    /// is not out-of-memory: the search ends and returns it, whatever the policy says. A wrapper
+    /// that makes several processes agree tells the other ranks here, so that none waits for
+    /// this one.
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        let _ = history;
+    }
+
     /// Why this policy cannot run as configured, if it cannot: the search stops before its
     /// first attempt with [`StopReason::InvalidConfiguration`].
     fn check(&self) -> Result<(), String> {
@@ -144,6 +152,9 @@ impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
     }
     fn after(&mut self, history: &SearchReport) -> Decision {
         (**self).after(history)
+    }
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        (**self).ended_by_failure(history)
     }
     fn check(&self) -> Result<(), String> {
         (**self).check()
