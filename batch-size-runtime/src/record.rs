@@ -71,7 +71,7 @@ pub enum Outcome {
 ///         let _batch = device.alloc(batch_size as u64 * 10)?;
 ///         Ok(batch_size)
 ///     });
-/// assert_eq!(fitted.unwrap(), 8);
+/// assert_eq!(fitted.unwrap(), 9); // 10 fill the device; 5 % is kept free
 ///
 /// let report = last_report().unwrap();
 /// let first = report.attempts().next().unwrap();

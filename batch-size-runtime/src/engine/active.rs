@@ -4,13 +4,14 @@
 use std::error::Error;
 use std::fmt;
 
-use crate::policy::{Decision, Factor, Halve, Reduce, SizePolicy};
+use crate::policy::{Decision, Factor, Guided, Halve, Reduce, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 use crate::reduce::Reduction;
 
 /// The policy a search runs.
 #[derive(Debug)]
 pub(crate) enum ActivePolicy<'r> {
+    Guided(Guided),
     Halve(Halve),
     Factor(Factor),
     Reduce(Reduce<'r>),
@@ -30,6 +31,7 @@ impl<'r> From<Reduction<'r>> for ActivePolicy<'r> {
 impl ActivePolicy<'_> {
     fn policy(&self) -> &dyn SizePolicy {
         match self {
+            ActivePolicy::Guided(policy) => policy,
             ActivePolicy::Halve(policy) => policy,
             ActivePolicy::Factor(policy) => policy,
             ActivePolicy::Reduce(policy) => policy,
@@ -39,6 +41,7 @@ impl ActivePolicy<'_> {
 
     fn policy_mut(&mut self) -> &mut dyn SizePolicy {
         match self {
+            ActivePolicy::Guided(policy) => policy,
             ActivePolicy::Halve(policy) => policy,
             ActivePolicy::Factor(policy) => policy,
             ActivePolicy::Reduce(policy) => policy,
@@ -51,7 +54,10 @@ impl ActivePolicy<'_> {
     pub(crate) fn is_shrinking(&self) -> bool {
         matches!(
             self,
-            ActivePolicy::Halve(_) | ActivePolicy::Factor(_) | ActivePolicy::Reduce(_)
+            ActivePolicy::Guided(_)
+                | ActivePolicy::Halve(_)
+                | ActivePolicy::Factor(_)
+                | ActivePolicy::Reduce(_)
         )
     }
 
@@ -80,6 +86,7 @@ impl ActivePolicy<'_> {
 
     pub(crate) fn rationale(&self) -> Option<String> {
         match self {
+            ActivePolicy::Guided(policy) => policy.rationale(),
             ActivePolicy::Custom(policy) => policy.rationale(),
             _ => None,
         }

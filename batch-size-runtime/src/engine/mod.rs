@@ -26,7 +26,7 @@ use crate::dispatch;
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
-use crate::policy::{Factor, Halve, Reduce, SizePolicy};
+use crate::policy::{Factor, Guided, Reduce, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 use crate::reduce::{FailedAttempt, Reduction};
 use crate::unwind::{self, CatchUnwind};
@@ -93,7 +93,7 @@ impl<'r> BatchSizeSearch<'r> {
             starting,
             min: 1,
             max_attempts: None,
-            policy: ActivePolicy::Halve(Halve),
+            policy: ActivePolicy::Guided(Guided::new()),
             release: None,
             label: "batch_size_search",
             invalid: None,
@@ -206,7 +206,7 @@ impl<'r> BatchSizeSearch<'r> {
     ///         let _batch = device.alloc(batch_size as u64 * 2)?;
     ///         Ok(batch_size)
     ///     });
-    /// assert_eq!(fitted.unwrap(), 32);
+    /// assert_eq!(fitted.unwrap(), 47); // 50 fill the device; 5 % is kept free
     /// assert_eq!(device.release_count(), 1); // once, after 64 ran out of memory
     /// ```
     pub fn with_release(mut self, release: impl Into<Release>) -> Self {
@@ -234,7 +234,30 @@ impl<'r> BatchSizeSearch<'r> {
         self.invalid.get_or_insert(why);
     }
 
-    /// Chooses sizes with `policy` instead of halving: a policy of this crate
+    /// The margin of the default guided policy ([`Guided`]): the share of the device kept free
+    /// when it estimates the next size (default 0.05; 0 ≤ margin < 1, otherwise the search stops
+    /// before its first attempt with [`StopReason::InvalidConfiguration`]). Selects the guided
+    /// policy if another was chosen.
+    ///
+    /// ```
+    /// use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+    ///
+    /// let device = SimulatedDevice::new(1 << 30);
+    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(256)
+    ///     .with_margin(0.2)
+    ///     .with_release(device.clone())
+    ///     .run_dyn(|batch_size| {
+    ///         let _activations = device.alloc(batch_size as u64 * (8 << 20))?; // 8 MiB a sample
+    ///         Ok(batch_size)
+    ///     });
+    /// assert_eq!(fitted.unwrap(), 102); // 128 fit; 80 % of the device is 102 samples
+    /// ```
+    pub fn with_margin(mut self, margin: f64) -> Self {
+        self.policy = ActivePolicy::Guided(Guided::new().with_margin(margin));
+        self
+    }
+
+    /// Chooses sizes with `policy` instead of the guided default: a policy of this crate
     /// ([`policy`](crate::policy)) or your own.
     ///
     /// ```

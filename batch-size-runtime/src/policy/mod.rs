@@ -13,7 +13,8 @@
 //! - [`Decision::Accept`] ends the search with the value of the latest successful attempt, so it
 //!   needs one ([`StopReason::NothingToAccept`] otherwise).
 //!
-//! The policies here: [`Halve`], [`Factor`] and [`Reduce`] (the `reduce = ...` closure).
+//! The policies here: [`Guided`] (the default: the next size estimated from each failure's
+//! figures), [`Halve`], [`Factor`] and [`Reduce`] (the `reduce = ...` closure).
 //!
 //! # Writing a policy
 //! A policy that shrinks implements [`after`](SizePolicy::after) for out-of-memory attempts and
@@ -88,8 +89,12 @@ use std::fmt;
 use crate::error::StopReason;
 use crate::record::SearchReport;
 
+mod evidence;
+mod guided;
 mod shrink;
 
+pub use evidence::Evidence;
+pub use guided::Guided;
 pub use shrink::{Factor, Halve, Reduce};
 
 /// What a policy wants after an attempt (or before the first).

@@ -1,0 +1,252 @@
+//! The default policy: after an out-of-memory attempt, estimate from its figures how memory
+//! grows with the batch size and try the size that lands just under the device's capacity.
+
+use super::evidence::Evidence;
+use super::{Decision, SizePolicy};
+use crate::error::StopReason;
+use crate::memory::Bytes;
+use crate::record::{Outcome, SearchReport};
+
+/// Chooses each next size from the evidence of the failures so far.
+///
+/// After an out-of-memory attempt at size `s` that asked for `r` bytes with `u` bytes in use on
+/// a device of `C` bytes, it assumes the least it can: that the failing allocation is the part
+/// of memory that grows with the batch, the rest is fixed. The next size is the one whose
+/// allocation fits in `C × (1 − margin) − u`:
+/// `s × (C × (1 − margin) − u) / r`. One tensor that grows with the batch, alone or beside a
+/// fixed part, is then found in one retry.
+///
+/// When that estimate fails too, the failing allocation was not the whole growth (the failure
+/// came part-way through the step, as in a model whose layers allocate in turn): the evidence
+/// is weak and the next step is no bolder than halving, unless two failures show the allocation
+/// growing faster than the batch (attention's quadratic term), whose exponent then refines the
+/// estimate. Without figures (an error that gives none and no memory backend readings) it halves
+/// exactly: 128, 64, 32, ...
+///
+/// When two failures at different sizes asked for the same bytes with the same memory in use,
+/// and those alone exceed the device, the part that does not depend on the batch does not fit:
+/// it stops at once with [`StopReason::Policy`] and the figures, instead of walking down to 1.
+///
+/// # Default
+/// `margin`: 0.05 (5 % of the device kept free for allocator rounding and variation between
+/// steps; chosen with `cargo bench -p batch-size-runtime --bench search`, see the README).
+///
+/// ```
+/// use batch_size_runtime::policy::Guided;
+/// use batch_size_runtime::{last_report, BatchSizeSearch, SimulatedDevice};
+///
+/// let device = SimulatedDevice::new(16 << 30); // 16 GiB
+/// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(512)
+///     .with_policy(Guided::new())
+///     .with_release(device.clone())
+///     .run_dyn(|batch_size| {
+///         let _weights = device.alloc(4 << 30)?; // 4 GiB
+///         let _activations = device.alloc(batch_size as u64 * (100 << 20))?; // 100 MiB a sample
+///         Ok(batch_size)
+///     });
+/// // 122 fit; halving would have stopped at 64.
+/// assert_eq!(fitted.unwrap(), 114);
+/// assert_eq!(last_report().unwrap().len(), 2);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guided {
+    margin: f64,
+    last_was_estimate: bool,
+    rationale: Option<String>,
+}
+
+impl Default for Guided {
+    fn default() -> Self {
+        Guided::new()
+    }
+}
+
+impl Guided {
+    /// The default margin, 5 % of the device.
+    pub const DEFAULT_MARGIN: f64 = 0.05;
+
+    /// The policy with the default margin.
+    ///
+    /// ```
+    /// use batch_size_runtime::policy::Guided;
+    /// assert_eq!(Guided::new().margin(), Guided::DEFAULT_MARGIN);
+    /// ```
+    pub fn new() -> Self {
+        Guided {
+            margin: Guided::DEFAULT_MARGIN,
+            last_was_estimate: false,
+            rationale: None,
+        }
+    }
+
+    /// Keeps `margin` of the device free (0 ≤ margin < 1). Outside that range the search stops
+    /// before its first attempt with [`StopReason::InvalidConfiguration`].
+    ///
+    /// ```
+    /// use batch_size_runtime::policy::Guided;
+    /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, StopReason};
+    ///
+    /// let result: anyhow::Result<usize> =
+    ///     BatchSizeSearch::new(8).with_policy(Guided::new().with_margin(1.5)).run_dyn(Ok);
+    /// let error = result.unwrap_err();
+    /// let reason = error.downcast_ref::<NoExecutableBatchSize>().unwrap().reason();
+    /// assert!(matches!(reason, StopReason::InvalidConfiguration(_)));
+    /// ```
+    pub fn with_margin(mut self, margin: f64) -> Self {
+        self.margin = margin;
+        self
+    }
+
+    /// The margin in use.
+    ///
+    /// ```
+    /// use batch_size_runtime::policy::Guided;
+    /// assert_eq!(Guided::new().with_margin(0.1).margin(), 0.1);
+    /// ```
+    pub fn margin(&self) -> f64 {
+        self.margin
+    }
+
+    fn halve(&mut self, size: usize, why: &str) -> Decision {
+        self.last_was_estimate = false;
+        self.rationale = Some(format!("{why}: halving"));
+        Decision::Try(size / 2)
+    }
+}
+
+/// One failure with every figure the estimate needs.
+#[derive(Debug, Clone, Copy)]
+struct Failure {
+    size: usize,
+    requested: u64,
+    used: u64,
+    capacity: u64,
+}
+
+fn failures(history: &SearchReport) -> Vec<Failure> {
+    history
+        .attempts()
+        .filter_map(|attempt| {
+            let evidence = Evidence::of(attempt)?;
+            let failure = Failure {
+                size: attempt.batch_size,
+                requested: evidence.requested?,
+                used: evidence.used_at_failure?,
+                capacity: evidence.capacity?,
+            };
+            // Figures that cannot be true are no evidence.
+            let plausible = failure.requested > 0
+                && failure.capacity > 0
+                && failure.used <= failure.capacity
+                && failure.size > 0;
+            plausible.then_some(failure)
+        })
+        .collect()
+}
+
+fn close(a: u64, b: u64) -> bool {
+    let (a, b) = (a as f64, b as f64);
+    (a - b).abs() <= 0.01 * a.max(b)
+}
+
+impl SizePolicy for Guided {
+    fn check(&self) -> Result<(), String> {
+        if self.margin.is_finite() && (0.0..1.0).contains(&self.margin) {
+            Ok(())
+        } else {
+            Err(format!(
+                "`margin` must be at least 0 and below 1, got {}",
+                self.margin
+            ))
+        }
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let Some(last) = history.last() else {
+            return Decision::Accept;
+        };
+        if !matches!(last.outcome, Outcome::OutOfMemory { .. }) {
+            return Decision::Accept;
+        }
+        let size = last.batch_size;
+        let failures = failures(history);
+        let Some(latest) = failures
+            .last()
+            .copied()
+            .filter(|failure| failure.size == size)
+        else {
+            return self.halve(size, "no figures");
+        };
+
+        // Two failures at different sizes that asked for the same bytes with the same memory
+        // in use: that allocation does not depend on the batch size.
+        if let Some(earlier) = failures.iter().rev().nth(1) {
+            let fixed = latest.used.saturating_add(latest.requested);
+            if earlier.size != latest.size
+                && close(earlier.requested, latest.requested)
+                && close(earlier.used, latest.used)
+                && fixed > latest.capacity
+            {
+                self.rationale = None;
+                return Decision::Stop(StopReason::Policy(format!(
+                    "the part of memory that does not depend on the batch size needs about {} of the device's {}: sizes {} and {} both failed asking for {} with {} in use",
+                    Bytes(fixed),
+                    Bytes(latest.capacity),
+                    earlier.size,
+                    latest.size,
+                    Bytes(latest.requested),
+                    Bytes(latest.used),
+                )));
+            }
+        }
+
+        // How fast the failing allocation grows with the batch: linear unless two failures
+        // show more (the exponent of `requested ∝ size^k`).
+        let exponent = failures
+            .iter()
+            .rev()
+            .nth(1)
+            .filter(|earlier| earlier.size != latest.size)
+            .map(|earlier| {
+                (latest.requested as f64 / earlier.requested as f64).ln()
+                    / (latest.size as f64 / earlier.size as f64).ln()
+            })
+            .filter(|k| k.is_finite() && (1.2..=3.0).contains(k))
+            .unwrap_or(1.0);
+        // A failed estimate that a faster growth does not explain: the allocation that failed
+        // was not the whole growth, so no bolder than halving.
+        let weak = self.last_was_estimate && exponent == 1.0;
+
+        let budget = latest.capacity as f64 * (1.0 - self.margin);
+        let room = budget - latest.used as f64;
+        if room <= 0.0 {
+            return self.halve(size, "the device was full before the failing allocation");
+        }
+        let estimate = size as f64 * (room / latest.requested as f64).powf(1.0 / exponent);
+        let mut next = if estimate.is_finite() {
+            estimate.floor().min(usize::MAX as f64) as usize
+        } else {
+            0
+        };
+        if weak {
+            next = next.min(size / 2);
+        }
+        if next == 0 || next >= size {
+            return self.halve(size, "the figures contradict the failure");
+        }
+        self.last_was_estimate = true;
+        self.rationale = Some(format!(
+            "{} in use + {} for {size} (growing as size^{exponent:.1}) on {}, margin {:.0} %: about {next} fit{}",
+            Bytes(latest.used),
+            Bytes(latest.requested),
+            Bytes(latest.capacity),
+            self.margin * 100.0,
+            if weak { ", no bolder than halving after a missed estimate" } else { "" },
+        ));
+        Decision::Try(next)
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.rationale.clone()
+    }
+}
