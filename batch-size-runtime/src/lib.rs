@@ -18,9 +18,9 @@
 //! }
 //!
 //! let device = SimulatedDevice::new(5 << 30); // 5 GiB; a GPU works the same way
-//! // 128 runs out of memory; its figures say 48 fit, so 44 (5 % kept free) comes next.
+//! // 128 runs out of memory; its figures say 48 fit, so 45 (a 5 % margin) comes next.
 //! let fitted = train(&Config { batch_size: 128 }, &device)?;
-//! assert_eq!(fitted, 44); // halving would have stopped at 32
+//! assert_eq!(fitted, 45); // halving would have stopped at 32
 //! assert_eq!(batch_size_runtime::last_report().unwrap().len(), 2);
 //! # Ok::<(), anyhow::Error>(())
 //! ```

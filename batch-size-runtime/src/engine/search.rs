@@ -338,11 +338,23 @@ impl Search<'_> {
                 }
                 self.finish();
             }
-            Next::Size(next) => tracing::debug!(
-                function = self.label,
-                next_batch_size = *next,
-                "attempt succeeded; the policy continues"
-            ),
+            Next::Size(next) => {
+                // Another attempt follows a success (a tuner, chunks): it starts, as after a
+                // failure, from released memory, so that a pool's cache is not counted twice
+                // and its readings are its own.
+                if let Err(release_error) = self.release.release() {
+                    tracing::warn!(
+                        function = self.label,
+                        error = %release_error,
+                        "could not release device memory before the next attempt"
+                    );
+                }
+                tracing::debug!(
+                    function = self.label,
+                    next_batch_size = *next,
+                    "attempt succeeded; the policy continues"
+                )
+            }
             Next::Stop(_) | Next::Ended => {}
         }
     }

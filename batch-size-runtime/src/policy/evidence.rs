@@ -26,6 +26,8 @@ pub struct Evidence {
     pub used_at_failure: Option<u64>,
     /// The device's total bytes.
     pub capacity: Option<u64>,
+    /// Bytes in use on the device when the attempt started (what it did not allocate itself).
+    pub used_at_start: Option<u64>,
 }
 
 impl Evidence {
@@ -71,6 +73,7 @@ impl Evidence {
             used_at_failure,
             // Figures that contradict each other (free above total) are not used at all.
             capacity: capacity.filter(|_| used_at_failure.is_some()),
+            used_at_start: None,
         }
     }
 
@@ -95,6 +98,7 @@ impl Evidence {
     /// assert_eq!(first.requested, Some(64 * 20));
     /// assert_eq!(first.used_at_failure, Some(200));
     /// assert_eq!(first.capacity, Some(1000));
+    /// assert_eq!(first.used_at_start, Some(0));
     /// ```
     pub fn of(attempt: &Attempt) -> Option<Evidence> {
         let Outcome::OutOfMemory { error } = &attempt.outcome else {
@@ -115,6 +119,7 @@ impl Evidence {
         if evidence.capacity.is_none() {
             evidence.capacity = at_end.or(at_start).map(|device| device.total);
         }
+        evidence.used_at_start = at_start.map(|device| device.total.saturating_sub(device.free));
         if evidence.used_at_failure.is_none() {
             // In use before the attempt outside the pool (other processes, the context), plus
             // the pool's peak during the attempt, which counts what was in the pool at the start.

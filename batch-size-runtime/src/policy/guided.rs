@@ -12,24 +12,24 @@ use crate::record::{Outcome, SearchReport};
 /// After an out-of-memory attempt at size `s` that asked for `r` bytes with `u` bytes in use on
 /// a device of `C` bytes, it assumes the least it can: that the failing allocation is the part
 /// of memory that grows with the batch, the rest is fixed. The next size is the one whose
-/// allocation fits in `C × (1 − margin) − u`:
-/// `s × (C × (1 − margin) − u) / r`. One tensor that grows with the batch, alone or beside a
-/// fixed part, is then found in one retry.
+/// allocation fits in what was free, less the margin: `s × (C − u) / r × (1 − margin)`. One
+/// tensor that grows with the batch, alone or beside a fixed part, is then found in one retry.
 ///
-/// When that estimate fails too, the failing allocation was not the whole growth (the failure
-/// came part-way through the step, as in a model whose layers allocate in turn): the evidence
-/// is weak and the next step is no bolder than halving, unless two failures show the allocation
-/// growing faster than the batch (attention's quadratic term), whose exponent then refines the
-/// estimate. Without figures (an error that gives none and no memory backend readings) it halves
-/// exactly: 128, 64, 32, ...
+/// Where that estimate is below half of `s` and the failing allocation is smaller than what the
+/// attempt had already allocated, the failure may have come part-way through the step (a model
+/// whose layers allocate in turn): the evidence is weak, and it halves. When an estimate fails too, the failing allocation was not the whole
+/// growth: it halves, unless two failures show the allocation growing faster than the batch
+/// (attention's quadratic term), whose exponent then refines the estimate. Without figures (an
+/// error that gives none and no memory backend readings) it halves exactly: 128, 64, 32, ...
 ///
 /// When two failures at different sizes asked for the same bytes with the same memory in use,
 /// and those alone exceed the device, the part that does not depend on the batch does not fit:
 /// it stops at once with [`StopReason::Policy`] and the figures, instead of walking down to 1.
 ///
 /// # Default
-/// `margin`: 0.05 (5 % of the device kept free for allocator rounding and variation between
-/// steps; chosen with `cargo bench -p batch-size-runtime --bench search`, see the README).
+/// `margin`: 0.05 (the estimated size is lowered by 5 %, for allocator rounding and variation
+/// between steps; chosen with `cargo bench -p batch-size-runtime --bench search`, see the
+/// README).
 ///
 /// ```
 /// use batch_size_runtime::policy::Guided;
@@ -45,14 +45,25 @@ use crate::record::{Outcome, SearchReport};
 ///         Ok(batch_size)
 ///     });
 /// // 122 fit; halving would have stopped at 64.
-/// assert_eq!(fitted.unwrap(), 114);
+/// assert_eq!(fitted.unwrap(), 116);
 /// assert_eq!(last_report().unwrap().len(), 2);
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Guided {
     margin: f64,
-    last_was_estimate: bool,
+    last_choice: Choice,
     rationale: Option<String>,
+}
+
+/// How the size being tried was chosen: what its failure says about the estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    /// `starting`, or a halving step.
+    Plain,
+    /// Everything the attempt allocated taken as growing with the batch.
+    Bold,
+    /// Only the failing allocation taken as growing with the batch.
+    Conservative,
 }
 
 impl Default for Guided {
@@ -74,7 +85,7 @@ impl Guided {
     pub fn new() -> Self {
         Guided {
             margin: Guided::DEFAULT_MARGIN,
-            last_was_estimate: false,
+            last_choice: Choice::Plain,
             rationale: None,
         }
     }
@@ -108,7 +119,7 @@ impl Guided {
     }
 
     fn halve(&mut self, size: usize, why: &str) -> Decision {
-        self.last_was_estimate = false;
+        self.last_choice = Choice::Plain;
         self.rationale = Some(format!("{why}: halving"));
         Decision::Try(size / 2)
     }
@@ -121,6 +132,8 @@ struct Failure {
     requested: u64,
     used: u64,
     capacity: u64,
+    /// In use before the attempt (0 where unknown: everything counts as the attempt's own).
+    used_at_start: u64,
 }
 
 fn failures(history: &SearchReport) -> Vec<Failure> {
@@ -133,6 +146,7 @@ fn failures(history: &SearchReport) -> Vec<Failure> {
                 requested: evidence.requested?,
                 used: evidence.used_at_failure?,
                 capacity: evidence.capacity?,
+                used_at_start: evidence.used_at_start.unwrap_or(0),
             };
             // Figures that cannot be true are no evidence.
             let plausible = failure.requested > 0
@@ -213,35 +227,66 @@ impl SizePolicy for Guided {
             })
             .filter(|k| k.is_finite() && (1.2..=3.0).contains(k))
             .unwrap_or(1.0);
-        // A failed estimate that a faster growth does not explain: the allocation that failed
-        // was not the whole growth, so no bolder than halving.
-        let weak = self.last_was_estimate && exponent == 1.0;
-
-        let budget = latest.capacity as f64 * (1.0 - self.margin);
-        let room = budget - latest.used as f64;
-        if room <= 0.0 {
-            return self.halve(size, "the device was full before the failing allocation");
-        }
-        let estimate = size as f64 * (room / latest.requested as f64).powf(1.0 / exponent);
-        let mut next = if estimate.is_finite() {
-            estimate.floor().min(usize::MAX as f64) as usize
-        } else {
-            0
+        let half = size / 2;
+        let keep = 1.0 - self.margin;
+        let to_size = |estimate: f64| -> usize {
+            if estimate.is_finite() && estimate > 0.0 {
+                estimate.floor().min(usize::MAX as f64) as usize
+            } else {
+                0
+            }
         };
-        if weak {
-            next = next.min(size / 2);
-        }
+        // Least growth: only the failing allocation grows with the batch (at `exponent`), the
+        // rest is fixed. Exact for one tensor that grows beside a fixed part.
+        let room = latest.capacity.saturating_sub(latest.used) as f64;
+        let conservative =
+            to_size(size as f64 * (room / latest.requested as f64).powf(1.0 / exponent) * keep);
+        // Most growth: everything the attempt allocated grows with the batch, in proportion.
+        let own = latest.used.saturating_sub(latest.used_at_start);
+        let needed = own.saturating_add(latest.requested) as f64;
+        let free = latest.capacity.saturating_sub(latest.used_at_start) as f64;
+        let bold = to_size(size as f64 * free / needed * keep);
+
+        // The failing allocation is at least as large as all the attempt held before it: it is
+        // the part that grows, and the conservative estimate is the one to trust.
+        let dominant = latest.requested >= own;
+        let (next, choice) = match self.last_choice {
+            // A conservative estimate failed and no faster growth explains it: the allocation
+            // that failed was not the whole growth. No bolder than halving.
+            Choice::Conservative if exponent == 1.0 => {
+                return self.halve(size, "the last estimate failed")
+            }
+            // The bold estimate failed: part of the memory is fixed after all. Where the failing
+            // allocation is small beside the rest, no bolder than halving either.
+            Choice::Bold if dominant => (conservative, Choice::Conservative),
+            Choice::Bold => (conservative.min(half), Choice::Conservative),
+            // Two failures show the failing allocation growing faster than the batch, or it
+            // dominates the attempt's memory.
+            _ if exponent > 1.0 || dominant => (conservative, Choice::Conservative),
+            // A first failure part-way through the step: the bold estimate, when it is above
+            // halving, is the only guess that reaches the limit.
+            _ if bold > half => (bold, Choice::Bold),
+            _ => (half, Choice::Plain),
+        };
         if next == 0 || next >= size {
             return self.halve(size, "the figures contradict the failure");
         }
-        self.last_was_estimate = true;
+        if choice == Choice::Plain {
+            return self.halve(size, "the failure may have come part-way through the step");
+        }
+        self.last_choice = choice;
         self.rationale = Some(format!(
-            "{} in use + {} for {size} (growing as size^{exponent:.1}) on {}, margin {:.0} %: about {next} fit{}",
+            "{} in use ({} of them the attempt's) + {} asked for at size {size} on {}: about {next} fit ({}, {:.0} % margin)",
             Bytes(latest.used),
+            Bytes(own),
             Bytes(latest.requested),
             Bytes(latest.capacity),
+            match choice {
+                Choice::Bold => "if all of it grows with the batch".to_owned(),
+                _ if exponent > 1.0 => format!("the failing allocation growing as size^{exponent:.1}"),
+                _ => "if only the failing allocation grows".to_owned(),
+            },
             self.margin * 100.0,
-            if weak { ", no bolder than halving after a missed estimate" } else { "" },
         ));
         Decision::Try(next)
     }
