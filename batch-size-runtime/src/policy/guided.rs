@@ -17,7 +17,8 @@ use crate::record::{Outcome, SearchReport};
 ///
 /// Where that estimate is below half of `s` and the failing allocation is smaller than what the
 /// attempt had already allocated, the failure may have come part-way through the step (a model
-/// whose layers allocate in turn): the evidence is weak, and it halves. When an estimate fails too, the failing allocation was not the whole
+/// whose layers allocate in turn): only a lower bound is known, the evidence is weak, and it
+/// halves. When an estimate fails too, the failing allocation was not the whole
 /// growth: it halves, unless two failures show the allocation growing faster than the batch
 /// (attention's quadratic term), whose exponent then refines the estimate. Without figures (an
 /// error that gives none and no memory backend readings) it halves exactly: 128, 64, 32, ...
@@ -60,10 +61,8 @@ pub struct Guided {
 enum Choice {
     /// `starting`, or a halving step.
     Plain,
-    /// Everything the attempt allocated taken as growing with the batch.
-    Bold,
-    /// Only the failing allocation taken as growing with the batch.
-    Conservative,
+    /// Estimated from the figures.
+    Estimate,
 }
 
 impl Default for Guided {
@@ -236,36 +235,28 @@ impl SizePolicy for Guided {
                 0
             }
         };
-        // Least growth: only the failing allocation grows with the batch (at `exponent`), the
-        // rest is fixed. Exact for one tensor that grows beside a fixed part.
+        // The least growth: only the failing allocation grows with the batch (at `exponent`),
+        // the rest is fixed. Exact for one tensor that grows beside a fixed part.
         let room = latest.capacity.saturating_sub(latest.used) as f64;
         let conservative =
             to_size(size as f64 * (room / latest.requested as f64).powf(1.0 / exponent) * keep);
-        // Most growth: everything the attempt allocated grows with the batch, in proportion.
         let own = latest.used.saturating_sub(latest.used_at_start);
-        let needed = own.saturating_add(latest.requested) as f64;
-        let free = latest.capacity.saturating_sub(latest.used_at_start) as f64;
-        let bold = to_size(size as f64 * free / needed * keep);
-
         // The failing allocation is at least as large as all the attempt held before it: it is
-        // the part that grows, and the conservative estimate is the one to trust.
+        // the part that grows, and the estimate stands even below halving.
         let dominant = latest.requested >= own;
         let (next, choice) = match self.last_choice {
-            // A conservative estimate failed and no faster growth explains it: the allocation
-            // that failed was not the whole growth. No bolder than halving.
-            Choice::Conservative if exponent == 1.0 => {
+            // An estimate failed and no faster growth explains it: the allocation that failed
+            // was not the whole growth. No bolder than halving.
+            Choice::Estimate if exponent == 1.0 => {
                 return self.halve(size, "the last estimate failed")
             }
-            // The bold estimate failed: part of the memory is fixed after all. Where the failing
-            // allocation is small beside the rest, no bolder than halving either.
-            Choice::Bold if dominant => (conservative, Choice::Conservative),
-            Choice::Bold => (conservative.min(half), Choice::Conservative),
             // Two failures show the failing allocation growing faster than the batch, or it
-            // dominates the attempt's memory.
-            _ if exponent > 1.0 || dominant => (conservative, Choice::Conservative),
-            // A first failure part-way through the step: the bold estimate, when it is above
-            // halving, is the only guess that reaches the limit.
-            _ if bold > half => (bold, Choice::Bold),
+            // dominates the attempt's memory, or the estimate keeps more than halving would.
+            _ if exponent > 1.0 || dominant || conservative > half => {
+                (conservative, Choice::Estimate)
+            }
+            // The failure may have come part-way through the step (layers that allocate in
+            // turn): only a lower bound is known, and halving is as far as it goes.
             _ => (half, Choice::Plain),
         };
         if next == 0 || next >= size {
@@ -281,10 +272,10 @@ impl SizePolicy for Guided {
             Bytes(own),
             Bytes(latest.requested),
             Bytes(latest.capacity),
-            match choice {
-                Choice::Bold => "if all of it grows with the batch".to_owned(),
-                _ if exponent > 1.0 => format!("the failing allocation growing as size^{exponent:.1}"),
-                _ => "if only the failing allocation grows".to_owned(),
+            if exponent > 1.0 {
+                format!("the failing allocation growing as size^{exponent:.1}")
+            } else {
+                "if only the failing allocation grows".to_owned()
             },
             self.margin * 100.0,
         ));
