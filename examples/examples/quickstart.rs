@@ -7,9 +7,11 @@
 //!
 //! `train` asks for 64 sequences of 1,024 tokens per step. Memory is modelled the way a GPU
 //! would see it: weights, gradients and Adam's two moments at 16 bytes per parameter, then
-//! activations saved for the backward pass, layer by layer, then the logits. 64 does not fit,
-//! so `#[find_executable_batch_size]` releases the memory, halves the size and runs `train`
-//! again, until a size fits. The arithmetic of training is not simulated, only its memory.
+//! activations saved for the backward pass, then the logits. 64 does not fit, so
+//! `#[find_executable_batch_size]` releases the memory, reads the failure's figures (what was
+//! in use, what was asked for, the device's capacity), and runs `train` again with the size
+//! they say fits; halving, for comparison, lands lower in more attempts. The arithmetic of
+//! training is not simulated, only its memory.
 //!
 //! Where a CUDA GPU is present, the same memory is allocated on it for real (through cudarc),
 //! the starting size is chosen from its capacity so that it does not fit, its out-of-memory
@@ -223,8 +225,30 @@ impl Gpu {
 
 /// Everything that holds device memory is created here, inside the function: after an
 /// out-of-memory error it is all dropped before the next attempt, so the retry starts clean.
+/// The default policy reads each failure's figures to choose the next size.
 #[find_executable_batch_size(starting = cfg.batch_size, min = 4, release = gpu.release())]
 fn train(batch_size: usize, cfg: &Config, data: &Dataset, gpu: &Gpu) -> anyhow::Result<Metrics> {
+    step(batch_size, cfg, data, gpu)
+}
+
+/// The same training with halving, as toma and Accelerate before 2025 do, for comparison.
+#[find_executable_batch_size(
+    starting = cfg.batch_size,
+    min = 4,
+    release = gpu.release(),
+    policy = batch_size_runtime::policy::Halve
+)]
+fn train_halving(
+    batch_size: usize,
+    cfg: &Config,
+    data: &Dataset,
+    gpu: &Gpu,
+) -> anyhow::Result<Metrics> {
+    step(batch_size, cfg, data, gpu)
+}
+
+/// One training step's memory at `batch_size`.
+fn step(batch_size: usize, cfg: &Config, data: &Dataset, gpu: &Gpu) -> anyhow::Result<Metrics> {
     tracing::info!(
         "trying batch size {batch_size}: {} tokens a step",
         batch_size as u64 * cfg.seq_len
@@ -236,17 +260,13 @@ fn train(batch_size: usize, cfg: &Config, data: &Dataset, gpu: &Gpu) -> anyhow::
         adam_moments: gpu.alloc(parameters * 8).context("Adam moments")?,
     };
 
-    // The forward pass saves each layer's activations, then the logits. A caching allocator
-    // reaches its peak in the first step and serves later steps from the blocks it keeps; the
-    // simulated device does not reuse blocks, so the first step's buffers are kept instead.
-    let mut saved = Vec::new();
-    for layer in 0..cfg.layers {
-        let activations = gpu
-            .alloc(cfg.activation_bytes_per_layer(batch_size))
-            .with_context(|| format!("activations of layer {layer}"))?;
-        saved.push(activations);
-    }
-    let _logits = gpu.alloc(cfg.logits_bytes(batch_size)).context("logits")?;
+    // The activations saved for the backward pass and the logits, in one planned workspace (as
+    // XLA's buffer assignment or ONNX Runtime's arena reserve a step's memory at once).
+    let _workspace = gpu
+        .alloc(
+            cfg.layers * cfg.activation_bytes_per_layer(batch_size) + cfg.logits_bytes(batch_size),
+        )
+        .context("activations and logits")?;
 
     let steps = data.steps_per_epoch(batch_size);
     tracing::info!(
@@ -285,7 +305,8 @@ fn main() -> anyhow::Result<()> {
         Bytes(gpu.free())
     );
     println!(
-        "Starting at batch size {}; on out-of-memory the size is halved (minimum 4).\n",
+        "Starting at batch size {}; on out-of-memory the next size is estimated from the \
+         failure's figures (minimum 4).\n",
         cfg.batch_size
     );
 
@@ -325,6 +346,19 @@ fn main() -> anyhow::Result<()> {
             },
         );
     }
+
+    // The same search with halving, quietly, for comparison.
+    let guided_attempts = last_report().map_or(0, |report| report.len());
+    let halving = {
+        let _quiet = tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default());
+        train_halving(&cfg, &data, &gpu)?
+    };
+    let halving_attempts = last_report().map_or(0, |report| report.len());
+    println!(
+        "\nHalving (toma, Accelerate before 2025) would have trained with batch size {} after {} \
+         attempts; the guided search found {} in {}.",
+        halving.batch_size, halving_attempts, metrics.batch_size, guided_attempts
+    );
     Ok(())
 }
 

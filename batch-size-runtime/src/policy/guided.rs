@@ -5,7 +5,7 @@ use super::evidence::Evidence;
 use super::{Decision, SizePolicy};
 use crate::error::StopReason;
 use crate::memory::Bytes;
-use crate::record::{Outcome, SearchReport};
+use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Chooses each next size from the evidence of the failures so far.
 ///
@@ -125,8 +125,10 @@ impl Guided {
 }
 
 /// One failure with every figure the estimate needs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Failure {
+    /// Which allocation failed, as far as the text tells.
+    site: String,
     size: usize,
     requested: u64,
     used: u64,
@@ -135,12 +137,24 @@ struct Failure {
     used_at_start: u64,
 }
 
+/// The error's text up to its first figure: two failures of the same allocation read the same
+/// ("activations: out of device memory ..." is not "logits: out of device memory ...").
+fn site(attempt: &Attempt) -> String {
+    match &attempt.outcome {
+        Outcome::OutOfMemory { error } => {
+            error.chars().take_while(|c| !c.is_ascii_digit()).collect()
+        }
+        _ => String::new(),
+    }
+}
+
 fn failures(history: &SearchReport) -> Vec<Failure> {
     history
         .attempts()
         .filter_map(|attempt| {
             let evidence = Evidence::of(attempt)?;
             let failure = Failure {
+                site: site(attempt),
                 size: attempt.batch_size,
                 requested: evidence.requested?,
                 used: evidence.used_at_failure?,
@@ -183,11 +197,7 @@ impl SizePolicy for Guided {
         }
         let size = last.batch_size;
         let failures = failures(history);
-        let Some(latest) = failures
-            .last()
-            .copied()
-            .filter(|failure| failure.size == size)
-        else {
+        let Some(latest) = failures.last().filter(|failure| failure.size == size) else {
             return self.halve(size, "no figures");
         };
 
@@ -219,7 +229,8 @@ impl SizePolicy for Guided {
             .iter()
             .rev()
             .nth(1)
-            .filter(|earlier| earlier.size != latest.size)
+            // The same allocation at two sizes (two different ones say nothing of its growth).
+            .filter(|earlier| earlier.size != latest.size && earlier.site == latest.site)
             .map(|earlier| {
                 (latest.requested as f64 / earlier.requested as f64).ln()
                     / (latest.size as f64 / earlier.size as f64).ln()
