@@ -6,7 +6,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
-const VALID_KEYS: &str = "`starting`, `min`, `factor`, `reduce`, `policy`, `max_attempts`, `release`, `when`, `notify`, `on_report`, `crate`";
+const VALID_KEYS: &str = "`starting`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `release`, `when`, `notify`, `on_report`, `crate`";
 
 /// The arguments, each with the span of its key for later errors.
 #[derive(Default)]
@@ -18,6 +18,7 @@ pub(crate) struct Args {
     pub(crate) max_attempts: Option<Expr>,
     pub(crate) release: Option<Expr>,
     pub(crate) policy: Option<Expr>,
+    pub(crate) margin: Option<Expr>,
     pub(crate) when: Option<Expr>,
     pub(crate) notify: Option<Expr>,
     pub(crate) on_report: Option<Expr>,
@@ -32,6 +33,7 @@ mod kw {
     syn::custom_keyword!(max_attempts);
     syn::custom_keyword!(release);
     syn::custom_keyword!(policy);
+    syn::custom_keyword!(margin);
     syn::custom_keyword!(when);
     syn::custom_keyword!(notify);
     syn::custom_keyword!(on_report);
@@ -74,6 +76,7 @@ impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         let mut args = Args::default();
         let mut factor_or_reduce: Option<&'static str> = None;
+        let mut margin_span: Option<Span> = None;
         while !input.is_empty() {
             let lookahead = input.lookahead1();
             let key_span = input.span();
@@ -118,6 +121,12 @@ impl Parse for Args {
                 }
                 set(&mut args.policy, expr, "policy", key_span)?;
                 factor_or_reduce = Some("policy");
+            } else if lookahead.peek(kw::margin) {
+                input.parse::<kw::margin>()?;
+                let expr: Expr = value(input, "margin", key_span)?;
+                check_margin(&expr)?;
+                set(&mut args.margin, expr, "margin", key_span)?;
+                margin_span = Some(key_span);
             } else if lookahead.peek(kw::when) {
                 input.parse::<kw::when>()?;
                 let expr = value(input, "when", key_span)?;
@@ -161,16 +170,25 @@ impl Parse for Args {
             }
             input.parse::<Token![,]>()?;
         }
+        if let (Some(span), Some(other)) = (margin_span, factor_or_reduce) {
+            return Err(syn::Error::new(
+                span,
+                format!(
+                    "`margin` tunes the guided default, which `{other}` replaces: give one of them"
+                ),
+            ));
+        }
         Ok(args)
     }
 }
 
-const KEYS: [&str; 11] = [
+const KEYS: [&str; 12] = [
     "starting",
     "min",
     "factor",
     "reduce",
     "policy",
+    "margin",
     "max_attempts",
     "release",
     "when",
@@ -314,6 +332,39 @@ fn check_factor(expr: &Expr) -> syn::Result<()> {
             expr,
             format!(
                 "`factor` must be strictly between 0 and 1 (the size is multiplied by it after each failure), got {}",
+                source_text(expr)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A literal margin is checked here: the guided policy keeps `0 ≤ margin < 1` of each estimate.
+fn check_margin(expr: &Expr) -> syn::Result<()> {
+    let value = match expr {
+        Expr::Lit(ExprLit {
+            lit: Lit::Float(float),
+            ..
+        }) => float.base10_parse::<f64>().ok(),
+        Expr::Lit(ExprLit {
+            lit: Lit::Int(int), ..
+        }) => int.base10_parse::<f64>().ok(),
+        Expr::Lit(ExprLit { lit, .. }) => {
+            return Err(syn::Error::new(
+                lit.span(),
+                "`margin` must be a number at least 0 and below 1, such as `margin = 0.05`",
+            ))
+        }
+        Expr::Unary(ExprUnary {
+            op: UnOp::Neg(_), ..
+        }) => Some(-1.0),
+        _ => None,
+    };
+    match value {
+        Some(value) if !(0.0..1.0).contains(&value) => Err(syn::Error::new_spanned(
+            expr,
+            format!(
+                "`margin` must be at least 0 and below 1 (the share of each estimate kept free), got {}",
                 source_text(expr)
             ),
         )),

@@ -334,6 +334,11 @@ fn search_builder(
             #search.with_factor(::core::convert::Into::<f64>::into(#factor))
         };
     }
+    if let Some(margin) = &args.margin {
+        search = quote_spanned! {margin.span()=>
+            #search.with_margin(::core::convert::Into::<f64>::into(#margin))
+        };
+    }
     let methods = [
         ("with_reduce", &args.reduce),
         ("with_policy", &args.policy),

@@ -414,3 +414,30 @@ fn an_inner_search_that_gives_up_makes_the_outer_one_shrink() {
     // outer 16 and 8: no micro-batch of at least 4 fits, the inner search gives up; outer 4: 8.
     assert_eq!(outer_loop().unwrap(), (4, 8));
 }
+
+#[find_executable_batch_size(starting = 256, margin = 0.2, release = device.clone())]
+fn with_margin(
+    batch_size: usize,
+    device: &batch_size_runtime::SimulatedDevice,
+) -> anyhow::Result<usize> {
+    let _activations = device.alloc(batch_size as u64 * (8 << 20))?; // 8 MiB a sample
+    Ok(batch_size)
+}
+
+#[find_executable_batch_size(starting = 256, policy = batch_size_runtime::policy::Halve, release = device.clone())]
+fn with_halving(
+    batch_size: usize,
+    device: &batch_size_runtime::SimulatedDevice,
+) -> anyhow::Result<usize> {
+    let _activations = device.alloc(batch_size as u64 * (8 << 20))?;
+    Ok(batch_size)
+}
+
+#[test]
+fn margin_and_policy_arguments() {
+    let device = batch_size_runtime::SimulatedDevice::new(1 << 30); // 128 samples fit
+    assert_eq!(with_margin(&device).unwrap(), 102); // 80 % of 128, in one retry
+    assert_eq!(batch_size_runtime::last_report().unwrap().len(), 2);
+    assert_eq!(with_halving(&device).unwrap(), 128);
+    assert_eq!(batch_size_runtime::last_report().unwrap().len(), 2);
+}
