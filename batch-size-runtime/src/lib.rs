@@ -29,7 +29,7 @@
 //! |---|---|
 //! | `@find_executable_batch_size(...)` decorator | [`#[find_executable_batch_size(...)]`](find_executable_batch_size) attribute |
 //! | `starting_batch_size=128` | `starting = 128` (any integer expression, may use the other parameters) |
-//! | halving (before Jul 2025), `x 0.9` since | halving by default, `factor = 0.9` for Accelerate 1.x |
+//! | halving (before Jul 2025), `x 0.9` since | guided by each failure's figures by default (exact halving without figures), `factor = 0.9` for Accelerate 1.x |
 //! | `reduce_batch_size_fn` (no argument) | `reduce = \|failed\| ...` with the [`FailedAttempt`] (size, number, error, memory) |
 //! | none | `min = 4`, `max_attempts = 6` |
 //! | `gc.collect()` + `torch.cuda.empty_cache()`, `release_memory(*objs)` | values are dropped when the attempt returns or unwinds; then [`Release`]: CUDA's pools synchronized and trimmed, plus your hooks (`release = ...`) |
@@ -69,7 +69,8 @@
 ///   each call; it may use the function's other parameters.
 /// - `min = EXPR` (default 1): the search stops instead of trying a smaller size.
 /// - `factor = FLOAT` (0 < f < 1) or `reduce = EXPR` (a `FnMut(&FailedAttempt) -> usize`), not
-///   both. Default: halving.
+///   both. Default: the guided policy ([`policy::Guided`]), which halves where the error gives no figures.
+/// - `margin = FLOAT`: the guided policy's margin, 0 ≤ margin < 1 (default 0.05).
 /// - `policy = EXPR`: any [`SizePolicy`] instead (excludes `factor` and `reduce`).
 /// - `max_attempts = EXPR`: at most this many attempts.
 /// - `release = EXPR`: anything `Into<`[`Release`]`>` (default: [`Release::cuda()`]).

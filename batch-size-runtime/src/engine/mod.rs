@@ -44,7 +44,8 @@ pub use search::Search;
 /// again with a smaller size.
 ///
 /// # Default
-/// - reduction: halving (`with_factor(0.9)` is Accelerate 1.x)
+/// - sizes: [`Guided`], from each failure's figures, halving where there are none
+///   (`with_factor(0.9)` is Accelerate 1.x, `with_policy(Halve)` toma)
 /// - `min`: 1; no cap on attempts
 /// - release: [`Release::cuda()`], which does nothing where CUDA is not in use
 ///
