@@ -120,7 +120,23 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
     },
     OomPattern {
         text: "hipErrorOutOfMemory",
-        origin: "HIP runtime error name",
+        origin: "HIP runtime error name (cubecl-hip's and PyTorch's HIP messages)",
+    },
+    OomPattern {
+        text: "wgpu error: Out of Memory",
+        origin: "wgpu 30: the default uncaptured-error handler's panic (src/backend/wgpu_core.rs, `panic!(\"wgpu error: {err}\")`) for `wgpu::Error::OutOfMemory`, as burn-wgpu raises it",
+    },
+    OomPattern {
+        text: "Not enough memory left.",
+        origin: "wgpu-core 30 `DeviceError::OutOfMemory` (src/device/mod.rs), the source of `wgpu::Error::OutOfMemory`; wgpu-hal maps Vulkan, DirectX 12 and Metal allocation failures to it",
+    },
+    OomPattern {
+        text: "An out-of-memory error happened during launch",
+        origin: "cubecl-runtime 0.11 `LaunchError::OutOfMemory` (src/server/base.rs), a kernel launch's allocation failure in burn",
+    },
+    OomPattern {
+        text: "can't allocate buffer of size: ",
+        origin: "cubecl-runtime 0.11 `IoError::BufferTooBig` (src/server/base.rs): a buffer larger than the device (or cubecl's CPU storage) can give, smaller with a smaller batch",
     },
     OomPattern {
         text: "XPU out of memory",
@@ -152,7 +168,7 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
     },
     OomPattern {
         text: "OUT_OF_DEVICE_MEMORY",
-        origin: "Vulkan `VK_ERROR_OUT_OF_DEVICE_MEMORY` (ash's `vk::Result` prints `ERROR_OUT_OF_DEVICE_MEMORY`; wgpu and burn-wgpu on Vulkan)",
+        origin: "Vulkan `VK_ERROR_OUT_OF_DEVICE_MEMORY` as ash's `vk::Result` prints it (`ERROR_OUT_OF_DEVICE_MEMORY`), for code on ash or vulkano; wgpu drops the code and reports `Not enough memory left.`",
     },
     // Last: the generic form, so that the specific entries above name the source.
     OomPattern {
@@ -319,7 +335,7 @@ pub fn classify_error(error: &(dyn Error + 'static)) -> Option<OomMatch> {
         return None;
     }
     chain()
-        .any(|layer| rules.iter().any(|rule| rule(layer)))
+        .any(|layer| rules.iter().any(|rule| rule_matches(rule, layer)))
         .then(|| OomMatch {
             kind: OomKind::Rule,
             requested: requested_bytes(&description),
@@ -345,11 +361,14 @@ pub fn classify_text(text: &str) -> Option<OomMatch> {
         return None;
     }
     let as_error = TextError(text.to_owned());
-    rules.iter().any(|rule| rule(&as_error)).then(|| OomMatch {
-        kind: OomKind::Rule,
-        description: truncate(text),
-        requested: requested_bytes(text),
-    })
+    rules
+        .iter()
+        .any(|rule| rule_matches(rule, &as_error))
+        .then(|| OomMatch {
+            kind: OomKind::Rule,
+            description: truncate(text),
+            requested: requested_bytes(text),
+        })
 }
 
 /// Recognises a panic payload (as `catch_unwind` returns it) as out-of-memory.
@@ -421,7 +440,37 @@ impl fmt::Display for TextError {
 
 impl Error for TextError {}
 
+/// Messages recognised only when they are an error's whole text, too short to match inside
+/// others: wgpu 30's `Error::OutOfMemory` (src/api/device.rs) and wgpu-hal's
+/// `DeviceError::OutOfMemory`.
+pub const EXACT_OOM_MESSAGES: &[&str] = &["Out of Memory", "Out of memory"];
+
+/// A HIP status of 2, `hipErrorOutOfMemory`, as cubecl-hip reports a failed allocation:
+/// `IoError::Unknown("hipMalloc failed with status 2")`. Status 20 or 21 is something else.
+fn hip_out_of_memory_status(text: &str) -> bool {
+    text.match_indices("failed with status 2")
+        .any(|(at, found)| {
+            let before = &text[..at];
+            let after = &text[at + found.len()..];
+            before.contains("hip") && !after.starts_with(|c: char| c.is_ascii_digit())
+        })
+}
+
 fn match_patterns(text: &str) -> Option<OomMatch> {
+    if EXACT_OOM_MESSAGES
+        .iter()
+        .any(|exact| text.split(": ").any(|layer| layer.trim() == *exact))
+        || hip_out_of_memory_status(text)
+    {
+        return Some(OomMatch {
+            kind: OomKind::Pattern(OomPattern {
+                text: "Out of Memory",
+                origin: "wgpu's `Error::OutOfMemory`, wgpu-hal's `DeviceError::OutOfMemory`, or HIP status 2 (`hipErrorOutOfMemory`)",
+            }),
+            description: truncate(text),
+            requested: requested_bytes(text),
+        });
+    }
     OOM_PATTERNS
         .iter()
         .find(|pattern| text.contains(pattern.text))
@@ -509,7 +558,11 @@ fn describe_cudarc_chain(error: &(dyn Error + 'static)) -> String {
 fn chain_text(error: &(dyn Error + 'static)) -> String {
     let mut text = String::new();
     for layer in chain_of(error) {
-        let message = layer.to_string();
+        // A layer whose `Display` panics (candle's CUDA error formats cudarc's, which needs
+        // libcuda) is left out of the text; the typed checks still see it.
+        let Some(message) = text_of(layer) else {
+            continue;
+        };
         if message.is_empty() || text.contains(&message) {
             continue;
         }
@@ -519,6 +572,16 @@ fn chain_text(error: &(dyn Error + 'static)) -> String {
         text.push_str(&message);
     }
     text
+}
+
+/// `layer.to_string()`, or `None` if its `Display` panicked.
+fn text_of(layer: &(dyn Error + 'static)) -> Option<String> {
+    crate::unwind::quietly(|| layer.to_string())
+}
+
+/// `rule(layer)`; a rule that panics does not match.
+fn rule_matches(rule: &OomRule, layer: &(dyn Error + 'static)) -> bool {
+    crate::unwind::quietly(|| rule(layer)).unwrap_or(false)
 }
 
 fn describe_chain(error: &(dyn Error + 'static)) -> String {
@@ -556,13 +619,21 @@ fn requested_bytes(text: &str) -> Option<u64> {
         };
         return Some((number * scale).round() as u64);
     }
-    let rest = text.split("allocating ").nth(1)?;
-    let mut words = rest.split_whitespace();
-    let number: u64 = words.next()?.parse().ok()?;
-    words
-        .next()
-        .filter(|unit| unit.starts_with("bytes"))
-        .map(|_| number)
+    if let Some(rest) = text.split("allocating ").nth(1) {
+        let mut words = rest.split_whitespace();
+        let number: u64 = words.next()?.parse().ok()?;
+        return words
+            .next()
+            .filter(|unit| unit.starts_with("bytes"))
+            .map(|_| number);
+    }
+    // cubecl's "can't allocate buffer of size: N", ONNX Runtime's "buffer of size N".
+    let rest = text.split("buffer of size").nth(1)?;
+    rest.trim_start_matches([':', ' '])
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]

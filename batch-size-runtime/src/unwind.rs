@@ -22,6 +22,8 @@ pub type PanicPayload = Box<dyn Any + Send + 'static>;
 
 thread_local! {
     static ATTEMPTS_RUNNING: Cell<usize> = const { Cell::new(0) };
+    /// Set while an error's text is read for classification: a panic there is expected.
+    static READING_TEXT: Cell<bool> = const { Cell::new(false) };
 }
 
 static QUIET_OOM_PANICS: AtomicBool = AtomicBool::new(true);
@@ -66,6 +68,13 @@ fn install_filter() {
     INSTALL_FILTER.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
+            if READING_TEXT.with(Cell::get) {
+                tracing::debug!(
+                    location = %info.location().map(ToString::to_string).unwrap_or_default(),
+                    "an error's Display panicked while it was classified; its text is not used"
+                );
+                return;
+            }
             let inside_attempt = ATTEMPTS_RUNNING.with(Cell::get) > 0;
             if inside_attempt && QUIET_OOM_PANICS.load(Ordering::Relaxed) {
                 // A formatted panic message reaches the hook as a `String`, a literal as `&str`.
@@ -81,6 +90,17 @@ fn install_filter() {
             previous(info);
         }));
     });
+}
+
+/// Runs `read` (an error's `Display`, a user's rule), turning a panic into `None` without
+/// printing it: cudarc's errors call into libcuda when formatted and panic where it is absent,
+/// and classification must never panic because of what an error's text does.
+pub(crate) fn quietly<R>(read: impl FnOnce() -> R) -> Option<R> {
+    install_filter();
+    let was = READING_TEXT.with(|reading| reading.replace(true));
+    let result = panic::catch_unwind(AssertUnwindSafe(read)).ok();
+    READING_TEXT.with(|reading| reading.set(was));
+    result
 }
 
 /// Marks this thread as running an attempt for as long as it lives.
