@@ -444,6 +444,39 @@ impl Release {
     /// assert_eq!(fitted.unwrap(), 2);
     /// assert_eq!(CLEANUPS.load(Ordering::Relaxed), 2); // after 8 and after 4
     /// ```
+    ///
+    /// burn and cubecl keep freed memory in their own pools, as CUDA's does: the one line for
+    /// them hands `Backend::memory_cleanup` the device the attempt used (a stand-in for burn's
+    /// trait here):
+    ///
+    /// ```
+    /// # use std::sync::atomic::{AtomicUsize, Ordering};
+    /// # use batch_size_runtime::{find_executable_batch_size, OutOfMemory, Release};
+    /// # static CLEANED: AtomicUsize = AtomicUsize::new(0);
+    /// # #[derive(Clone, Debug)] struct CudaDevice;
+    /// # trait Backend { type Device; fn memory_cleanup(device: &Self::Device); }
+    /// # struct Cuda;
+    /// # impl Backend for Cuda {
+    /// #     type Device = CudaDevice;
+    /// #     fn memory_cleanup(_: &CudaDevice) { CLEANED.fetch_add(1, Ordering::Relaxed); }
+    /// # }
+    /// #[find_executable_batch_size(starting = 64, release = {
+    ///     let device = device.clone();
+    ///     Release::hook(move || Cuda::memory_cleanup(&device))
+    /// })]
+    /// fn train(batch_size: usize, device: &CudaDevice) -> anyhow::Result<usize> {
+    ///     if batch_size > 16 { Err(OutOfMemory::new())? } // burn's IoError::OutOfMemory, say
+    ///     Ok(batch_size)
+    /// }
+    /// assert_eq!(train(&CudaDevice)?, 16);
+    /// assert_eq!(CLEANED.load(Ordering::Relaxed), 2); // after 64 and after 32
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    ///
+    /// candle on CUDA needs nothing more than the default: it allocates from the device's
+    /// default pool, which the CUDA backend synchronizes and trims. wgpu's memory is the
+    /// Vulkan, Metal or DirectX 12 driver's, out of reach of CUDA: drop the attempt's buffers
+    /// (returning does) and poll the device in a hook.
     pub fn hook(hook: impl Fn() + Send + Sync + 'static) -> Self {
         Release::cuda().with_hook(hook)
     }
