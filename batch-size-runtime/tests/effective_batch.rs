@@ -2,6 +2,7 @@
 //! the middle of training is recovered in place without redoing the steps before it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+#![allow(clippy::needless_range_loop)] // steps are numbered
 
 use batch_size_runtime::{
     BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
@@ -131,7 +132,8 @@ fn a_late_out_of_memory_is_recovered_in_place() {
     assert_eq!(recovery.step, 60);
     assert_eq!(recovery.tried[0], 64);
     let smaller = runner.micro();
-    assert!(smaller < 64 && smaller <= 40, "{smaller}");
+    // 40 samples of room are left.
+    assert!(smaller <= 40, "{smaller}");
     assert_eq!(recovery.tried.last(), Some(&smaller));
 
     // The same parameters as a run that used the smaller micro-batch from step 60 on.
