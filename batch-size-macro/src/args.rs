@@ -6,7 +6,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
-const VALID_KEYS: &str = "`starting`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `release`, `when`, `notify`, `on_report`, `crate`";
+const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `release`, `when`, `notify`, `on_report`, `crate`";
 
 /// The arguments, each with the span of its key for later errors.
 #[derive(Default)]
@@ -19,6 +19,7 @@ pub(crate) struct Args {
     pub(crate) release: Option<Expr>,
     pub(crate) policy: Option<Expr>,
     pub(crate) margin: Option<Expr>,
+    pub(crate) effective: Option<Expr>,
     pub(crate) when: Option<Expr>,
     pub(crate) notify: Option<Expr>,
     pub(crate) on_report: Option<Expr>,
@@ -34,6 +35,7 @@ mod kw {
     syn::custom_keyword!(release);
     syn::custom_keyword!(policy);
     syn::custom_keyword!(margin);
+    syn::custom_keyword!(effective);
     syn::custom_keyword!(when);
     syn::custom_keyword!(notify);
     syn::custom_keyword!(on_report);
@@ -127,6 +129,11 @@ impl Parse for Args {
                 check_margin(&expr)?;
                 set(&mut args.margin, expr, "margin", key_span)?;
                 margin_span = Some(key_span);
+            } else if lookahead.peek(kw::effective) {
+                input.parse::<kw::effective>()?;
+                let expr = value(input, "effective", key_span)?;
+                reject_zero_or_negative(&expr, "effective")?;
+                set(&mut args.effective, expr, "effective", key_span)?;
             } else if lookahead.peek(kw::when) {
                 input.parse::<kw::when>()?;
                 let expr = value(input, "when", key_span)?;
@@ -182,8 +189,9 @@ impl Parse for Args {
     }
 }
 
-const KEYS: [&str; 12] = [
+const KEYS: [&str; 13] = [
     "starting",
+    "effective",
     "min",
     "factor",
     "reduce",

@@ -47,6 +47,25 @@ pub(crate) fn find_executable_batch_size(args: TokenStream, item: TokenStream) -
     if let Some(Args { starting: None, .. }) = &args {
         signature::combine(&mut error, missing_starting());
     }
+    if let Some(args) = &args {
+        match (&args.effective, split.batch_size.is_plan) {
+            (None, true) => signature::combine(
+                &mut error,
+                syn::Error::new_spanned(
+                    &split.batch_size.ty,
+                    "a `BatchPlan` parameter needs `effective = ...`: the batch its micro-batches add up to, e.g. `#[find_executable_batch_size(starting = 32, effective = 256)]`",
+                ),
+            ),
+            (Some(effective), false) => signature::combine(
+                &mut error,
+                syn::Error::new_spanned(
+                    effective,
+                    "`effective` hands each attempt a `BatchPlan` of micro-batches: make the first parameter `plan: BatchPlan` (`starting` is then the first micro-batch size)",
+                ),
+            ),
+            _ => {}
+        }
+    }
     match (error, &args) {
         (
             None,
@@ -232,7 +251,25 @@ fn rewrite(
     let size = quote_spanned!(Span::mixed_site()=> __batch_size);
     let value = quote_spanned!(Span::mixed_site()=> __batch_size_value);
 
-    let search = search_builder(args, starting, batch_ty, private, &function.sig.ident);
+    let effective = quote_spanned!(Span::mixed_site()=> __batch_size_effective);
+    let is_plan = split.batch_size.is_plan;
+    let size_ty: syn::Type = if is_plan {
+        parse_quote!(usize)
+    } else {
+        batch_ty.clone()
+    };
+    let mut search = search_builder(args, starting, &size_ty, private, &function.sig.ident);
+    let effective_value = args.effective.as_ref().filter(|_| is_plan).map(|value| {
+        let value = spans::call_over(
+            quote! { #private::starting_of },
+            value.to_token_stream(),
+            value,
+        );
+        quote! { let #effective = #value; }
+    });
+    if effective_value.is_some() {
+        search = quote! { #private::with_effective(#search, &#effective) };
+    }
     let (driver_new, typed) = match &shape.inferable {
         // The return type with `_` for any `impl Trait` in it: the ladders pick the
         // classification and the give-up by type, so a `Result` behind an alias is found too.
@@ -268,9 +305,14 @@ fn rewrite(
 
     // Over the parameter's type, like the builder's check of it, so that a type that cannot be
     // a batch size gives one error there.
-    let batch_size_as = spans::over(quote! { #private::batch_size_as::<#batch_ty> }, batch_ty);
+    let batch_size_as = if is_plan {
+        quote! { #private::plan(&#effective, #size) }
+    } else {
+        let cast = spans::over(quote! { #private::batch_size_as::<#batch_ty> }, batch_ty);
+        quote! { #cast(#size) }
+    };
     let attempt = quote! {
-        let #batch_pat: #batch_ty = #batch_size_as(#size);
+        let #batch_pat: #batch_ty = #batch_size_as;
         #(#rebind)*
         #block
     };
@@ -283,6 +325,7 @@ fn rewrite(
     quote! {
         #(#attrs)*
         #vis #outer {
+            #effective_value
             let #driver = #search;
             let mut #driver = #driver_new;
             loop {

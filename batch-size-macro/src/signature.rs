@@ -15,6 +15,23 @@ use syn::{FnArg, Ident, Pat, PatIdent, PatType, ReturnType, Signature, Token, Ty
 pub(crate) struct BatchSizeParam {
     pub(crate) pat: Pat,
     pub(crate) ty: Type,
+    /// Written `BatchPlan`: each attempt gets a plan of micro-batches (`effective = ...`).
+    pub(crate) is_plan: bool,
+}
+
+/// Whether `ty` names `BatchPlan` (by its last segment, as `batch_size_runtime::BatchPlan` or
+/// imported).
+pub(crate) fn is_batch_plan(ty: &Type) -> bool {
+    match ty {
+        Type::Path(path) if path.qself.is_none() => path
+            .path
+            .segments
+            .last()
+            .is_some_and(|last| last.ident == "BatchPlan" && last.arguments.is_none()),
+        Type::Paren(inner) => is_batch_plan(&inner.elem),
+        Type::Group(inner) => is_batch_plan(&inner.elem),
+        _ => false,
+    }
 }
 
 /// The signature split for the rewrite.
@@ -87,6 +104,7 @@ pub(crate) fn split(
             BatchSizeParam {
                 pat: (**pat).clone(),
                 ty: (**ty).clone(),
+                is_plan: is_batch_plan(ty),
             }
         }
         _ => {

@@ -71,6 +71,26 @@ pub fn with_max_attempts<'r, M: BatchSizeInt>(
     }
 }
 
+/// `effective = EXPR`: the search's sizes are micro sizes, at most `effective`; an `effective`
+/// of 0 or below stops it before its first attempt.
+pub fn with_effective<'r>(
+    search: BatchSizeSearch<'r>,
+    effective: &Result<usize, String>,
+) -> BatchSizeSearch<'r> {
+    let mut search = search;
+    match effective {
+        Ok(0) => search.invalidate("`effective` must be at least 1, got 0".to_owned()),
+        Ok(effective) => search.starting = search.starting.min(*effective),
+        Err(why) => search.invalidate(why.replace("`starting`", "`effective`")),
+    }
+    search
+}
+
+/// The attempt's plan: `effective` samples in micro-batches of `micro`.
+pub fn plan(effective: &Result<usize, String>, micro: usize) -> crate::BatchPlan {
+    crate::BatchPlan::new(effective.as_ref().map_or(0, |effective| *effective), micro)
+}
+
 /// The attempt's batch size in the parameter's own type.
 pub fn batch_size_as<P: BatchSizeInt>(size: usize) -> P {
     P::from_batch_size(size)

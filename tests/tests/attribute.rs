@@ -441,3 +441,30 @@ fn margin_and_policy_arguments() {
     assert_eq!(with_halving(&device).unwrap(), 128);
     assert_eq!(batch_size_runtime::last_report().unwrap().len(), 2);
 }
+
+#[find_executable_batch_size(starting = 64, effective = 96, release = device.clone())]
+fn plan_step(
+    plan: batch_size_runtime::BatchPlan,
+    device: &batch_size_runtime::SimulatedDevice,
+    seen: &mut Vec<(usize, usize)>,
+) -> anyhow::Result<usize> {
+    seen.push((plan.micro(), plan.accumulation()));
+    for micro in plan.micro_batches() {
+        let _activations = device.alloc(micro.range.len() as u64 * (1 << 20))?;
+    }
+    Ok(plan.micro_batches().map(|micro| micro.range.len()).sum())
+}
+
+#[test]
+fn the_attribute_keeps_the_effective_batch_with_a_plan() {
+    let device = batch_size_runtime::SimulatedDevice::new(20 << 20); // 20 samples at once
+    let mut seen = Vec::new();
+    let samples = plan_step(&device, &mut seen).unwrap();
+    assert_eq!(samples, 96); // every attempt covers the whole effective batch
+    let (micro, accumulation) = *seen.last().unwrap();
+    assert!(
+        micro <= 20 && accumulation == 96usize.div_ceil(micro),
+        "{seen:?}"
+    );
+    assert_eq!(seen[0], (64, 2)); // the first micro size, two micro-batches
+}
