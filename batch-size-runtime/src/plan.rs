@@ -424,6 +424,7 @@ impl<'r> EffectiveBatch<'r> {
         let mut search = BatchSizeSearch::new(self.next_start())
             .with_label("effective_batch")
             .with_min(self.min_micro);
+        search.routine = true;
         if self.effective == 0 {
             search.invalidate("`effective` must be at least 1, got 0".to_owned());
         }

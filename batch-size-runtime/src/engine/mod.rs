@@ -76,6 +76,8 @@ pub struct BatchSizeSearch<'r> {
     pub(crate) invalid: Option<String>,
     // Boxed and absent until one is set: the common search carries one pointer, not three.
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
+    /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
+    pub(crate) routine: bool,
 }
 
 impl<'r> BatchSizeSearch<'r> {
@@ -99,6 +101,7 @@ impl<'r> BatchSizeSearch<'r> {
             label: "batch_size_search",
             invalid: None,
             hooks: None,
+            routine: false,
         }
     }
 

@@ -72,6 +72,7 @@ pub struct Search<'r> {
     succeeded_once: bool,
     rationale: Option<String>,
     keep_report: bool,
+    routine: bool,
 }
 
 impl fmt::Debug for Search<'_> {
@@ -98,6 +99,7 @@ impl<'r> Search<'r> {
             label,
             invalid,
             hooks,
+            routine,
         } = config;
         let mut policy = policy;
         let next = if let Some(why) = invalid {
@@ -133,6 +135,7 @@ impl<'r> Search<'r> {
             smallest_failed: None,
             succeeded_once: false,
             keep_report: false,
+            routine,
         }
     }
 }
@@ -329,12 +332,20 @@ impl Search<'_> {
         match &self.next {
             Next::Accepted => {
                 if let Some(attempt) = self.report.last() {
-                    tracing::info!(
-                        function = self.label,
-                        batch_size = attempt.batch_size,
-                        attempts = attempt.number,
-                        "found executable batch size"
-                    );
+                    if self.routine && attempt.number == 1 {
+                        tracing::debug!(
+                            function = self.label,
+                            batch_size = attempt.batch_size,
+                            "the size in use fits"
+                        );
+                    } else {
+                        tracing::info!(
+                            function = self.label,
+                            batch_size = attempt.batch_size,
+                            attempts = attempt.number,
+                            "found executable batch size"
+                        );
+                    }
                 }
                 self.finish();
             }
