@@ -203,6 +203,7 @@
 #[doc(inline)]
 pub use batch_size_macro::find_executable_batch_size;
 
+pub mod chunked;
 mod dispatch;
 pub mod engine;
 pub mod error;
@@ -220,6 +221,7 @@ mod unwind;
 #[path = "private.rs"]
 pub mod __private;
 
+pub use chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use engine::{BatchSizeSearch, Search};
 pub use error::{NoExecutableBatchSize, OutOfMemory, StopReason};
 pub use memory::{MemoryBackend, Release};

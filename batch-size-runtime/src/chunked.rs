@@ -1,0 +1,708 @@
+//! Work over many items in chunks (evaluation, inference, embeddings) that keeps its progress:
+//! a chunk that runs out of memory is redone smaller from its own start, the chunks before it
+//! are kept, and the chunk size grows back after a few clean chunks.
+//!
+//! ```
+//! use batch_size_runtime::{Chunked, OutOfMemory};
+//!
+//! let squares = Chunked::new(1000)
+//!     .with_starting(256)
+//!     .run(|items| -> anyhow::Result<Vec<u64>> {
+//!         if items.len() > 100 { Err(OutOfMemory::new())? } // 100 items at once fit
+//!         Ok(items.map(|i| (i * i) as u64).collect())
+//!     })?;
+//! assert_eq!(squares.len(), 1000);
+//! assert_eq!(squares[999], 999 * 999);
+//! # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+//! ```
+
+use std::error::Error;
+use std::fmt;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::engine::BatchSizeSearch;
+use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::memory::Release;
+use crate::policy::{Decision, Factor, Guided, SizePolicy};
+use crate::record::{Outcome, SearchReport};
+
+/// Why chunked work stopped before every item was done. `completed` items (from 0) are done
+/// in every case: resume from there.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChunkError<E> {
+    /// Your closure returned an error that is not out-of-memory (a panic that is not
+    /// out-of-memory resumes unwinding instead).
+    #[error("{error} (chunked work stopped after {completed} items)")]
+    Failed {
+        /// Items done before the failing chunk.
+        completed: usize,
+        /// What the closure returned.
+        error: E,
+    },
+    /// Even the smallest chunk ran out of memory.
+    #[error("no chunk size fits after {completed} items: {error}")]
+    NoChunkFits {
+        /// Items done.
+        completed: usize,
+        /// The search's failure, through your error type.
+        error: E,
+    },
+    /// One item alone needs more than any budget that fits.
+    #[error("item {item} alone does not fit: its cost is {cost}, and chunks of cost {largest_failed} and below already ran out of memory")]
+    ItemTooLarge {
+        /// Items done (the item's index).
+        completed: usize,
+        /// The item.
+        item: usize,
+        /// Its cost (1 without `with_cost`).
+        cost: u64,
+        /// The smallest budget that failed with this item alone.
+        largest_failed: u64,
+    },
+    /// `run`'s closure returned a number of outputs that is not the number of items it was given.
+    #[error("the closure returned {got} outputs for the {expected} items {range:?}: one output per item, in order")]
+    WrongOutputCount {
+        /// Items done before this chunk.
+        completed: usize,
+        /// The chunk's items.
+        range: Range<usize>,
+        /// Outputs expected.
+        expected: usize,
+        /// Outputs returned.
+        got: usize,
+    },
+}
+
+impl<E> ChunkError<E> {
+    /// Items done before the work stopped: resume from this index.
+    ///
+    /// ```
+    /// use batch_size_runtime::Chunked;
+    /// let error = Chunked::new(10).with_starting(4).for_each(|items| -> anyhow::Result<()> {
+    ///     if items.contains(&6) { anyhow::bail!("bad record") }
+    ///     Ok(())
+    /// }).unwrap_err();
+    /// assert_eq!(error.completed(), 4);
+    /// ```
+    pub fn completed(&self) -> usize {
+        match self {
+            ChunkError::Failed { completed, .. }
+            | ChunkError::NoChunkFits { completed, .. }
+            | ChunkError::ItemTooLarge { completed, .. }
+            | ChunkError::WrongOutputCount { completed, .. } => *completed,
+        }
+    }
+}
+
+/// One chunk that ran, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChunkRecord {
+    /// Its items.
+    pub range: Range<usize>,
+    /// The budget it was packed to (items, or cost with `with_cost`).
+    pub budget: u64,
+    /// The cost of its items.
+    pub cost: u64,
+    /// Whether it completed or ran out of memory.
+    pub done: bool,
+}
+
+/// Progress shown to `notify`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChunkProgress {
+    /// Items done.
+    pub completed: usize,
+    /// Items in all.
+    pub total: usize,
+    /// Chunks that ran out of memory so far.
+    pub retries: usize,
+}
+
+enum Shrink {
+    Guided(Option<f64>),
+    Factor(f64),
+}
+
+type Cost<'r> = Box<dyn Fn(usize) -> u64 + 'r>;
+type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + 'r>;
+
+/// Runs a closure over `0..total_items` in chunks; see the [module docs](self).
+///
+/// # Default
+/// - first chunk: all the items (`with_starting`);
+/// - minimum: 1 item (or cost unit), no maximum;
+/// - sizes after an out-of-memory chunk: the guided policy, `with_factor` for a fixed factor;
+/// - growing back: after 4 clean chunks, double, below the smallest size that failed
+///   (`with_grow_after`; 0 never grows);
+/// - release: [`Release::cuda()`].
+pub struct Chunked<'r> {
+    total: usize,
+    starting: Option<u64>,
+    min: u64,
+    max: Option<u64>,
+    release: Option<Release>,
+    shrink: Shrink,
+    grow_after: usize,
+    cost: Option<Cost<'r>>,
+    notify: Option<Notify<'r>>,
+    chunks: Vec<ChunkRecord>,
+}
+
+impl fmt::Debug for Chunked<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Chunked")
+            .field("total", &self.total)
+            .field("chunks", &self.chunks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the chunks share with the policy: where the work is.
+#[derive(Debug, Default)]
+struct Progress {
+    completed: usize,
+    total: usize,
+    /// The chunk being run, and its cost.
+    current: Range<usize>,
+    current_cost: u64,
+}
+
+/// The policy of one chunked run: the next chunk after each success, a smaller one after an
+/// out-of-memory chunk (from the inner policy), growing back after clean chunks.
+#[derive(Debug)]
+struct ChunkPolicy<P> {
+    inner: P,
+    progress: Arc<Mutex<Progress>>,
+    grow_after: usize,
+    max: Option<u64>,
+    clean: usize,
+}
+
+/// The progress, whatever a panic elsewhere left in the lock.
+fn lock(progress: &Mutex<Progress>) -> MutexGuard<'_, Progress> {
+    progress
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<P: SizePolicy> SizePolicy for ChunkPolicy<P> {
+    fn check(&self) -> Result<(), String> {
+        self.inner.check()
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let Some(last) = history.last() else {
+            return Decision::Accept;
+        };
+        if last.outcome != Outcome::Succeeded {
+            self.clean = 0;
+            let (items, cost) = {
+                let progress = lock(&self.progress);
+                (progress.current.len(), progress.current_cost)
+            };
+            if items <= 1 {
+                // Every budget packs this one item: no smaller chunk exists.
+                return Decision::Stop(StopReason::Policy(
+                    "a chunk of one item ran out of memory".to_owned(),
+                ));
+            }
+            // A budget that packs the same items again would fail again: below their cost.
+            let below = usize::try_from(cost.saturating_sub(1)).unwrap_or(usize::MAX);
+            return match self.inner.after(history) {
+                Decision::Try(budget) => Decision::Try(budget.min(below).max(1)),
+                // Two budgets that packed the same items look like memory that does not depend
+                // on the size; for chunks it is the items' own: halve instead.
+                Decision::Stop(StopReason::Policy(_)) => {
+                    Decision::Try((last.batch_size / 2).min(below).max(1))
+                }
+                other => other,
+            };
+        }
+        let done = {
+            let progress = lock(&self.progress);
+            progress.completed >= progress.total
+        };
+        if done {
+            return Decision::Accept;
+        }
+        self.clean += 1;
+        let size = last.batch_size;
+        if self.grow_after == 0 || self.clean < self.grow_after {
+            return Decision::Try(size);
+        }
+        self.clean = 0;
+        // deepmd's rule: double only while twice the size stays below the smallest size that
+        // failed, so that growing back fails at most once per size.
+        let doubled = size.saturating_mul(2);
+        let below_failures = history
+            .smallest_out_of_memory()
+            .is_none_or(|failed| doubled < failed);
+        let within_max = self.max.is_none_or(|max| doubled as u64 <= max);
+        if below_failures && within_max {
+            Decision::Try(doubled)
+        } else if below_failures {
+            let max = self
+                .max
+                .map_or(size, |max| usize::try_from(max).unwrap_or(usize::MAX));
+            Decision::Try(max.max(size))
+        } else {
+            Decision::Try(size)
+        }
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.inner.rationale()
+    }
+}
+
+impl<'r> Chunked<'r> {
+    /// Work over items `0..total_items`.
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let none: Vec<u8> = Chunked::new(0).run(|_| -> anyhow::Result<Vec<u8>> { unreachable!() })?;
+    /// assert!(none.is_empty());
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn new(total_items: usize) -> Self {
+        Chunked {
+            total: total_items,
+            starting: None,
+            min: 1,
+            max: None,
+            release: None,
+            shrink: Shrink::Guided(None),
+            grow_after: 4,
+            cost: None,
+            notify: None,
+            chunks: Vec::new(),
+        }
+    }
+
+    /// The first chunk's size (items, or cost with `with_cost`).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let mut chunked = Chunked::new(10).with_starting(4);
+    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(chunked.chunks()[0].range, 0..4);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_starting(mut self, size: u64) -> Self {
+        self.starting = Some(size);
+        self
+    }
+
+    /// The smallest chunk size tried.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{ChunkError, Chunked, OutOfMemory};
+    /// let error = Chunked::new(10).with_min(4).for_each(|_| -> anyhow::Result<()> {
+    ///     Err(OutOfMemory::new().into())
+    /// }).unwrap_err();
+    /// assert!(matches!(error, ChunkError::NoChunkFits { completed: 0, .. }));
+    /// ```
+    pub fn with_min(mut self, min: u64) -> Self {
+        self.min = min;
+        self
+    }
+
+    /// The largest size a chunk grows back to.
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let mut chunked = Chunked::new(100).with_starting(2).with_grow_after(1).with_max(8);
+    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert!(chunked.chunks().iter().all(|chunk| chunk.range.len() <= 8));
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_max(mut self, max: u64) -> Self {
+        self.max = Some(max);
+        self
+    }
+
+    /// What releases device memory after an out-of-memory chunk (default: [`Release::cuda()`]).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Chunked, SimulatedDevice};
+    /// let device = SimulatedDevice::new(1 << 20);
+    /// let chunked = Chunked::new(10).with_release(device.clone());
+    /// # let _ = chunked;
+    /// ```
+    pub fn with_release(mut self, release: impl Into<Release>) -> Self {
+        self.release = Some(release.into());
+        self
+    }
+
+    /// Multiplies the chunk size by `factor` after an out-of-memory chunk, instead of the
+    /// guided estimate (toma: 0.5).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Chunked, OutOfMemory};
+    /// let mut chunked = Chunked::new(64).with_starting(64).with_factor(0.5).with_grow_after(0);
+    /// chunked.for_each(|items| -> anyhow::Result<()> {
+    ///     if items.len() > 20 { Err(OutOfMemory::new())? }
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(chunked.chunks().last().unwrap().range.len(), 16);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_factor(mut self, factor: f64) -> Self {
+        self.shrink = Shrink::Factor(factor);
+        self
+    }
+
+    /// The guided policy's margin (see [`BatchSizeSearch::with_margin`]).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let chunked = Chunked::new(64).with_margin(0.1);
+    /// # let _ = chunked;
+    /// ```
+    pub fn with_margin(mut self, margin: f64) -> Self {
+        self.shrink = Shrink::Guided(Some(margin));
+        self
+    }
+
+    /// Doubles the chunk size after `successes` clean chunks in a row, while twice the size
+    /// stays below every size that ran out of memory (deepmd's rule), up to `with_max`
+    /// (deepmd grows after one clean chunk; 0 never grows).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let mut chunked = Chunked::new(30).with_starting(2).with_grow_after(1);
+    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// let sizes: Vec<usize> = chunked.chunks().iter().map(|chunk| chunk.range.len()).collect();
+    /// assert_eq!(sizes, [2, 4, 8, 16]);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_grow_after(mut self, successes: usize) -> Self {
+        self.grow_after = successes;
+        self
+    }
+
+    /// Items of different cost (a sequence's tokens, say): chunks hold a budget of cost
+    /// instead of a count of items, and the budget is what the policy searches, so the guided
+    /// policy learns memory per unit of cost. A chunk holds at least one item; an item of cost
+    /// 0 costs nothing.
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let lengths = [10u64, 10, 50, 5, 5, 5];
+    /// let mut chunked = Chunked::new(6).with_starting(40).with_cost(|i| lengths[i]);
+    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// let ranges: Vec<_> = chunked.chunks().iter().map(|chunk| chunk.range.clone()).collect();
+    /// assert_eq!(ranges, [0..2, 2..3, 3..6]); // item 2 alone is over budget, still run
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_cost(mut self, cost: impl Fn(usize) -> u64 + 'r) -> Self {
+        self.cost = Some(Box::new(cost));
+        self
+    }
+
+    /// Called after every chunk that completed, with the progress (drive a progress bar).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let mut seen = Vec::new();
+    /// Chunked::new(10)
+    ///     .with_starting(5)
+    ///     .notify(|progress| seen.push(progress.completed))
+    ///     .for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(seen, [5, 10]);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn notify(mut self, callback: impl FnMut(&ChunkProgress) + 'r) -> Self {
+        self.notify = Some(Box::new(callback));
+        self
+    }
+
+    /// Every chunk that ran, in order, with its range, budget, cost and whether it completed.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Chunked, OutOfMemory};
+    /// let mut chunked = Chunked::new(8).with_starting(8).with_factor(0.5);
+    /// chunked.for_each(|items| -> anyhow::Result<()> {
+    ///     if items.len() > 4 { Err(OutOfMemory::new())? }
+    ///     Ok(())
+    /// })?;
+    /// let done: Vec<bool> = chunked.chunks().iter().map(|chunk| chunk.done).collect();
+    /// assert_eq!(done, [false, true, true]);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn chunks(&self) -> &[ChunkRecord] {
+        &self.chunks
+    }
+
+    /// Runs `work` over every item, chunk by chunk, and returns its outputs concatenated in item
+    /// order (one per item). For errors like `anyhow::Error` and `Box<dyn Error + Send + Sync>`.
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let doubled = Chunked::new(5).with_starting(2).run(|items| {
+    ///     Ok::<_, anyhow::Error>(items.map(|i| i * 2).collect())
+    /// })?;
+    /// assert_eq!(doubled, [0, 2, 4, 6, 8]);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn run<T, E>(
+        &mut self,
+        mut work: impl FnMut(Range<usize>) -> Result<Vec<T>, E>,
+    ) -> Result<Vec<T>, ChunkError<E>>
+    where
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        let mut outputs = Vec::with_capacity(self.total);
+        let mut wrong: Option<(Range<usize>, usize)> = None;
+        self.drive(|range| {
+            let values = work(range.clone())?;
+            if values.len() != range.len() {
+                wrong = Some((range.clone(), values.len()));
+                return Err(E::from(wrong_count()));
+            }
+            outputs.extend(values);
+            Ok(())
+        })
+        .map_err(|error| match wrong.take() {
+            Some((range, got)) => ChunkError::WrongOutputCount {
+                completed: error.completed(),
+                expected: range.len(),
+                range,
+                got,
+            },
+            None => error,
+        })?;
+        Ok(outputs)
+    }
+
+    /// Runs `work` over every item for its side effects (writing embeddings out, say).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let mut total = 0;
+    /// Chunked::new(100).with_starting(30).for_each(|items| {
+    ///     total += items.len();
+    ///     Ok::<_, anyhow::Error>(())
+    /// })?;
+    /// assert_eq!(total, 100);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn for_each<E>(
+        &mut self,
+        work: impl FnMut(Range<usize>) -> Result<(), E>,
+    ) -> Result<(), ChunkError<E>>
+    where
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        self.drive(work)
+    }
+
+    /// The items of the chunk at `offset` for `budget`: at least one, then while the cost fits.
+    fn pack(&self, offset: usize, budget: u64) -> (Range<usize>, u64) {
+        match &self.cost {
+            None => {
+                let end = offset
+                    .saturating_add(budget.max(1) as usize)
+                    .min(self.total);
+                (offset..end, (end - offset) as u64)
+            }
+            Some(cost) => {
+                let mut end = offset;
+                let mut spent = 0u64;
+                while end < self.total {
+                    let next = cost(end);
+                    if end > offset && spent.saturating_add(next) > budget {
+                        break;
+                    }
+                    spent = spent.saturating_add(next);
+                    end += 1;
+                }
+                (offset..end, spent)
+            }
+        }
+    }
+
+    fn drive<E>(
+        &mut self,
+        mut work: impl FnMut(Range<usize>) -> Result<(), E>,
+    ) -> Result<(), ChunkError<E>>
+    where
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        self.chunks.clear();
+        if self.total == 0 {
+            return Ok(());
+        }
+        let progress = Arc::new(Mutex::new(Progress {
+            completed: 0,
+            total: self.total,
+            current: 0..0,
+            current_cost: 0,
+        }));
+        let whole = match &self.cost {
+            None => self.total as u64,
+            Some(cost) => (0..self.total).map(cost).fold(0u64, u64::saturating_add),
+        };
+        let starting = self.starting.unwrap_or(whole).max(1);
+        let inner = match self.shrink {
+            Shrink::Guided(margin) => ChunkInner::Guided(
+                margin.map_or_else(Guided::new, |margin| Guided::new().with_margin(margin)),
+            ),
+            Shrink::Factor(factor) => ChunkInner::Factor(Factor(factor)),
+        };
+        let policy = ChunkPolicy {
+            inner,
+            progress: Arc::clone(&progress),
+            grow_after: self.grow_after,
+            max: self.max,
+            clean: 0,
+        };
+        let mut search = BatchSizeSearch::new(usize::try_from(starting).unwrap_or(usize::MAX))
+            .with_label("chunked")
+            .with_policy(policy);
+        search.routine = true;
+        if self.min == 0 {
+            search.invalidate("`min` must be at least 1, got 0".to_owned());
+        } else {
+            search = search.with_min(usize::try_from(self.min).unwrap_or(usize::MAX));
+        }
+        if let Some(release) = &self.release {
+            search = search.with_release(release.clone());
+        }
+
+        let mut records: Vec<ChunkRecord> = Vec::new();
+        let mut retries = 0usize;
+        let mut notify = self.notify.take();
+        let this = &*self;
+        let (result, report) = search.run_with_report(|budget| {
+            let offset = lock(&progress).completed;
+            let (range, cost) = this.pack(offset, budget as u64);
+            {
+                let mut progress = lock(&progress);
+                progress.current = range.clone();
+                progress.current_cost = cost;
+            }
+            let outcome = work(range.clone());
+            let done = outcome.is_ok();
+            records.push(ChunkRecord {
+                range: range.clone(),
+                budget: budget as u64,
+                cost,
+                done,
+            });
+            if done {
+                let mut progress = lock(&progress);
+                progress.completed = range.end;
+                if let Some(notify) = notify.as_mut() {
+                    notify(&ChunkProgress {
+                        completed: progress.completed,
+                        total: progress.total,
+                        retries,
+                    });
+                }
+            } else {
+                retries += 1;
+                tracing::warn!(
+                    items = ?range,
+                    budget,
+                    cost,
+                    "chunk of items {range:?} failed; it is retried smaller if it ran out of memory"
+                );
+            }
+            outcome
+        });
+        self.notify = notify;
+        drop(report);
+        self.chunks = records;
+        let completed = lock(&progress).completed;
+        match result {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                let is_no_size = error
+                    .as_ref()
+                    .downcast_ref::<NoExecutableBatchSize>()
+                    .is_some();
+                if !is_no_size {
+                    return Err(ChunkError::Failed { completed, error });
+                }
+                // The last chunks that ran out of memory held one item: that item is too large.
+                let last_failed = self.chunks.iter().rev().find(|chunk| !chunk.done);
+                match last_failed {
+                    Some(chunk)
+                        if chunk.range.len() == 1
+                            && !matches!(
+                                reason(&error),
+                                Some(StopReason::InvalidConfiguration(_))
+                            ) =>
+                    {
+                        Err(ChunkError::ItemTooLarge {
+                            completed,
+                            item: chunk.range.start,
+                            cost: chunk.cost,
+                            largest_failed: chunk.budget,
+                        })
+                    }
+                    _ => Err(ChunkError::NoChunkFits { completed, error }),
+                }
+            }
+        }
+    }
+}
+
+fn reason<E: AsRef<dyn Error + Send + Sync + 'static>>(error: &E) -> Option<StopReason> {
+    error
+        .as_ref()
+        .downcast_ref::<NoExecutableBatchSize>()
+        .map(|none_fit| none_fit.reason().clone())
+}
+
+/// The error that stops the search when `run`'s closure returned the wrong number of outputs
+/// (replaced by [`ChunkError::WrongOutputCount`] before it reaches the caller).
+fn wrong_count() -> NoExecutableBatchSize {
+    NoExecutableBatchSize::new(
+        StopReason::InvalidConfiguration("wrong number of outputs".to_owned()),
+        SearchReport::default(),
+        None,
+    )
+}
+
+/// The shrinking policy inside a chunked run.
+#[derive(Debug)]
+enum ChunkInner {
+    Guided(Guided),
+    Factor(Factor),
+}
+
+impl SizePolicy for ChunkInner {
+    fn check(&self) -> Result<(), String> {
+        match self {
+            ChunkInner::Guided(policy) => policy.check(),
+            ChunkInner::Factor(policy) => policy.check(),
+        }
+    }
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        match self {
+            ChunkInner::Guided(policy) => policy.after(history),
+            ChunkInner::Factor(policy) => policy.after(history),
+        }
+    }
+    fn rationale(&self) -> Option<String> {
+        match self {
+            ChunkInner::Guided(policy) => policy.rationale(),
+            ChunkInner::Factor(_) => None,
+        }
+    }
+}
