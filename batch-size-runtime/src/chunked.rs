@@ -619,7 +619,7 @@ impl<'r> Chunked<'r> {
                     items = ?range,
                     budget,
                     cost,
-                    "chunk of items {range:?} failed; it is retried smaller if it ran out of memory"
+                    "chunk of items {range:?} did not complete; it is redone smaller if it ran out of memory"
                 );
             }
             outcome
