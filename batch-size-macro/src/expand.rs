@@ -138,28 +138,7 @@ fn unparsed_body(item: TokenStream, args: TokenStream) -> TokenStream {
         _ => parse_quote!(::batch_size_runtime),
     };
     match signature::split(&function.sig, &private_module(&krate), &HashSet::new()) {
-        Ok(split) => {
-            let MaybeItemFn {
-                attrs, vis, body, ..
-            } = function;
-            let outer = &split.outer;
-            let pat = &split.batch_size.pat;
-            let ty = &split.batch_size.ty;
-            let value = quote_spanned!(Span::mixed_site()=> __batch_size_placeholder);
-            quote! {
-                #(#attrs)*
-                #vis #outer {
-                    #[allow(unused_variables, clippy::all)]
-                    {
-                        fn #value<T>() -> T {
-                            ::core::unreachable!()
-                        }
-                        let #pat: #ty = #value::<#ty>();
-                        #body
-                    }
-                }
-            }
-        }
+        Ok(split) => placeholder_over(&function.attrs, &function.vis, &split, function.body),
         Err(_) => not_a_function(),
     }
 }
@@ -206,13 +185,27 @@ fn idents_in(tokens: &TokenStream) -> HashSet<String> {
 /// callers (which already omit the batch size) and the body still type-check, and nothing
 /// diverges before the body, so its parameters count as used and no lint fires.
 fn placeholder(function: &ItemFn, split: &Split) -> TokenStream {
-    let ItemFn {
-        attrs, vis, block, ..
-    } = function;
+    let rebind = &split.rebind;
+    let block = &function.block;
+    placeholder_over(
+        &function.attrs,
+        &function.vis,
+        split,
+        quote! { #(#rebind)* #block },
+    )
+}
+
+/// The rewritten signature over `body`, with the batch size bound to a value that never
+/// exists (nothing runs before the body diverges).
+fn placeholder_over(
+    attrs: &[syn::Attribute],
+    vis: &syn::Visibility,
+    split: &Split,
+    body: TokenStream,
+) -> TokenStream {
     let outer = &split.outer;
     let pat = &split.batch_size.pat;
     let ty = &split.batch_size.ty;
-    let rebind = &split.rebind;
     let value = quote_spanned!(Span::mixed_site()=> __batch_size_placeholder);
     quote! {
         #(#attrs)*
@@ -223,8 +216,7 @@ fn placeholder(function: &ItemFn, split: &Split) -> TokenStream {
                     ::core::unreachable!()
                 }
                 let #pat: #ty = #value::<#ty>();
-                #(#rebind)*
-                #block
+                #body
             }
         }
     }
