@@ -127,8 +127,8 @@ enum Shrink {
     Factor(f64),
 }
 
-type Cost<'r> = Box<dyn Fn(usize) -> u64 + 'r>;
-type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + 'r>;
+type Cost<'r> = Box<dyn Fn(usize) -> u64 + Send + Sync + 'r>;
+type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 
 /// Runs a closure over `0..total_items` in chunks; see the [module docs](self).
 ///
@@ -176,17 +176,23 @@ struct Progress {
 #[derive(Debug)]
 struct ChunkPolicy<P> {
     inner: P,
-    progress: Arc<Mutex<Progress>>,
+    run: Arc<Mutex<Run>>,
     grow_after: usize,
     max: Option<u64>,
     clean: usize,
 }
 
-/// The progress, whatever a panic elsewhere left in the lock.
-fn lock(progress: &Mutex<Progress>) -> MutexGuard<'_, Progress> {
-    progress
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// What one run's chunks and its policy share.
+#[derive(Debug)]
+struct Run {
+    progress: Progress,
+    records: Vec<ChunkRecord>,
+    retries: usize,
+}
+
+/// The run, whatever a panic elsewhere left in the lock.
+fn lock(run: &Mutex<Run>) -> MutexGuard<'_, Run> {
+    lock_any(run)
 }
 
 impl<P: SizePolicy> SizePolicy for ChunkPolicy<P> {
@@ -201,8 +207,8 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<P> {
         if last.outcome != Outcome::Succeeded {
             self.clean = 0;
             let (items, cost) = {
-                let progress = lock(&self.progress);
-                (progress.current.len(), progress.current_cost)
+                let run = lock(&self.run);
+                (run.progress.current.len(), run.progress.current_cost)
             };
             if items <= 1 {
                 // Every budget packs this one item: no smaller chunk exists.
@@ -223,8 +229,8 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<P> {
             };
         }
         let done = {
-            let progress = lock(&self.progress);
-            progress.completed >= progress.total
+            let run = lock(&self.run);
+            run.progress.completed >= run.progress.total
         };
         if done {
             return Decision::Accept;
@@ -399,7 +405,7 @@ impl<'r> Chunked<'r> {
     /// assert_eq!(ranges, [0..2, 2..3, 3..6]); // item 2 alone is over budget, still run
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn with_cost(mut self, cost: impl Fn(usize) -> u64 + 'r) -> Self {
+    pub fn with_cost(mut self, cost: impl Fn(usize) -> u64 + Send + Sync + 'r) -> Self {
         self.cost = Some(Box::new(cost));
         self
     }
@@ -416,7 +422,7 @@ impl<'r> Chunked<'r> {
     /// assert_eq!(seen, [5, 10]);
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn notify(mut self, callback: impl FnMut(&ChunkProgress) + 'r) -> Self {
+    pub fn notify(mut self, callback: impl FnMut(&ChunkProgress) + Send + 'r) -> Self {
         self.notify = Some(Box::new(callback));
         self
     }
@@ -507,50 +513,18 @@ impl<'r> Chunked<'r> {
         self.drive(work)
     }
 
-    /// The items of the chunk at `offset` for `budget`: at least one, then while the cost fits.
-    fn pack(&self, offset: usize, budget: u64) -> (Range<usize>, u64) {
-        match &self.cost {
-            None => {
-                let end = offset
-                    .saturating_add(budget.max(1) as usize)
-                    .min(self.total);
-                (offset..end, (end - offset) as u64)
-            }
-            Some(cost) => {
-                let mut end = offset;
-                let mut spent = 0u64;
-                while end < self.total {
-                    let next = cost(end);
-                    if end > offset && spent.saturating_add(next) > budget {
-                        break;
-                    }
-                    spent = spent.saturating_add(next);
-                    end += 1;
-                }
-                (offset..end, spent)
-            }
-        }
-    }
-
-    fn drive<E>(
-        &mut self,
-        mut work: impl FnMut(Range<usize>) -> Result<(), E>,
-    ) -> Result<(), ChunkError<E>>
-    where
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
-    {
+    /// The search of one run, and the progress its policy and chunks share.
+    fn prepare(&mut self) -> (BatchSizeSearch<'static>, Arc<Mutex<Run>>) {
         self.chunks.clear();
-        if self.total == 0 {
-            return Ok(());
-        }
-        let progress = Arc::new(Mutex::new(Progress {
-            completed: 0,
-            total: self.total,
-            current: 0..0,
-            current_cost: 0,
+        let run = Arc::new(Mutex::new(Run {
+            progress: Progress {
+                completed: 0,
+                total: self.total,
+                current: 0..0,
+                current_cost: 0,
+            },
+            records: Vec::new(),
+            retries: 0,
         }));
         let whole = match &self.cost {
             None => self.total as u64,
@@ -565,7 +539,7 @@ impl<'r> Chunked<'r> {
         };
         let policy = ChunkPolicy {
             inner,
-            progress: Arc::clone(&progress),
+            run: Arc::clone(&run),
             grow_after: self.grow_after,
             max: self.max,
             clean: 0,
@@ -582,84 +556,236 @@ impl<'r> Chunked<'r> {
         if let Some(release) = &self.release {
             search = search.with_release(release.clone());
         }
+        (search, run)
+    }
 
-        let mut records: Vec<ChunkRecord> = Vec::new();
-        let mut retries = 0usize;
-        let mut notify = self.notify.take();
-        let this = &*self;
-        let (result, report) = search.run_with_report(|budget| {
-            let offset = lock(&progress).completed;
-            let (range, cost) = this.pack(offset, budget as u64);
-            {
-                let mut progress = lock(&progress);
-                progress.current = range.clone();
-                progress.current_cost = cost;
+    /// Records how a chunk ended; on success, moves the progress past it and tells `notify`.
+    fn end_chunk(
+        run: &Mutex<Run>,
+        notify: &mut Option<Notify<'r>>,
+        range: Range<usize>,
+        budget: usize,
+        cost: u64,
+        done: bool,
+    ) {
+        let mut run = lock(run);
+        run.records.push(ChunkRecord {
+            range: range.clone(),
+            budget: budget as u64,
+            cost,
+            done,
+        });
+        if done {
+            run.progress.completed = range.end;
+            let progress = ChunkProgress {
+                completed: run.progress.completed,
+                total: run.progress.total,
+                retries: run.retries,
+            };
+            drop(run);
+            if let Some(notify) = notify.as_mut() {
+                notify(&progress);
             }
-            let outcome = work(range.clone());
-            let done = outcome.is_ok();
-            records.push(ChunkRecord {
-                range: range.clone(),
-                budget: budget as u64,
+        } else {
+            run.retries += 1;
+            tracing::warn!(
+                items = ?range,
+                budget,
                 cost,
-                done,
-            });
-            if done {
-                let mut progress = lock(&progress);
-                progress.completed = range.end;
-                if let Some(notify) = notify.as_mut() {
-                    notify(&ChunkProgress {
-                        completed: progress.completed,
-                        total: progress.total,
-                        retries,
-                    });
-                }
-            } else {
-                retries += 1;
-                tracing::warn!(
-                    items = ?range,
-                    budget,
-                    cost,
-                    "chunk of items {range:?} did not complete; it is redone smaller if it ran out of memory"
-                );
+                "chunk of items {range:?} did not complete; it is redone smaller if it ran out of memory"
+            );
+        }
+    }
+
+    /// The run's result, from the search's.
+    fn conclude<E>(&mut self, run: &Mutex<Run>, result: Result<(), E>) -> Result<(), ChunkError<E>>
+    where
+        E: AsRef<dyn Error + Send + Sync + 'static>,
+    {
+        let completed = {
+            let mut run = lock(run);
+            self.chunks = std::mem::take(&mut run.records);
+            run.progress.completed
+        };
+        let Err(error) = result else {
+            return Ok(());
+        };
+        if reason(&error).is_none() {
+            return Err(ChunkError::Failed { completed, error });
+        }
+        // The last chunk that ran out of memory held one item: that item is too large.
+        let last_failed = self.chunks.iter().rev().find(|chunk| !chunk.done);
+        match last_failed {
+            Some(chunk)
+                if chunk.range.len() == 1
+                    && !matches!(reason(&error), Some(StopReason::InvalidConfiguration(_))) =>
+            {
+                Err(ChunkError::ItemTooLarge {
+                    completed,
+                    item: chunk.range.start,
+                    cost: chunk.cost,
+                    largest_failed: chunk.budget,
+                })
             }
+            _ => Err(ChunkError::NoChunkFits { completed, error }),
+        }
+    }
+
+    fn drive<E>(
+        &mut self,
+        mut work: impl FnMut(Range<usize>) -> Result<(), E>,
+    ) -> Result<(), ChunkError<E>>
+    where
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        if self.total == 0 {
+            self.chunks.clear();
+            return Ok(());
+        }
+        let (search, run) = self.prepare();
+        let mut notify = self.notify.take();
+        let (cost_of, total) = (self.cost.as_ref(), self.total);
+        let (result, _report) = search.run_with_report(|budget| {
+            let (range, cost) = begin_chunk(cost_of, total, &run, budget);
+            let outcome = work(range.clone());
+            Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
             outcome
         });
         self.notify = notify;
-        drop(report);
-        self.chunks = records;
-        let completed = lock(&progress).completed;
-        match result {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                let is_no_size = error
-                    .as_ref()
-                    .downcast_ref::<NoExecutableBatchSize>()
-                    .is_some();
-                if !is_no_size {
-                    return Err(ChunkError::Failed { completed, error });
+        self.conclude(&run, result)
+    }
+
+    /// The async form of [`run`](Self::run), for inference servers: `work` returns a future.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Chunked, OutOfMemory};
+    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    /// #     let mut future = std::pin::pin!(future);
+    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    /// #     loop {
+    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+    /// #             break value;
+    /// #         }
+    /// #     }
+    /// # }
+    /// let mut chunked = Chunked::new(100).with_starting(64);
+    /// let outputs = block_on(chunked.run_async(|items| async move {
+    ///     if items.len() > 40 { Err(OutOfMemory::new())? }
+    ///     Ok::<_, anyhow::Error>(items.map(|i| i * 10).collect::<Vec<_>>())
+    /// }))?;
+    /// assert_eq!(outputs.len(), 100);
+    /// assert_eq!(outputs[99], 990);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub async fn run_async<T, E, Fut>(
+        &mut self,
+        mut work: impl FnMut(Range<usize>) -> Fut,
+    ) -> Result<Vec<T>, ChunkError<E>>
+    where
+        Fut: std::future::Future<Output = Result<Vec<T>, E>>,
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        if self.total == 0 {
+            self.chunks.clear();
+            return Ok(Vec::new());
+        }
+        let (search, run) = self.prepare();
+        let notify = Arc::new(Mutex::new(self.notify.take()));
+        let outputs = Arc::new(Mutex::new(Vec::with_capacity(self.total)));
+        let wrong = Arc::new(Mutex::new(None));
+        let (cost_of, total) = (self.cost.as_ref(), self.total);
+        let result = search
+            .run_dyn_async(|budget| {
+                let (range, cost) = begin_chunk(cost_of, total, &run, budget);
+                let pending = work(range.clone());
+                let (run, notify, outputs, wrong) = (
+                    Arc::clone(&run),
+                    Arc::clone(&notify),
+                    Arc::clone(&outputs),
+                    Arc::clone(&wrong),
+                );
+                async move {
+                    let outcome = match pending.await {
+                        Ok(values) if values.len() == range.len() => {
+                            lock_any(&outputs).extend(values);
+                            Ok(())
+                        }
+                        Ok(values) => {
+                            *lock_any(&wrong) = Some((range.clone(), values.len()));
+                            Err(E::from(wrong_count()))
+                        }
+                        Err(error) => Err(error),
+                    };
+                    let mut notify = lock_any(&notify);
+                    Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
+                    outcome
                 }
-                // The last chunks that ran out of memory held one item: that item is too large.
-                let last_failed = self.chunks.iter().rev().find(|chunk| !chunk.done);
-                match last_failed {
-                    Some(chunk)
-                        if chunk.range.len() == 1
-                            && !matches!(
-                                reason(&error),
-                                Some(StopReason::InvalidConfiguration(_))
-                            ) =>
-                    {
-                        Err(ChunkError::ItemTooLarge {
-                            completed,
-                            item: chunk.range.start,
-                            cost: chunk.cost,
-                            largest_failed: chunk.budget,
-                        })
-                    }
-                    _ => Err(ChunkError::NoChunkFits { completed, error }),
+            })
+            .await;
+        self.notify = lock_any(&notify).take();
+        let wrong = lock_any(&wrong).take();
+        self.conclude(&run, result).map_err(|error| match wrong {
+            Some((range, got)) => ChunkError::WrongOutputCount {
+                completed: error.completed(),
+                expected: range.len(),
+                range,
+                got,
+            },
+            None => error,
+        })?;
+        let outputs = std::mem::take(&mut *lock_any(&outputs));
+        Ok(outputs)
+    }
+}
+
+/// A lock, whatever a panic elsewhere left in it.
+fn lock_any<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The items of the chunk at `offset` for `budget`: at least one, then while the cost fits.
+fn pack(cost: Option<&Cost<'_>>, total: usize, offset: usize, budget: u64) -> (Range<usize>, u64) {
+    match cost {
+        None => {
+            let end = offset.saturating_add(budget.max(1) as usize).min(total);
+            (offset..end, (end - offset) as u64)
+        }
+        Some(cost) => {
+            let mut end = offset;
+            let mut spent = 0u64;
+            while end < total {
+                let next = cost(end);
+                if end > offset && spent.saturating_add(next) > budget {
+                    break;
                 }
+                spent = spent.saturating_add(next);
+                end += 1;
             }
+            (offset..end, spent)
         }
     }
+}
+
+/// The items of the next chunk for `budget`, marked as the one running.
+fn begin_chunk(
+    cost: Option<&Cost<'_>>,
+    total: usize,
+    run: &Mutex<Run>,
+    budget: usize,
+) -> (Range<usize>, u64) {
+    let mut run = lock(run);
+    let (range, spent) = pack(cost, total, run.progress.completed, budget as u64);
+    run.progress.current = range.clone();
+    run.progress.current_cost = spent;
+    (range, spent)
 }
 
 fn reason<E: AsRef<dyn Error + Send + Sync + 'static>>(error: &E) -> Option<StopReason> {

@@ -226,3 +226,50 @@ proptest! {
         prop_assert_eq!(chunked.chunks().iter().filter(|chunk| chunk.done).count(), chunks.len());
     }
 }
+
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+            break value;
+        }
+    }
+}
+
+#[test]
+fn the_async_form_keeps_progress_and_order_and_is_send() {
+    fn assert_send<F: std::future::Future + Send>(future: F) -> F {
+        future
+    }
+    let device = SimulatedDevice::new(30 * UNIT);
+    let mut seen = Vec::new();
+    let mut chunked = Chunked::new(200)
+        .with_starting(100)
+        .with_release(device.clone())
+        .notify(|progress| seen.push(progress.completed));
+    let outputs = block_on(assert_send(chunked.run_async(|items| {
+        let device = device.clone();
+        async move {
+            let _activations = device.alloc(items.len() as u64 * UNIT)?;
+            Ok::<_, anyhow::Error>(items.collect::<Vec<_>>())
+        }
+    })))
+    .unwrap();
+    assert_eq!(outputs, (0..200).collect::<Vec<_>>());
+    assert!(chunked.chunks().iter().any(|chunk| !chunk.done));
+    drop(chunked);
+    assert_eq!(seen.last(), Some(&200));
+    assert!(seen.windows(2).all(|pair| pair[0] < pair[1]));
+
+    // The wrong number of outputs is caught in the async form too.
+    let error = block_on(
+        Chunked::new(10)
+            .with_starting(5)
+            .run_async(
+                |items| async move { Ok::<_, anyhow::Error>(items.skip(1).collect::<Vec<_>>()) },
+            ),
+    )
+    .unwrap_err();
+    assert!(matches!(error, ChunkError::WrongOutputCount { got: 4, .. }));
+}
