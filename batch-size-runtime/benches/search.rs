@@ -17,7 +17,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy};
+use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy, Tuner};
 use batch_size_runtime::{
     BatchSizeSearch, OutOfMemory, Outcome, SearchReport, SimAllocation, SimulatedDevice,
 };
@@ -290,6 +290,48 @@ fn run(workload: Workload, start: usize, policy: &str) -> Row {
     }
 }
 
+/// The tuner on `workload`: with the device's figures, or without (no release backend, errors
+/// that carry no figures, a device that frees at once). Returns the size, trials and failures.
+fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
+    let attempt_number = AtomicU64::new(0);
+    let device = if figures {
+        workload.device()
+    } else {
+        let plain = SimulatedDevice::new(DEVICE);
+        if workload == Workload::Rounded {
+            plain.with_block_size(2 * MIB)
+        } else {
+            plain
+        }
+    };
+    let mut tuner = Tuner::new();
+    tuner = if figures {
+        tuner.with_release(device.clone())
+    } else {
+        tuner.with_release(batch_size_runtime::Release::none())
+    };
+    let tuned = tuner.run(|size| -> anyhow::Result<()> {
+        let n = attempt_number.fetch_add(1, Ordering::Relaxed);
+        match workload.step(&device, size as u64, noise(n)) {
+            Ok(()) => Ok(()),
+            Err(_) if !figures => Err(OutOfMemory::new().into()),
+            Err(error) => Err(error.into()),
+        }
+    });
+    match tuned {
+        Ok(tuned) => (
+            tuned.batch_size(),
+            tuned.report().len(),
+            tuned.report().out_of_memory_count(),
+        ),
+        Err(none_fit) => (
+            0,
+            none_fit.report().len(),
+            none_fit.report().out_of_memory_count(),
+        ),
+    }
+}
+
 fn main() {
     let policies = ["halving", "x0.9", "binsearch", "power", "guided"];
     let mut totals: Vec<(f64, f64, usize, usize, usize)> =
@@ -338,6 +380,62 @@ fn main() {
             }
         }
     }
+    // The tuner against Lightning's binsearch, once a workload (they start small).
+    println!();
+    println!(
+        "| workload | fits | tuner with figures | tuner without figures | Lightning binsearch |"
+    );
+    println!("|---|---|---|---|---|");
+    let mut tuner_totals = [(0.0f64, f64::INFINITY, 0usize); 3];
+    let mut workloads = 0usize;
+    for workload in Workload::ALL {
+        let fit = workload.largest_fit();
+        let with = tune(workload, true);
+        let without = tune(workload, false);
+        let lightning = run(workload, 2, "binsearch");
+        let cells = [
+            (with.0, with.1, with.2),
+            (without.0, without.1, without.2),
+            (lightning.found, lightning.attempts, lightning.failures),
+        ];
+        let shown: Vec<String> = cells
+            .iter()
+            .map(|(found, trials, failures)| {
+                format!(
+                    "{found} ({:.3}) in {trials} trials, {failures} OOM",
+                    *found as f64 / fit as f64
+                )
+            })
+            .collect();
+        println!(
+            "| {} | {fit} | {} | {} | {} |",
+            workload.name(),
+            shown[0],
+            shown[1],
+            shown[2]
+        );
+        for (total, (found, trials, _)) in tuner_totals.iter_mut().zip(cells) {
+            let utilisation = found as f64 / fit as f64;
+            total.0 += utilisation;
+            total.1 = total.1.min(utilisation);
+            total.2 += trials;
+        }
+        workloads += 1;
+    }
+    println!();
+    println!("| tuner | mean utilisation | worst | mean trials |");
+    println!("|---|---|---|---|");
+    for (name, (sum, worst, trials)) in ["with figures", "without figures", "Lightning binsearch"]
+        .iter()
+        .zip(tuner_totals)
+    {
+        println!(
+            "| {name} | {:.3} | {worst:.3} | {:.2} |",
+            sum / workloads as f64,
+            trials as f64 / workloads as f64
+        );
+    }
+
     println!();
     println!("| policy | mean utilisation | worst | mean attempts | mean OOM failures |");
     println!("|---|---|---|---|---|");

@@ -226,7 +226,7 @@ pub use engine::{BatchSizeSearch, Search};
 pub use error::{NoExecutableBatchSize, OutOfMemory, StopReason};
 pub use memory::{MemoryBackend, Release};
 pub use plan::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
-pub use policy::{Decision, SizePolicy};
+pub use policy::{Decision, SizePolicy, Tuned, Tuner};
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use reduce::{FailedAttempt, Reduction};
 pub use simulated::{SimAllocation, SimulatedDevice};
