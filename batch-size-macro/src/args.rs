@@ -6,7 +6,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
-const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `release`, `when`, `notify`, `on_report`, `crate`";
+const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `cache`, `cache_dir`, `release`, `when`, `notify`, `on_report`, `crate`";
 
 /// The arguments, each with the span of its key for later errors.
 #[derive(Default)]
@@ -20,6 +20,8 @@ pub(crate) struct Args {
     pub(crate) policy: Option<Expr>,
     pub(crate) margin: Option<Expr>,
     pub(crate) effective: Option<Expr>,
+    pub(crate) cache: Option<Expr>,
+    pub(crate) cache_dir: Option<Expr>,
     pub(crate) when: Option<Expr>,
     pub(crate) notify: Option<Expr>,
     pub(crate) on_report: Option<Expr>,
@@ -36,6 +38,8 @@ mod kw {
     syn::custom_keyword!(policy);
     syn::custom_keyword!(margin);
     syn::custom_keyword!(effective);
+    syn::custom_keyword!(cache);
+    syn::custom_keyword!(cache_dir);
     syn::custom_keyword!(when);
     syn::custom_keyword!(notify);
     syn::custom_keyword!(on_report);
@@ -134,6 +138,14 @@ impl Parse for Args {
                 let expr = value(input, "effective", key_span)?;
                 reject_zero_or_negative(&expr, "effective")?;
                 set(&mut args.effective, expr, "effective", key_span)?;
+            } else if lookahead.peek(kw::cache_dir) {
+                input.parse::<kw::cache_dir>()?;
+                let expr = value(input, "cache_dir", key_span)?;
+                set(&mut args.cache_dir, expr, "cache_dir", key_span)?;
+            } else if lookahead.peek(kw::cache) {
+                input.parse::<kw::cache>()?;
+                let expr = value(input, "cache", key_span)?;
+                set(&mut args.cache, expr, "cache", key_span)?;
             } else if lookahead.peek(kw::when) {
                 input.parse::<kw::when>()?;
                 let expr = value(input, "when", key_span)?;
@@ -189,8 +201,10 @@ impl Parse for Args {
     }
 }
 
-const KEYS: [&str; 13] = [
+const KEYS: [&str; 15] = [
     "starting",
+    "cache",
+    "cache_dir",
     "effective",
     "min",
     "factor",

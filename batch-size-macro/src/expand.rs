@@ -174,6 +174,19 @@ fn idents_in(tokens: &TokenStream) -> HashSet<String> {
                     found.insert(ident.to_string());
                 }
                 proc_macro2::TokenTree::Group(group) => stack.push(group.stream()),
+                // `format!("{key}")` names `key` inside a string.
+                proc_macro2::TokenTree::Literal(literal) => {
+                    let text = literal.to_string();
+                    for part in text.split('{').skip(1) {
+                        let name: String = part
+                            .chars()
+                            .take_while(|c| c.is_alphanumeric() || *c == '_')
+                            .collect();
+                        if !name.is_empty() {
+                            found.insert(name);
+                        }
+                    }
+                }
                 _ => {}
             }
         }
@@ -381,6 +394,8 @@ fn search_builder(
         ("when", &args.when),
         ("notify", &args.notify),
         ("on_report", &args.on_report),
+        ("with_cache", &args.cache),
+        ("with_cache_dir", &args.cache_dir),
     ];
     for (method, argument) in methods {
         if let Some(argument) = argument {

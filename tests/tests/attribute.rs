@@ -468,3 +468,21 @@ fn the_attribute_keeps_the_effective_batch_with_a_plan() {
     );
     assert_eq!(seen[0], (64, 2)); // the first micro size, two micro-batches
 }
+
+#[find_executable_batch_size(starting = 128, cache = format!("attribute cache {key}"))]
+fn cached(batch_size: usize, key: u32) -> anyhow::Result<usize> {
+    if batch_size > 50 {
+        return Err(OutOfMemory::new().into());
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn the_attribute_caches_what_fit() {
+    assert_eq!(cached(1).unwrap(), 32);
+    assert_eq!(batch_size_runtime::last_report().unwrap().len(), 3);
+    assert_eq!(cached(1).unwrap(), 32);
+    assert_eq!(batch_size_runtime::last_report().unwrap().len(), 1);
+    assert_eq!(cached(2).unwrap(), 32); // another key
+    assert_eq!(batch_size_runtime::last_report().unwrap().len(), 3);
+}

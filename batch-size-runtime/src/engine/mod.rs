@@ -21,7 +21,9 @@
 
 use std::error::Error;
 use std::future::Future;
+use std::path::PathBuf;
 
+use crate::cache::CacheSettings;
 use crate::dispatch;
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
@@ -78,6 +80,7 @@ pub struct BatchSizeSearch<'r> {
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) routine: bool,
+    pub(crate) cache: Option<CacheSettings>,
 }
 
 impl<'r> BatchSizeSearch<'r> {
@@ -102,6 +105,7 @@ impl<'r> BatchSizeSearch<'r> {
             invalid: None,
             hooks: None,
             routine: false,
+            cache: None,
         }
     }
 
@@ -258,6 +262,59 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
         self.policy = ActivePolicy::Guided(Guided::new().with_margin(margin));
+        self
+    }
+
+    /// Remembers the size that fit under `key` (with the function's path, `starting` and the
+    /// device's name and total memory), and starts the next search with the same key there: a
+    /// rerun makes one attempt. See [`cache`](crate::cache).
+    ///
+    /// ```
+    /// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    ///
+    /// for _ in 0..2 {
+    ///     let fitted: anyhow::Result<usize> = BatchSizeSearch::new(64)
+    ///         .with_cache("with_cache doc")
+    ///         .run_dyn(|batch_size| {
+    ///             if batch_size > 20 { Err(OutOfMemory::new())? }
+    ///             Ok(batch_size)
+    ///         });
+    ///     assert_eq!(fitted?, 16);
+    /// }
+    /// assert_eq!(last_report().unwrap().len(), 1);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_cache(mut self, key: impl Into<String>) -> Self {
+        let dir = self.cache.take().and_then(|cache| cache.dir);
+        self.cache = Some(CacheSettings {
+            key: key.into(),
+            dir,
+        });
+        self
+    }
+
+    /// Keeps the cache's entries in `dir` too, one JSON file each, so that the next run of the
+    /// program starts from them (default: `BATCH_SIZE_CACHE_DIR`, else in this process only).
+    /// Has effect with [`with_cache`](Self::with_cache).
+    ///
+    /// ```
+    /// use batch_size_runtime::BatchSizeSearch;
+    ///
+    /// let dir = std::env::temp_dir().join("batch-size-doc-cache");
+    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(8)
+    ///     .with_cache("with_cache_dir doc")
+    ///     .with_cache_dir(&dir)
+    ///     .run_dyn(Ok);
+    /// assert_eq!(fitted?, 8);
+    /// assert!(std::fs::read_dir(&dir)?.count() >= 1);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        let key = self.cache.take().map(|cache| cache.key).unwrap_or_default();
+        self.cache = Some(CacheSettings {
+            key,
+            dir: Some(dir.into()),
+        });
         self
     }
 

@@ -7,6 +7,7 @@ use std::fmt;
 use std::time::Instant;
 
 use super::{ActivePolicy, BatchSizeSearch, Hooks};
+use crate::cache::Cached;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::kept::KeptError;
 use crate::memory::{Bytes, MemorySnapshot, Release};
@@ -100,8 +101,16 @@ impl<'r> Search<'r> {
             invalid,
             hooks,
             routine,
+            cache,
         } = config;
-        let mut policy = policy;
+        let release = release.unwrap_or_default();
+        let mut policy = match cache {
+            // Without a key the settings hold only a folder: nothing is cached.
+            Some(settings) if !settings.key.is_empty() => ActivePolicy::Custom(Box::new(
+                Cached::new(policy, settings, label, starting, &release),
+            )),
+            _ => policy,
+        };
         let next = if let Some(why) = invalid {
             Next::Stop(StopReason::InvalidConfiguration(why))
         } else if starting == 0 {
@@ -127,7 +136,7 @@ impl<'r> Search<'r> {
             min,
             max_attempts,
             label,
-            release: release.unwrap_or_default(),
+            release,
             next,
             running: None,
             report: SearchReport::default(),

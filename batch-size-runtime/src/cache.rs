@@ -1,0 +1,278 @@
+//! Remembering what fit, so that a rerun does not fail again: off by default, on with a key you
+//! choose (`with_cache(key)`, `cache = KEY`).
+//!
+//! The entry's key joins your key with the function's path, the `starting` value, and the
+//! device's name and total memory (from the release backend): stable across runs, unlike a call
+//! stack or the free memory. In the process it is always kept; on disk when a folder is named
+//! (`with_cache_dir`, `cache_dir = ...`, or the `BATCH_SIZE_CACHE_DIR` environment variable),
+//! one JSON file an entry, written atomically (a temporary file, then a rename), so several
+//! processes may share the folder.
+//!
+//! An entry keeps the size that fit, the smallest size that failed, and the free memory when it
+//! was written. A later search starts at the size that fit (one attempt when it still fits);
+//! if that runs out of memory the search goes on downward and the entry is updated. When the
+//! device has at least 10 % more free memory than when the entry was written, the search starts
+//! again from `starting`, so that a size that failed then may fit now.
+//!
+//! A missing file is a first run. A corrupt, truncated or unreadable file, or a folder that
+//! cannot be written, gives one WARN and is ignored: the cache never fails a search.
+//!
+//! ```
+//! use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+//!
+//! let train = || -> anyhow::Result<usize> {
+//!     BatchSizeSearch::new(256)
+//!         .with_cache("doc-example")
+//!         .run_dyn(|batch_size| {
+//!             if batch_size > 100 { Err(OutOfMemory::new())? }
+//!             Ok(batch_size)
+//!         })
+//! };
+//! assert_eq!(train()?, 64);
+//! assert_eq!(last_report().unwrap().len(), 3); // 256, 128, 64
+//! assert_eq!(train()?, 64);
+//! assert_eq!(last_report().unwrap().len(), 1); // from the cache: one attempt
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::ActivePolicy;
+use crate::memory::Release;
+use crate::policy::{Decision, SizePolicy};
+use crate::record::SearchReport;
+
+/// The environment variable that names the cache's folder when none is given.
+pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";
+
+/// What is remembered of one search.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheEntry {
+    /// The whole key (also the check that the file is this entry's).
+    pub key: String,
+    /// The size that fit last.
+    pub fits: usize,
+    /// The smallest size that ran out of memory, if one did.
+    pub failed_at: Option<usize>,
+    /// Free bytes on the device when the entry was written (0 where unknown).
+    pub free_when_written: u64,
+}
+
+static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
+
+/// Forgets the entries kept in this process (the files on disk stay).
+///
+/// ```
+/// batch_size_runtime::cache::clear_process_cache();
+/// ```
+pub fn clear_process_cache() {
+    let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
+    *entries = None;
+}
+
+/// Where a search's entry lives.
+#[derive(Debug, Clone)]
+pub(crate) struct CacheSettings {
+    pub(crate) key: String,
+    pub(crate) dir: Option<PathBuf>,
+}
+
+/// One search's view of the cache: its key, its entry, the device's free memory now.
+pub(crate) struct Cached<'r> {
+    inner: ActivePolicy<'r>,
+    key: String,
+    file: Option<PathBuf>,
+    entry: Option<CacheEntry>,
+    free_now: u64,
+    label: &'static str,
+}
+
+impl fmt::Debug for Cached<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cached")
+            .field("key", &self.key)
+            .field("entry", &self.entry)
+            .finish_non_exhaustive()
+    }
+}
+
+/// FNV-1a: a stable file name for a key (not for security).
+fn file_name(key: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in key.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("batch-size-{hash:016x}.json")
+}
+
+fn read_entry(file: &Path, key: &str) -> Option<CacheEntry> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(error) => {
+            tracing::warn!(file = %file.display(), %error, "the batch size cache could not be read; it is ignored");
+            return None;
+        }
+    };
+    match serde_json::from_str::<CacheEntry>(&text) {
+        Ok(entry) if entry.key == key => Some(entry),
+        Ok(_) => None, // another key with the same file name
+        Err(error) => {
+            tracing::warn!(file = %file.display(), %error, "the batch size cache is not a valid entry; it is ignored");
+            None
+        }
+    }
+}
+
+fn write_entry(file: &Path, entry: &CacheEntry) {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let Some(dir) = file.parent() else {
+        return;
+    };
+    let result = (|| -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let text = serde_json::to_string_pretty(entry).map_err(std::io::Error::other)?;
+        // Written whole under a name of this process's own, then renamed over the entry: a
+        // reader sees the old entry or the new one, never half of one.
+        let temporary = dir.join(format!(
+            ".{}.{}.{}.tmp",
+            file.file_name()
+                .map_or_else(Default::default, |name| name.to_string_lossy()),
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&temporary, text)?;
+        std::fs::rename(&temporary, file).inspect_err(|_| {
+            let _ = std::fs::remove_file(&temporary);
+        })
+    })();
+    if let Err(error) = result {
+        tracing::warn!(file = %file.display(), %error, "the batch size cache could not be written; the search's result is kept in this process only");
+    }
+}
+
+impl<'r> Cached<'r> {
+    /// The cache for a search of `label` from `starting`, over the device `release` reads.
+    pub(crate) fn new(
+        inner: ActivePolicy<'r>,
+        settings: CacheSettings,
+        label: &'static str,
+        starting: usize,
+        release: &Release,
+    ) -> Self {
+        let memory = release.memory_backend().memory();
+        let (device, total) = memory
+            .devices
+            .first()
+            .map_or(("none".to_owned(), 0), |device| {
+                (device.device.clone(), device.total)
+            });
+        let key = format!(
+            "{} | {label} | starting {starting} | {device} with {total} bytes",
+            settings.key
+        );
+        let dir = settings
+            .dir
+            .or_else(|| std::env::var_os(CACHE_DIR_VARIABLE).map(PathBuf::from));
+        let file = dir.map(|dir| dir.join(file_name(&key)));
+        let entry = {
+            let entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
+            entries
+                .as_ref()
+                .and_then(|entries| entries.get(&key).cloned())
+        }
+        .or_else(|| file.as_deref().and_then(|file| read_entry(file, &key)));
+        Cached {
+            inner,
+            key,
+            file,
+            entry,
+            free_now: memory.free(),
+            label,
+        }
+    }
+
+    /// Whether the device has clearly more room than when the entry was written.
+    fn more_room(&self, entry: &CacheEntry) -> bool {
+        entry.free_when_written > 0 && self.free_now as f64 >= entry.free_when_written as f64 * 1.1
+    }
+
+    fn remember(&mut self, history: &SearchReport) {
+        let Some(fits) = history.batch_size() else {
+            return;
+        };
+        let earlier_failure = self
+            .entry
+            .as_ref()
+            .filter(|entry| !self.more_room(entry))
+            .and_then(|entry| entry.failed_at);
+        let failed_at = match (history.smallest_out_of_memory(), earlier_failure) {
+            (Some(now), Some(before)) => Some(now.min(before)),
+            (now, before) => now.or(before),
+        }
+        .filter(|&failed| failed > fits);
+        let entry = CacheEntry {
+            key: self.key.clone(),
+            fits,
+            failed_at,
+            free_when_written: self.free_now,
+        };
+        if self.entry.as_ref() == Some(&entry) {
+            return;
+        }
+        {
+            let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
+            entries
+                .get_or_insert_with(HashMap::new)
+                .insert(self.key.clone(), entry.clone());
+        }
+        if let Some(file) = &self.file {
+            write_entry(file, &entry);
+        }
+        tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
+    }
+}
+
+impl SizePolicy for Cached<'_> {
+    fn first(&mut self, starting: usize) -> Decision {
+        match &self.entry {
+            Some(entry) if !self.more_room(entry) && entry.fits <= starting => {
+                tracing::info!(
+                    function = self.label,
+                    batch_size = entry.fits,
+                    "starting from the cached size"
+                );
+                Decision::Try(entry.fits)
+            }
+            _ => self.inner.first(starting),
+        }
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let success = history.last().is_some_and(|last| last.outcome.is_success());
+        let decision = if success && self.inner.is_shrinking() {
+            Decision::Accept
+        } else {
+            self.inner.after(history)
+        };
+        if decision == Decision::Accept {
+            self.remember(history);
+        }
+        decision
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.inner.check()
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.inner.rationale()
+    }
+}

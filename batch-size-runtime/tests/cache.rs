@@ -1,0 +1,197 @@
+//! The cache of sizes that fit: a rerun makes one attempt; a cached size that fails goes on
+//! downward; more room starts again from `starting`; bad files and folders never fail a search;
+//! two processes can write one folder.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use batch_size_runtime::cache::{clear_process_cache, CacheEntry};
+use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory, SimulatedDevice};
+
+fn folder(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "batch-size-cache-test-{}-{name}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// One search of `key` that fits up to `fits`, caching in `dir`. Returns the size and attempts.
+fn search(key: &str, dir: Option<&Path>, fits: usize) -> (usize, usize) {
+    let mut search = BatchSizeSearch::new(256).with_cache(key);
+    if let Some(dir) = dir {
+        search = search.with_cache_dir(dir);
+    }
+    let found = search
+        .run_dyn(|size| -> anyhow::Result<usize> {
+            if size > fits {
+                Err(OutOfMemory::new())?;
+            }
+            Ok(size)
+        })
+        .unwrap();
+    (found, last_report().unwrap().len())
+}
+
+fn entries(dir: &Path) -> Vec<CacheEntry> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|file| {
+            let path = file.ok()?.path();
+            (path.extension()? == "json")
+                .then(|| serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn a_rerun_makes_one_attempt_in_the_process_and_from_disk() {
+    assert_eq!(search("rerun in process", None, 100), (64, 3));
+    assert_eq!(search("rerun in process", None, 100), (64, 1));
+
+    let dir = folder("rerun");
+    assert_eq!(search("rerun on disk", Some(&dir), 100), (64, 3));
+    let written = entries(&dir);
+    assert_eq!(written.len(), 1);
+    assert_eq!((written[0].fits, written[0].failed_at), (64, Some(128)));
+    // A new process: nothing in memory, the file is read.
+    clear_process_cache();
+    assert_eq!(search("rerun on disk", Some(&dir), 100), (64, 1));
+    // Another key, another entry.
+    assert_eq!(search("another key", Some(&dir), 100), (64, 3));
+    assert_eq!(entries(&dir).len(), 2);
+}
+
+#[test]
+fn a_cached_size_that_fails_goes_on_downward_and_updates_the_entry() {
+    let dir = folder("downward");
+    assert_eq!(search("downward", Some(&dir), 100), (64, 3));
+    // Less room now: 64 fails, the search goes on from there.
+    assert_eq!(search("downward", Some(&dir), 40), (32, 2));
+    let written = entries(&dir);
+    assert_eq!((written[0].fits, written[0].failed_at), (32, Some(64)));
+    assert_eq!(search("downward", Some(&dir), 40), (32, 1));
+}
+
+#[test]
+fn more_room_than_when_written_starts_again_from_starting() {
+    let device = SimulatedDevice::new(1 << 30);
+    let run = |device: &SimulatedDevice| {
+        let found = BatchSizeSearch::new(64)
+            .with_cache("room")
+            .with_release(device.clone())
+            .run_dyn(|size| -> anyhow::Result<usize> {
+                let _activations = device.alloc(size as u64 * (16 << 20))?; // 16 MiB a sample
+                Ok(size)
+            })
+            .unwrap();
+        (found, last_report().unwrap().len())
+    };
+    // Another process holds half the device at first.
+    let held = device.alloc(512 << 20).unwrap();
+    let (first, _) = run(&device);
+    assert!(first <= 32);
+    assert_eq!(run(&device), (first, 1));
+    drop(held);
+    // Twice the room: the search starts from 64 again, and 64 fits.
+    assert_eq!(run(&device), (64, 1));
+}
+
+#[test]
+fn bad_files_and_folders_never_fail_a_search() {
+    // Corrupt, truncated, a folder where the file should be (unreadable), an entry of another
+    // key: each ignored, the search runs whole and still finds its size.
+    let dir = folder("bad");
+    assert_eq!(search("bad file", Some(&dir), 100), (64, 3));
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let good = std::fs::read_to_string(&file).unwrap();
+    for broken in [
+        "{ not json",
+        &good[..good.len() / 2],
+        "{\"key\": \"another\", \"fits\": 8, \"failed_at\": null, \"free_when_written\": 0}",
+    ] {
+        std::fs::write(&file, broken).unwrap();
+        clear_process_cache();
+        assert_eq!(search("bad file", Some(&dir), 100), (64, 3), "{broken}");
+    }
+    std::fs::remove_file(&file).unwrap();
+    std::fs::create_dir(&file).unwrap();
+    clear_process_cache();
+    assert_eq!(search("bad file", Some(&dir), 100), (64, 3));
+
+    // A folder that cannot be created (a file stands in its way): the search still succeeds,
+    // and the process keeps the entry.
+    let blocked = folder("blocked");
+    std::fs::write(&blocked, "a file, not a folder").unwrap();
+    assert_eq!(
+        search("blocked", Some(&blocked.join("cache")), 100),
+        (64, 3)
+    );
+    assert_eq!(
+        search("blocked", Some(&blocked.join("cache")), 100),
+        (64, 1)
+    );
+}
+
+#[test]
+fn the_environment_names_the_folder() {
+    let dir = folder("environment");
+    // Only this test reads the variable through a search without a folder of its own.
+    std::env::set_var("BATCH_SIZE_CACHE_DIR", &dir);
+    let found = search("from the environment", None, 50);
+    std::env::remove_var("BATCH_SIZE_CACHE_DIR");
+    assert_eq!(found, (32, 4));
+    // Other tests running at the same time may write there too: look for this one's entry.
+    assert!(entries(&dir)
+        .iter()
+        .any(|entry| entry.key.starts_with("from the environment") && entry.fits == 32));
+}
+
+/// In a child process (see below): searches that all write one entry in the folder.
+#[test]
+fn writer_child() {
+    let Ok(dir) = std::env::var("BATCH_SIZE_TEST_WRITER_DIR") else {
+        return; // run as an ordinary test: nothing to do
+    };
+    for round in 0..50 {
+        clear_process_cache();
+        let fits = if round % 2 == 0 { 100 } else { 40 };
+        let _ = search("shared", Some(Path::new(&dir)), fits);
+    }
+}
+
+#[test]
+fn two_processes_write_one_folder() {
+    let dir = folder("shared");
+    std::fs::create_dir_all(&dir).unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["writer_child", "--exact", "--quiet"])
+                .env("BATCH_SIZE_TEST_WRITER_DIR", &dir)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        assert!(child.wait().unwrap().success());
+    }
+    // One entry, whole and valid, and no temporary file left behind.
+    let written = entries(&dir);
+    assert_eq!(written.len(), 1);
+    assert!([32, 64].contains(&written[0].fits), "{:?}", written[0]);
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|file| file.ok())
+        .filter(|file| file.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
