@@ -332,6 +332,38 @@ fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
     }
 }
 
+/// The attempts of a second search (or tuning) with the cache on, after a first one.
+fn cached_rerun(workload: Workload, tuner: bool) -> usize {
+    let key = format!("bench {}", workload.name());
+    let mut attempts = 0;
+    for _ in 0..2 {
+        let device = workload.device();
+        let attempt_number = AtomicU64::new(0);
+        let step = |size: usize| -> anyhow::Result<usize> {
+            let n = attempt_number.fetch_add(1, Ordering::Relaxed);
+            workload.step(&device, size as u64, noise(n))?;
+            Ok(size)
+        };
+        attempts = if tuner {
+            match Tuner::new()
+                .with_release(device.clone())
+                .with_cache(key.clone())
+                .run(step)
+            {
+                Ok(tuned) => tuned.report().len(),
+                Err(none_fit) => none_fit.report().len(),
+            }
+        } else {
+            let (_, report) = BatchSizeSearch::new(512)
+                .with_release(device.clone())
+                .with_cache(key.clone())
+                .run_with_report(step);
+            report.len()
+        };
+    }
+    attempts
+}
+
 fn main() {
     let policies = ["halving", "x0.9", "binsearch", "power", "guided"];
     let mut totals: Vec<(f64, f64, usize, usize, usize)> =
@@ -383,9 +415,9 @@ fn main() {
     // The tuner against Lightning's binsearch, once a workload (they start small).
     println!();
     println!(
-        "| workload | fits | tuner with figures | tuner without figures | Lightning binsearch |"
+        "| workload | fits | tuner with figures | tuner without figures | Lightning binsearch | rerun with the cache (guided / tuner) |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     let mut tuner_totals = [(0.0f64, f64::INFINITY, 0usize); 3];
     let mut workloads = 0usize;
     for workload in Workload::ALL {
@@ -407,12 +439,15 @@ fn main() {
                 )
             })
             .collect();
+        let reruns = (cached_rerun(workload, false), cached_rerun(workload, true));
         println!(
-            "| {} | {fit} | {} | {} | {} |",
+            "| {} | {fit} | {} | {} | {} | {} / {} attempt(s) |",
             workload.name(),
             shown[0],
             shown[1],
-            shown[2]
+            shown[2],
+            reruns.0,
+            reruns.1
         );
         for (total, (found, trials, _)) in tuner_totals.iter_mut().zip(cells) {
             let utilisation = found as f64 / fit as f64;

@@ -91,6 +91,8 @@ pub(crate) struct Cached<'r> {
     entry: Option<CacheEntry>,
     free_now: u64,
     label: &'static str,
+    /// The first attempt is the cached size.
+    from_cache: bool,
 }
 
 impl fmt::Debug for Cached<'_> {
@@ -196,6 +198,7 @@ impl<'r> Cached<'r> {
             entry,
             free_now: memory.free(),
             label,
+            from_cache: false,
         }
     }
 
@@ -243,12 +246,13 @@ impl<'r> Cached<'r> {
 impl SizePolicy for Cached<'_> {
     fn first(&mut self, starting: usize) -> Decision {
         match &self.entry {
-            Some(entry) if !self.more_room(entry) && entry.fits <= starting => {
+            Some(entry) if !self.more_room(entry) => {
                 tracing::info!(
                     function = self.label,
                     batch_size = entry.fits,
                     "starting from the cached size"
                 );
+                self.from_cache = true;
                 Decision::Try(entry.fits)
             }
             _ => self.inner.first(starting),
@@ -257,7 +261,10 @@ impl SizePolicy for Cached<'_> {
 
     fn after(&mut self, history: &SearchReport) -> Decision {
         let success = history.last().is_some_and(|last| last.outcome.is_success());
-        let decision = if success && self.inner.is_shrinking() {
+        // The cached size ran: that is the answer, whatever the policy would explore (a tuner
+        // reruns in one trial).
+        let cached_and_ran = success && self.from_cache && history.len() == 1;
+        let decision = if success && (self.inner.is_shrinking() || cached_and_ran) {
             Decision::Accept
         } else {
             self.inner.after(history)
@@ -270,6 +277,14 @@ impl SizePolicy for Cached<'_> {
 
     fn check(&self) -> Result<(), String> {
         self.inner.check()
+    }
+
+    fn reads_memory_after_success(&self) -> bool {
+        self.inner.reads_memory_after_success()
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history);
     }
 
     fn rationale(&self) -> Option<String> {

@@ -25,7 +25,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 ///
 /// # Default
 /// `min` 1, no `max`, `margin` 0.05 (as Lightning's), `max_trials` 25, release
-/// [`Release::cuda()`].
+/// [`Release::cuda()`], no cache.
 ///
 /// ```
 /// use batch_size_runtime::{SimulatedDevice, Tuner};
@@ -51,6 +51,7 @@ pub struct Tuner {
     margin: f64,
     max_trials: usize,
     release: Option<Release>,
+    cache: Option<(String, Option<std::path::PathBuf>)>,
 }
 
 /// What a [`Tuner`] found.
@@ -123,7 +124,43 @@ impl Tuner {
             margin: 0.05,
             max_trials: 25,
             release: None,
+            cache: None,
         }
+    }
+
+    /// Remembers the tuned size under `key` (see [`cache`](crate::cache)): a rerun with the
+    /// same key, function and device runs that size once and returns it.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{OutOfMemory, Tuner};
+    /// let tune = || Tuner::new().with_cache("tuner doc").run(|size| -> anyhow::Result<()> {
+    ///     if size > 300 { Err(OutOfMemory::new())? }
+    ///     Ok(())
+    /// });
+    /// let first = tune()?;
+    /// let again = tune()?;
+    /// assert_eq!(again.batch_size(), first.batch_size());
+    /// assert_eq!(again.report().len(), 1);
+    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// ```
+    pub fn with_cache(mut self, key: impl Into<String>) -> Self {
+        let dir = self.cache.take().and_then(|(_, dir)| dir);
+        self.cache = Some((key.into(), dir));
+        self
+    }
+
+    /// Keeps the cache's entries in `dir` too (see
+    /// [`BatchSizeSearch::with_cache_dir`]).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Tuner;
+    /// let tuner = Tuner::new().with_cache("key").with_cache_dir(std::env::temp_dir().join("tuned"));
+    /// # let _ = tuner;
+    /// ```
+    pub fn with_cache_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        let key = self.cache.take().map(|(key, _)| key).unwrap_or_default();
+        self.cache = Some((key, Some(dir.into())));
+        self
     }
 
     /// The largest size tried (and returned), exactly.
@@ -230,6 +267,12 @@ impl Tuner {
         }
         if let Some(release) = self.release {
             search = search.with_release(release);
+        }
+        if let Some((key, dir)) = self.cache {
+            search = search.with_cache(key);
+            if let Some(dir) = dir {
+                search = search.with_cache_dir(dir);
+            }
         }
         let (result, report) = search.run_with_report(|size| -> Result<(), TrialError> {
             trial(size)
