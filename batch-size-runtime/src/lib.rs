@@ -203,6 +203,7 @@
 #[doc(inline)]
 pub use batch_size_macro::find_executable_batch_size;
 
+pub mod agree;
 pub mod cache;
 pub mod chunked;
 mod dispatch;
