@@ -191,12 +191,24 @@ impl<'r> Cached<'r> {
                 .and_then(|entries| entries.get(&key).cloned())
         }
         .or_else(|| file.as_deref().and_then(|file| read_entry(file, &key)));
+        let mut free_now = memory.free();
+        if entry.is_some() {
+            // The cached size was measured on a device with nothing held for this search: give
+            // back what a pool kept from the last search (a tuning just before, say) so that the
+            // size that ran then runs now.
+            match release.release() {
+                Ok(()) => free_now = release.memory_backend().memory().free(),
+                Err(error) => {
+                    tracing::warn!(%error, "could not release device memory before the cached size")
+                }
+            }
+        }
         Cached {
             inner,
             key,
             file,
             entry,
-            free_now: memory.free(),
+            free_now,
             label,
             from_cache: false,
         }

@@ -195,3 +195,29 @@ fn two_processes_write_one_folder() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn a_cached_size_runs_again_after_a_search_that_left_memory_in_the_pool() {
+    // A caching device keeps what the last trial freed until released: the rerun starts from an
+    // empty pool all the same.
+    let device = SimulatedDevice::new(1 << 30).with_caching();
+    let tune = || {
+        batch_size_runtime::Tuner::new()
+            .with_release(device.clone())
+            .with_cache("pool kept")
+            .run(|size| -> anyhow::Result<()> {
+                let _activations = device.alloc(size as u64 * (8 << 20))?;
+                Ok(())
+            })
+            .unwrap()
+    };
+    let first = tune();
+    assert!(
+        device.cached() > 0,
+        "the last trial's memory is kept in the pool"
+    );
+    let again = tune();
+    assert_eq!(again.batch_size(), first.batch_size());
+    assert_eq!(again.report().len(), 1);
+    assert!(again.report().last().unwrap().outcome.is_success());
+}
