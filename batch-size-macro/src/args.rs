@@ -1,12 +1,12 @@
 //! Parsing the attribute's arguments: `starting = EXPR, min = EXPR,
 //! factor = FLOAT | reduce = EXPR | policy = EXPR, max_attempts = EXPR, release = EXPR,
-//! when = EXPR, notify = EXPR, on_report = EXPR, crate = PATH`.
+//! when = EXPR, notify = EXPR, on_report = EXPR, agree = EXPR, crate = PATH`.
 
 use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
-const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `cache`, `cache_dir`, `release`, `when`, `notify`, `on_report`, `crate`";
+const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `cache`, `cache_dir`, `release`, `when`, `notify`, `on_report`, `agree`, `crate`";
 
 /// The arguments, each with the span of its key for later errors.
 #[derive(Default)]
@@ -25,6 +25,7 @@ pub(crate) struct Args {
     pub(crate) when: Option<Expr>,
     pub(crate) notify: Option<Expr>,
     pub(crate) on_report: Option<Expr>,
+    pub(crate) agree: Option<Expr>,
     pub(crate) krate: Option<Path>,
 }
 
@@ -43,6 +44,7 @@ mod kw {
     syn::custom_keyword!(when);
     syn::custom_keyword!(notify);
     syn::custom_keyword!(on_report);
+    syn::custom_keyword!(agree);
 }
 
 fn set<T>(slot: &mut Option<T>, value: T, key: &str, span: Span) -> syn::Result<()> {
@@ -158,6 +160,10 @@ impl Parse for Args {
                 input.parse::<kw::on_report>()?;
                 let expr = value(input, "on_report", key_span)?;
                 set(&mut args.on_report, expr, "on_report", key_span)?;
+            } else if lookahead.peek(kw::agree) {
+                input.parse::<kw::agree>()?;
+                let expr = value(input, "agree", key_span)?;
+                set(&mut args.agree, expr, "agree", key_span)?;
             } else if lookahead.peek(kw::max_attempts) {
                 input.parse::<kw::max_attempts>()?;
                 let expr = value(input, "max_attempts", key_span)?;
@@ -201,7 +207,7 @@ impl Parse for Args {
     }
 }
 
-const KEYS: [&str; 15] = [
+const KEYS: [&str; 16] = [
     "starting",
     "cache",
     "cache_dir",
@@ -216,6 +222,7 @@ const KEYS: [&str; 15] = [
     "when",
     "notify",
     "on_report",
+    "agree",
     "crate",
 ];
 

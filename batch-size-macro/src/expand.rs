@@ -394,6 +394,7 @@ fn search_builder(
         ("when", &args.when),
         ("notify", &args.notify),
         ("on_report", &args.on_report),
+        ("with_agreement", &args.agree),
         ("with_cache", &args.cache),
         ("with_cache_dir", &args.cache_dir),
     ];

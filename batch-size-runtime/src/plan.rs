@@ -34,6 +34,7 @@
 use std::error::Error;
 use std::ops::Range;
 
+use crate::agree::Collective;
 use crate::engine::BatchSizeSearch;
 use crate::error::NoExecutableBatchSize;
 use crate::memory::Release;
@@ -195,6 +196,7 @@ pub struct EffectiveBatch<'r> {
     steps: usize,
     recoveries: Vec<Recovery>,
     last_report: SearchReport,
+    agreement: Option<Box<dyn Collective + 'r>>,
 }
 
 impl std::fmt::Debug for EffectiveBatch<'_> {
@@ -204,6 +206,7 @@ impl std::fmt::Debug for EffectiveBatch<'_> {
             .field("micro", &self.micro)
             .field("steps", &self.steps)
             .field("recoveries", &self.recoveries)
+            .field("agreement", &self.agreement)
             .finish_non_exhaustive()
     }
 }
@@ -229,6 +232,7 @@ impl<'r> EffectiveBatch<'r> {
             steps: 0,
             recoveries: Vec::new(),
             last_report: SearchReport::default(),
+            agreement: None,
         }
     }
 
@@ -342,6 +346,47 @@ impl<'r> EffectiveBatch<'r> {
         self
     }
 
+    /// Agrees with the other ranks of a data-parallel job on every step: if any rank runs out
+    /// of memory in a step, every rank redoes that step with the same smaller micro-batch, so
+    /// the ranks keep the same plan and step their optimizers together. Use it with
+    /// [`step_then`](Self::step_then), whose `apply` (the gradient all-reduce and the optimizer
+    /// step) runs only once every rank's micro-batches are done: the safe point. See
+    /// [`agree`](crate::agree).
+    ///
+    /// ```
+    /// use std::thread;
+    /// use batch_size_runtime::agree::{Collective, ReduceOp, ThreadRanks};
+    /// use batch_size_runtime::{EffectiveBatch, OutOfMemory};
+    ///
+    /// let ranks = ThreadRanks::new(2);
+    /// thread::scope(|scope| {
+    ///     for (rank, holds) in ranks.iter().zip([64, 16]) {
+    ///         scope.spawn(move || {
+    ///             let mut runner = EffectiveBatch::new(64).with_agreement(rank);
+    ///             for _ in 0..3 {
+    ///                 runner.step_then(
+    ///                     |plan| -> anyhow::Result<()> {
+    ///                         if plan.micro() > holds { Err(OutOfMemory::new())? }
+    ///                         Ok(()) // forward and backward of every micro-batch
+    ///                     },
+    ///                     |_plan, ()| {
+    ///                         let mut gradient = [1];
+    ///                         rank.all_reduce(&mut gradient, ReduceOp::Max)?; // both ranks here
+    ///                         Ok(())
+    ///                     },
+    ///                 )?;
+    ///             }
+    ///             assert!(runner.micro() <= 16); // the same plan on both ranks
+    ///             anyhow::Ok(())
+    ///         });
+    ///     }
+    /// });
+    /// ```
+    pub fn with_agreement(mut self, collective: impl Collective + 'r) -> Self {
+        self.agreement = Some(Box::new(collective));
+        self
+    }
+
     /// The plan the next step will try.
     ///
     /// ```
@@ -431,6 +476,9 @@ impl<'r> EffectiveBatch<'r> {
         if let Some(release) = &self.release {
             search = search.with_release(release.clone());
         }
+        if let Some(collective) = &self.agreement {
+            search = search.with_agreement(&**collective);
+        }
         match &mut self.shrink {
             Shrink::Guided(None) => search,
             Shrink::Guided(Some(margin)) => search.with_margin(*margin),
@@ -442,7 +490,9 @@ impl<'r> EffectiveBatch<'r> {
     /// Records how a step's search went.
     fn account(&mut self, report: SearchReport) {
         let step = self.steps;
-        if report.out_of_memory_count() > 0 {
+        // More than one attempt: this rank ran out of memory, or (with an agreement) another
+        // rank did and every rank redid the step.
+        if report.len() > 1 {
             let tried: Vec<usize> = report
                 .attempts()
                 .map(|attempt| attempt.batch_size)
@@ -453,12 +503,21 @@ impl<'r> EffectiveBatch<'r> {
                         .map_or(failed, |known| known.min(failed)),
                 );
             }
-            tracing::warn!(
-                step,
-                tried = ?tried,
-                micro = report.batch_size(),
-                "out of memory in step {step}: recovered in place with a smaller micro-batch"
-            );
+            if report.out_of_memory_count() > 0 {
+                tracing::warn!(
+                    step,
+                    tried = ?tried,
+                    micro = report.batch_size(),
+                    "out of memory in step {step}: recovered in place with a smaller micro-batch"
+                );
+            } else {
+                tracing::info!(
+                    step,
+                    tried = ?tried,
+                    micro = report.batch_size(),
+                    "step {step} redone with a smaller micro-batch: another rank ran out of memory"
+                );
+            }
             self.recoveries.push(Recovery { step, tried });
             self.clean_steps = 0;
         } else {
@@ -545,5 +604,44 @@ impl<'r> EffectiveBatch<'r> {
         };
         self.account(report_slot);
         result
+    }
+
+    /// One optimizer step in two parts: `accumulate` (zero the gradients, then forward and
+    /// backward every micro-batch of the plan) runs until it fits, redone in place with a
+    /// smaller micro-batch on out-of-memory as in [`step`](Self::step); then `apply` (the
+    /// gradient all-reduce between ranks, the optimizer step) runs once, with what
+    /// `accumulate` returned.
+    ///
+    /// With [`with_agreement`](Self::with_agreement) every rank has finished `accumulate`
+    /// without running out of memory before any rank enters `apply`: no rank waits in a
+    /// gradient all-reduce for a rank that is retrying. `apply` itself is not retried (an
+    /// out-of-memory error there comes back as it is): keep it to steps whose memory does not
+    /// depend on the micro size.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
+    /// let mut runner = EffectiveBatch::new(32);
+    /// let mut steps = 0;
+    /// let loss = runner.step_then(
+    ///     |plan| -> anyhow::Result<f64> {
+    ///         if plan.micro() > 8 { Err(OutOfMemory::new())? }
+    ///         Ok(plan.micro_batches().map(|micro| micro.weight).sum()) // the weights sum to 1
+    ///     },
+    ///     |_plan, loss| { steps += 1; Ok(loss) },
+    /// )?;
+    /// assert_eq!((runner.micro() <= 8, steps, loss), (true, 1, 1.0));
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn step_then<T, U, E, F, G>(&mut self, accumulate: F, apply: G) -> Result<U, E>
+    where
+        F: FnMut(&BatchPlan) -> Result<T, E>,
+        G: FnOnce(&BatchPlan, T) -> Result<U, E>,
+        E: AsRef<dyn Error + Send + Sync + 'static>
+            + Into<Box<dyn Error + Send + Sync + 'static>>
+            + From<NoExecutableBatchSize>
+            + 'static,
+    {
+        let accumulated = self.step(accumulate)?;
+        apply(&self.plan(), accumulated)
     }
 }

@@ -203,3 +203,174 @@ fn the_safe_point_turns_one_ranks_out_of_memory_into_everyones() {
         "{sizes:?}"
     );
 }
+
+/// Four ranks train six steps of 64 samples with gradient accumulation; at step 3 rank 2's
+/// device loses room (another tenant, fragmentation) and runs out of memory in the middle of
+/// its micro-batches. Every rank redoes step 3 with the same smaller micro-batch, and every
+/// optimizer step runs on all ranks together (the gradient all-reduce in `apply` would time
+/// out otherwise).
+#[test]
+fn an_out_of_memory_in_the_middle_of_an_effective_batch_on_one_rank_redoes_the_step_everywhere() {
+    use batch_size_runtime::agree::{Collective, ReduceOp};
+    use batch_size_runtime::EffectiveBatch;
+
+    let capacities = [64u64, 48, 40, 64];
+    let world = ThreadRanks::with_timeout(capacities.len(), Duration::from_secs(5));
+    let (sender, receiver) = mpsc::channel();
+    for (rank, (collective, capacity)) in world.into_iter().zip(capacities).enumerate() {
+        let sender = sender.clone();
+        thread::spawn(move || {
+            let device = SimulatedDevice::new(capacity << 20);
+            let mut runner = EffectiveBatch::new(64)
+                .with_release(device.clone())
+                .with_agreement(&collective);
+            let mut micro_per_step = Vec::new();
+            let mut accumulated_per_step = Vec::new();
+            let mut held = None;
+            let result = (0..6).try_for_each(|step| {
+                if step == 3 && rank == 2 {
+                    held = Some(device.alloc(24 << 20)?); // 24 MiB taken from under rank 2
+                }
+                runner.step_then(
+                    |plan| -> anyhow::Result<usize> {
+                        let mut samples = 0;
+                        for micro in plan.micro_batches() {
+                            // 1 MiB a sample, held for the micro-batch's forward and backward.
+                            let _activations = device.alloc((micro.range.len() as u64) << 20)?;
+                            samples += micro.range.len();
+                        }
+                        Ok(samples)
+                    },
+                    |plan, samples| {
+                        // The gradient all-reduce: every rank must be here at every step.
+                        let mut gradient = [samples as u64];
+                        collective.all_reduce(&mut gradient, ReduceOp::Min)?;
+                        micro_per_step.push(plan.micro());
+                        accumulated_per_step.push(gradient[0]);
+                        Ok(())
+                    },
+                )
+            });
+            let recoveries: Vec<usize> = runner.recoveries().iter().map(|r| r.step).collect();
+            let _ = sender.send((
+                rank,
+                result.map_err(|error| format!("{error:#}")),
+                micro_per_step,
+                accumulated_per_step,
+                recoveries,
+            ));
+        });
+    }
+    drop(sender);
+    let mut seen = Vec::new();
+    for _ in 0..capacities.len() {
+        seen.push(
+            receiver
+                .recv_timeout(Duration::from_secs(20))
+                .expect("a rank hung"),
+        );
+    }
+    seen.sort_by_key(|(rank, ..)| *rank);
+    let reference = &seen[0].2;
+    assert_eq!(reference.len(), 6, "six optimizer steps: {seen:?}");
+    for (rank, result, micro_per_step, accumulated, recoveries) in &seen {
+        assert!(result.is_ok(), "rank {rank}: {result:?}");
+        assert_eq!(micro_per_step, reference, "rank {rank} kept another plan");
+        // Every step accumulated exactly the effective batch, on every rank.
+        assert_eq!(accumulated, &vec![64; 6], "rank {rank}");
+        // The first step fitted the smallest device; step 3 was redone on every rank.
+        assert!(recoveries.contains(&3), "rank {rank}: {recoveries:?}");
+    }
+    assert!(reference[0] <= 40, "{reference:?}");
+    assert!(reference[3] < reference[2], "step 3 shrank: {reference:?}");
+    assert!(reference[3] <= 16, "rank 2 has 16 MiB left: {reference:?}");
+}
+
+/// A policy that explores upward after a success on one rank only (a tuner that sees more room
+/// there) must not lead that rank into attempts the others do not run: all end together on
+/// the size that ran everywhere.
+#[test]
+fn ranks_whose_policies_disagree_after_a_success_end_together() {
+    use batch_size_runtime::policy::{Decision, SizePolicy};
+    use batch_size_runtime::SearchReport;
+
+    #[derive(Debug)]
+    struct GrowOnce {
+        grows: bool,
+    }
+    impl SizePolicy for GrowOnce {
+        fn after(&mut self, history: &SearchReport) -> Decision {
+            let last = history.last().unwrap();
+            match (last.outcome.is_success(), self.grows) {
+                (true, true) => {
+                    self.grows = false;
+                    Decision::Try(last.batch_size * 2)
+                }
+                (true, false) => Decision::Accept,
+                (false, _) => Decision::Try(last.batch_size / 2),
+            }
+        }
+    }
+
+    let world = ThreadRanks::with_timeout(3, Duration::from_secs(5));
+    let handles: Vec<_> = world
+        .into_iter()
+        .enumerate()
+        .map(|(rank, collective)| {
+            thread::spawn(move || {
+                BatchSizeSearch::new(16)
+                    .with_policy(GrowOnce { grows: rank == 1 })
+                    .with_agreement(collective)
+                    .run_with_report(|size| -> anyhow::Result<usize> { Ok(size) })
+            })
+        })
+        .collect();
+    for handle in handles {
+        let (result, report) = handle.join().unwrap();
+        assert_eq!(result.unwrap(), 16);
+        assert_eq!(report.len(), 1, "no rank ran an attempt alone");
+    }
+}
+
+/// When every rank's policy asks for more after a success, they go on together at the
+/// smallest proposal.
+#[test]
+fn ranks_that_all_explore_go_on_together_at_the_smallest_proposal() {
+    use batch_size_runtime::policy::{Decision, SizePolicy};
+    use batch_size_runtime::SearchReport;
+
+    #[derive(Debug)]
+    struct Doubling {
+        limit: usize,
+    }
+    impl SizePolicy for Doubling {
+        fn after(&mut self, history: &SearchReport) -> Decision {
+            let last = history.last().unwrap();
+            if last.outcome.is_success() && last.batch_size * 2 <= self.limit {
+                Decision::Try(last.batch_size * 2)
+            } else {
+                Decision::Accept
+            }
+        }
+    }
+
+    let world = ThreadRanks::with_timeout(2, Duration::from_secs(5));
+    let handles: Vec<_> = world
+        .into_iter()
+        .zip([64usize, 16])
+        .map(|(collective, limit)| {
+            thread::spawn(move || {
+                BatchSizeSearch::new(4)
+                    .with_policy(Doubling { limit })
+                    .with_agreement(collective)
+                    .run_with_report(|size| -> anyhow::Result<usize> { Ok(size) })
+            })
+        })
+        .collect();
+    for handle in handles {
+        let (result, report) = handle.join().unwrap();
+        assert_eq!(result.unwrap(), 16);
+        let sizes: Vec<usize> = report.attempts().map(|a| a.batch_size).collect();
+        assert_eq!(sizes, [4, 8, 16]);
+    }
+}

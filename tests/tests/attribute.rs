@@ -486,3 +486,40 @@ fn the_attribute_caches_what_fit() {
     assert_eq!(cached(2).unwrap(), 32); // another key
     assert_eq!(batch_size_runtime::last_report().unwrap().len(), 3);
 }
+
+/// `agree = EXPR`: ranks of a data-parallel job (here threads, one simulated GPU each) agree
+/// on one size; the body reaches the collective through its parameter for the safe point.
+#[test]
+fn agree_makes_every_rank_return_the_same_size() {
+    use batch_size_runtime::agree::{safe_point, ThreadRank, ThreadRanks};
+    use batch_size_runtime::SimulatedDevice;
+
+    #[find_executable_batch_size(starting = 256, agree = rank, release = device.clone())]
+    fn train(
+        batch_size: usize,
+        rank: &ThreadRank,
+        device: &SimulatedDevice,
+    ) -> anyhow::Result<usize> {
+        let forward_backward = device.alloc(batch_size as u64 * 1024);
+        // The safe point: before the gradient all-reduce, every rank learns whether one ran
+        // out of memory.
+        safe_point(rank, forward_backward.is_err())?;
+        forward_backward?;
+        Ok(batch_size)
+    }
+
+    let ranks = ThreadRanks::with_timeout(3, std::time::Duration::from_secs(5));
+    let sizes: Vec<usize> = std::thread::scope(|scope| {
+        let workers: Vec<_> = ranks
+            .iter()
+            .zip([300u64, 100, 200])
+            .map(|(rank, kib)| scope.spawn(move || train(rank, &SimulatedDevice::new(kib * 1024))))
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().unwrap().unwrap())
+            .collect()
+    });
+    assert!(sizes.iter().all(|&size| size == sizes[0]), "{sizes:?}");
+    assert!(sizes[0] <= 100 && sizes[0] > 0, "{sizes:?}");
+}

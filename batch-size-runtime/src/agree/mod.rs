@@ -90,7 +90,11 @@ pub enum AgreementError {
 }
 
 /// The collective the agreement needs: an all-reduce of a few integers across ranks.
-pub trait Collective: Send + fmt::Debug {
+///
+/// Implemented by [`ThreadRank`] (threads of one process) and, with the `nccl` feature, by
+/// `NcclRank` (one communicator over NCCL); by references, boxes and `Arc`s of either, so a
+/// search can borrow the rank it agrees through.
+pub trait Collective: Send + Sync + fmt::Debug {
     /// This rank, from 0.
     fn rank(&self) -> usize;
     /// How many ranks take part.
@@ -98,6 +102,42 @@ pub trait Collective: Send + fmt::Debug {
     /// Replaces `values`, on every rank, with their reduction over all ranks. Every rank must
     /// call it the same number of times with the same length.
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError>;
+}
+
+impl<C: Collective + ?Sized> Collective for &C {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        (**self).all_reduce(values, op)
+    }
+}
+
+impl<C: Collective + ?Sized> Collective for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        (**self).all_reduce(values, op)
+    }
+}
+
+impl<C: Collective + ?Sized> Collective for Arc<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        (**self).all_reduce(values, op)
+    }
 }
 
 /// Outcome codes, ordered so that MAX picks the most serious.
@@ -126,25 +166,47 @@ impl<P: SizePolicy, C: Collective> Agree<P, C> {
         Agree { inner, collective }
     }
 
-    /// Exchanges this rank's outcome and proposal; returns the worst outcome, the rank that
-    /// failed (if one did) and the smallest proposal.
-    fn exchange(
-        &self,
-        outcome: u64,
-        proposal: u64,
-    ) -> Result<(u64, Option<usize>, u64), AgreementError> {
-        let failed_rank = if outcome == FAILED {
+    /// Exchanges what this rank says after an attempt; every rank gets the same [`Verdict`].
+    fn exchange(&self, said: Said) -> Result<Verdict, AgreementError> {
+        let failed_rank = if said.outcome == FAILED {
             self.collective.rank() as u64 + 1
         } else {
             0
         };
-        let mut worst = [outcome, failed_rank];
+        let mut worst = [said.outcome, failed_rank];
         self.collective.all_reduce(&mut worst, ReduceOp::Max)?;
-        let mut smallest = [proposal];
-        self.collective.all_reduce(&mut smallest, ReduceOp::Min)?;
-        let failed = (worst[1] > 0).then(|| (worst[1] - 1) as usize);
-        Ok((worst[0], failed, smallest[0]))
+        let mut least = [said.proposal, u64::from(said.continues)];
+        self.collective.all_reduce(&mut least, ReduceOp::Min)?;
+        Ok(Verdict {
+            outcome: worst[0],
+            failed_rank: (worst[1] > 0).then(|| (worst[1] - 1) as usize),
+            smallest_proposal: least[0],
+            all_continue: least[1] == 1,
+        })
     }
+}
+
+/// What one rank says after an attempt.
+#[derive(Debug, Clone, Copy)]
+struct Said {
+    /// [`SUCCEEDED`], [`OUT_OF_MEMORY`] or [`FAILED`].
+    outcome: u64,
+    /// The size its policy would try next (`u64::MAX` for none, 0 for none left).
+    proposal: u64,
+    /// Whether its policy asks for another attempt after a success (a tuner, chunks).
+    continues: bool,
+}
+
+/// What every rank learns from an exchange.
+#[derive(Debug, Clone, Copy)]
+struct Verdict {
+    /// The most serious outcome of any rank.
+    outcome: u64,
+    /// The highest rank that failed with an error that is not out-of-memory.
+    failed_rank: Option<usize>,
+    smallest_proposal: u64,
+    /// Whether every rank asked for another attempt.
+    all_continue: bool,
 }
 
 fn disagreement(error: &AgreementError) -> Decision {
@@ -159,11 +221,16 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
             Decision::Try(size) => size as u64,
             _ => 0,
         };
-        match self.exchange(SUCCEEDED, proposal) {
-            Ok((_, _, 0)) => Decision::Stop(StopReason::Policy(
+        let said = Said {
+            outcome: SUCCEEDED,
+            proposal,
+            continues: true,
+        };
+        match self.exchange(said) {
+            Ok(verdict) if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
                 "a rank had no size to start from".to_owned(),
             )),
-            Ok((_, _, size)) => Decision::Try(size as usize),
+            Ok(verdict) => Decision::Try(verdict.smallest_proposal as usize),
             Err(error) => disagreement(&error),
         }
     }
@@ -171,29 +238,54 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
     fn after(&mut self, history: &SearchReport) -> Decision {
         let succeeded = history.last().is_some_and(|last| last.outcome.is_success());
         let own = self.inner.after(history);
-        let (outcome, proposal) = match (&own, succeeded) {
-            (_, true) => (SUCCEEDED, u64::MAX),
-            (Decision::Try(size), false) => (OUT_OF_MEMORY, *size as u64),
-            (_, false) => (OUT_OF_MEMORY, 0),
+        let proposal = match own {
+            Decision::Try(size) => size as u64,
+            _ if succeeded => u64::MAX,
+            _ => 0,
         };
-        match self.exchange(outcome, proposal) {
-            Err(error) => disagreement(&error),
-            Ok((FAILED, rank, _)) => Decision::Stop(StopReason::Policy(format!(
+        let said = Said {
+            outcome: if succeeded { SUCCEEDED } else { OUT_OF_MEMORY },
+            proposal,
+            continues: matches!(own, Decision::Try(_)),
+        };
+        let verdict = match self.exchange(said) {
+            Ok(verdict) => verdict,
+            Err(error) => return disagreement(&error),
+        };
+        match verdict.outcome {
+            FAILED => Decision::Stop(StopReason::Policy(format!(
                 "rank {} failed with an error that is not out-of-memory",
-                rank.map_or_else(|| "?".to_owned(), |rank| rank.to_string())
+                verdict
+                    .failed_rank
+                    .map_or_else(|| "?".to_owned(), |rank| rank.to_string())
             ))),
-            Ok((OUT_OF_MEMORY, _, 0)) => Decision::Stop(StopReason::Policy(
+            OUT_OF_MEMORY if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
                 "a rank ran out of memory and has no smaller size left".to_owned(),
             )),
-            Ok((OUT_OF_MEMORY, _, size)) => Decision::Try(size as usize),
-            Ok(_) => own,
+            // Every rank retries at the same size, the ones that succeeded too: the attempt
+            // is one step of the same training on every rank.
+            OUT_OF_MEMORY => Decision::Try(verdict.smallest_proposal as usize),
+            // Everyone succeeded and every policy asks for more (a tuner, chunks): go on
+            // together, at the smallest proposal.
+            _ if verdict.all_continue => Decision::Try(verdict.smallest_proposal as usize),
+            // Everyone succeeded and some policy is done: all end here, at the size that just
+            // ran on every rank (a rank that wanted more accepts it too).
+            _ => match own {
+                Decision::Try(_) => Decision::Accept,
+                other => other,
+            },
         }
     }
 
     fn ended_by_failure(&mut self, history: &SearchReport) {
         self.inner.ended_by_failure(history);
         // Tell the others, who are waiting in `after`; what they answer no longer matters here.
-        let _ = self.exchange(FAILED, 0);
+        let said = Said {
+            outcome: FAILED,
+            proposal: 0,
+            continues: false,
+        };
+        let _ = self.exchange(said);
     }
 
     fn check(&self) -> Result<(), String> {

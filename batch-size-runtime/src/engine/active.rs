@@ -93,6 +93,40 @@ impl ActivePolicy<'_> {
     }
 }
 
+/// The policy a search runs is itself a policy, so that wrappers (the cache, the agreement
+/// between ranks) wrap whichever one was chosen.
+impl SizePolicy for ActivePolicy<'_> {
+    fn first(&mut self, starting: usize) -> Decision {
+        ActivePolicy::first(self, starting)
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        // The engine does not ask a shrinking policy after a success; a wrapper that does gets
+        // the engine's answer.
+        let succeeded = history.last().is_some_and(|last| last.outcome.is_success());
+        if succeeded && self.is_shrinking() {
+            return Decision::Accept;
+        }
+        ActivePolicy::after(self, history)
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        ActivePolicy::ended_by_failure(self, history)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        ActivePolicy::check(self)
+    }
+
+    fn reads_memory_after_success(&self) -> bool {
+        ActivePolicy::reads_memory_after_success(self)
+    }
+
+    fn rationale(&self) -> Option<String> {
+        ActivePolicy::rationale(self)
+    }
+}
+
 type When<'r> = Box<dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r>;
 type Notify<'r> = Box<dyn FnMut(&Attempt) + Send + 'r>;
 type OnReport<'r> = Box<dyn FnOnce(&SearchReport) + Send + 'r>;

@@ -23,6 +23,7 @@ use std::error::Error;
 use std::future::Future;
 use std::path::PathBuf;
 
+use crate::agree::Collective;
 use crate::cache::CacheSettings;
 use crate::dispatch;
 #[allow(unused_imports)] // for the docs' links
@@ -81,6 +82,8 @@ pub struct BatchSizeSearch<'r> {
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) routine: bool,
     pub(crate) cache: Option<CacheSettings>,
+    /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
+    pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
 }
 
 impl<'r> BatchSizeSearch<'r> {
@@ -106,6 +109,7 @@ impl<'r> BatchSizeSearch<'r> {
             hooks: None,
             routine: false,
             cache: None,
+            agreement: None,
         }
     }
 
@@ -334,6 +338,40 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     pub fn with_policy(mut self, policy: impl SizePolicy + 'r) -> Self {
         self.policy = ActivePolicy::Custom(Box::new(policy));
+        self
+    }
+
+    /// Agrees with the other ranks of a data-parallel job at the end of every attempt, so that
+    /// every rank runs the same sizes and returns the same one: if any rank ran out of memory,
+    /// every rank releases its memory and retries at the smallest size the ranks propose; if
+    /// one failed otherwise, the others stop with an error naming it. Wraps whichever policy
+    /// the search uses (the order of the builder's calls does not matter). See
+    /// [`agree`](crate::agree) for where a rank may run out of memory inside an attempt.
+    ///
+    /// ```
+    /// use std::thread;
+    /// use batch_size_runtime::agree::ThreadRanks;
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
+    ///
+    /// let ranks = ThreadRanks::new(2);
+    /// let sizes: Vec<usize> = thread::scope(|scope| {
+    ///     let workers: Vec<_> = ranks.iter().zip([100, 40]).map(|(rank, fits)| {
+    ///         scope.spawn(move || {
+    ///             BatchSizeSearch::new(128)
+    ///                 .with_agreement(rank)
+    ///                 .run_dyn(|size| -> anyhow::Result<usize> {
+    ///                     if size > fits { Err(OutOfMemory::new())? }
+    ///                     Ok(size)
+    ///                 })
+    ///         })
+    ///     }).collect();
+    ///     workers.into_iter().map(|worker| worker.join().unwrap().unwrap()).collect()
+    /// });
+    /// assert_eq!(sizes[0], sizes[1]);
+    /// assert!(sizes[0] <= 40);
+    /// ```
+    pub fn with_agreement(mut self, collective: impl Collective + 'r) -> Self {
+        self.agreement = Some(Box::new(collective));
         self
     }
 

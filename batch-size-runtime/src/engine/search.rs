@@ -7,6 +7,7 @@ use std::fmt;
 use std::time::Instant;
 
 use super::{ActivePolicy, BatchSizeSearch, Hooks};
+use crate::agree::Agree;
 use crate::cache::Cached;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::kept::KeptError;
@@ -102,6 +103,7 @@ impl<'r> Search<'r> {
             hooks,
             routine,
             cache,
+            agreement,
         } = config;
         let release = release.unwrap_or_default();
         let mut policy = match cache {
@@ -111,6 +113,9 @@ impl<'r> Search<'r> {
             )),
             _ => policy,
         };
+        if let Some(collective) = agreement {
+            policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
+        }
         let next = if let Some(why) = invalid {
             Next::Stop(StopReason::InvalidConfiguration(why))
         } else if starting == 0 {
