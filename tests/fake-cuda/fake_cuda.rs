@@ -24,6 +24,10 @@
 //! - Everything but `cuInit`, `cuDriverGetVersion` and the error strings returns
 //!   `CUDA_ERROR_NOT_INITIALIZED` (3) before `cuInit`.
 //! - Memory contents are kept (lazily) so that copies read back what was written or set.
+//! - Work of another library on a stream (the fake NCCL's collectives) holds it: while held,
+//!   `cuStreamQuery` answers `CUDA_ERROR_NOT_READY` and `cuStreamSynchronize` waits, as a
+//!   kernel that waits for its peers does on a real device (`fake_cuda_stream_hold`,
+//!   `fake_cuda_stream_release`; `fake_cuda_read`/`fake_cuda_write` move its data).
 
 #![allow(non_snake_case)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -31,7 +35,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 include!("counters.rs");
 
@@ -155,9 +159,13 @@ struct State {
     next_handle: usize,
     calls: HashMap<String, u64>,
     failures: HashMap<String, CUresult>,
+    /// Streams held by work in progress elsewhere (stream handle → holds).
+    held: HashMap<usize, u32>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
+/// Signalled whenever a hold on a stream is released.
+static RELEASED: Condvar = Condvar::new();
 
 thread_local! {
     /// This thread's context stack, top last (context handles).
@@ -502,6 +510,70 @@ pub unsafe extern "C" fn fake_cuda_fail(name: *const c_char, code: CUresult) {
     } else {
         state.failures.insert(name, code);
     }
+}
+
+/// Holds `stream` for work of another library (the fake NCCL): it reads as not ready, and
+/// synchronizing it waits, until as many `fake_cuda_stream_release`.
+#[no_mangle]
+pub extern "C" fn fake_cuda_stream_hold(stream: CUstream) -> CUresult {
+    let mut state = control();
+    let handle = stream as usize;
+    if handle > 2 && !state.streams.contains_key(&handle) {
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    *state.held.entry(handle).or_default() += 1;
+    CUDA_SUCCESS
+}
+
+/// Ends one hold of `stream`.
+#[no_mangle]
+pub extern "C" fn fake_cuda_stream_release(stream: CUstream) -> CUresult {
+    let mut state = control();
+    let handle = stream as usize;
+    let outcome = match state.held.get_mut(&handle) {
+        Some(holds) if *holds > 0 => {
+            *holds -= 1;
+            CUDA_SUCCESS
+        }
+        _ => CUDA_ERROR_INVALID_VALUE,
+    };
+    drop(state);
+    RELEASED.notify_all();
+    outcome
+}
+
+/// Copies `bytes` bytes of device memory at `address` to `host`, from any thread and context
+/// (what a collective's kernel reads).
+///
+/// # Safety
+/// `host` is valid for `bytes` bytes of writes.
+#[no_mangle]
+pub unsafe extern "C" fn fake_cuda_read(address: CUdeviceptr, host: *mut c_void, bytes: usize) -> CUresult {
+    if host.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: the caller's contract.
+    let out = unsafe { std::slice::from_raw_parts_mut(host.cast::<u8>(), bytes) };
+    code(control().read(address, out))
+}
+
+/// Copies `bytes` bytes from `host` to device memory at `address`, from any thread and context
+/// (what a collective's kernel writes).
+///
+/// # Safety
+/// `host` is valid for `bytes` bytes of reads.
+#[no_mangle]
+pub unsafe extern "C" fn fake_cuda_write(
+    address: CUdeviceptr,
+    host: *const c_void,
+    bytes: usize,
+) -> CUresult {
+    if host.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: the caller's contract.
+    let data = unsafe { std::slice::from_raw_parts(host.cast::<u8>(), bytes) };
+    code(control().write(address, data))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -859,7 +931,9 @@ pub extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
-    code(enter("cuStreamSynchronize").and_then(|mut state| {
+    code(enter("cuStreamSynchronize").and_then(|state| {
+        state.stream_device(stream)?;
+        let mut state = wait_while_held(state, stream as usize);
         let index = state.stream_device(stream)?;
         state.devices[index].synchronized();
         Ok(())
@@ -868,7 +942,26 @@ pub extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuStreamQuery(stream: CUstream) -> CUresult {
-    code(enter("cuStreamQuery").and_then(|state| state.stream_device(stream).map(|_| ())))
+    code(enter("cuStreamQuery").and_then(|state| {
+        state.stream_device(stream)?;
+        match state.held.get(&(stream as usize)) {
+            Some(&holds) if holds > 0 => Err(CUDA_ERROR_NOT_READY),
+            _ => Ok(()),
+        }
+    }))
+}
+
+/// Waits, the lock released, until nothing holds `stream`.
+fn wait_while_held(state: Guard, stream: usize) -> Guard {
+    let guard = RELEASED
+        .wait_while(state.0, |state| {
+            state
+                .as_ref()
+                .and_then(|state| state.held.get(&stream))
+                .is_some_and(|&holds| holds > 0)
+        })
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    Guard(guard)
 }
 
 #[no_mangle]
