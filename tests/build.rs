@@ -62,7 +62,14 @@ fn build_cdylib(
 ) -> Result<(), Box<dyn Error>> {
     let mut command = Command::new(rustc);
     command
-        .args(["--edition", "2021", "--crate-type", "cdylib", "--crate-name", crate_name])
+        .args([
+            "--edition",
+            "2021",
+            "--crate-type",
+            "cdylib",
+            "--crate-name",
+            crate_name,
+        ])
         .args(["-C", "opt-level=1"])
         .arg("-C")
         .arg(format!("link-arg=-Wl,-soname,{soname}"))

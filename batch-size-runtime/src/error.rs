@@ -78,6 +78,10 @@ pub enum StopReason {
     /// The policy stopped the search, saying why (for example: the part of memory that does not
     /// depend on the batch size already exceeds the device).
     Policy(String),
+    /// The ranks of a data-parallel job stopped together without a size: another rank failed
+    /// with an error that is not out-of-memory, or the ranks could not reach each other
+    /// ([`agree`](crate::agree)).
+    Agreement(String),
 }
 
 impl fmt::Display for StopReason {
@@ -97,7 +101,7 @@ impl fmt::Display for StopReason {
             StopReason::NothingToAccept => {
                 f.write_str("the policy accepted before any attempt succeeded")
             }
-            StopReason::Policy(why) => f.write_str(why),
+            StopReason::Policy(why) | StopReason::Agreement(why) => f.write_str(why),
         }
     }
 }
@@ -255,6 +259,9 @@ impl fmt::Display for NoExecutableBatchSize {
             StopReason::StartedAtZero
             | StopReason::InvalidConfiguration(_)
             | StopReason::NothingToAccept => Ok(()),
+            StopReason::Agreement(_) => f.write_str(
+                ". See the other ranks' logs; the error of a rank that failed comes back there",
+            ),
             _ => f.write_str(
                 ". Lower `min`, shrink the model or sequence length, or use gradient accumulation",
             ),

@@ -48,6 +48,12 @@
 //! rank 1: forward ─ OOM ──────── safe_point ┘  (every rank leaves with "OOM on another rank")
 //! ```
 
+pub mod exchange;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+pub use exchange::{ExchangeError, IdExchange};
+
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
@@ -210,7 +216,7 @@ struct Verdict {
 }
 
 fn disagreement(error: &AgreementError) -> Decision {
-    Decision::Stop(StopReason::Policy(format!(
+    Decision::Stop(StopReason::Agreement(format!(
         "the ranks could not agree: {error}"
     )))
 }
@@ -253,7 +259,7 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
             Err(error) => return disagreement(&error),
         };
         match verdict.outcome {
-            FAILED => Decision::Stop(StopReason::Policy(format!(
+            FAILED => Decision::Stop(StopReason::Agreement(format!(
                 "rank {} failed with an error that is not out-of-memory",
                 verdict
                     .failed_rank
