@@ -156,6 +156,8 @@ const FAILED: u64 = 2;
 pub struct Agree<P, C> {
     inner: P,
     collective: C,
+    /// Why the last agreed size differs from this rank's own proposal, for the retry's log.
+    overruled: Option<String>,
 }
 
 impl<P: SizePolicy, C: Collective> Agree<P, C> {
@@ -169,7 +171,11 @@ impl<P: SizePolicy, C: Collective> Agree<P, C> {
     /// # let _ = policy;
     /// ```
     pub fn new(inner: P, collective: C) -> Self {
-        Agree { inner, collective }
+        Agree {
+            inner,
+            collective,
+            overruled: None,
+        }
     }
 
     /// Exchanges what this rank says after an attempt; every rank gets the same [`Verdict`].
@@ -258,6 +264,20 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
             Ok(verdict) => verdict,
             Err(error) => return disagreement(&error),
         };
+        self.overruled = (verdict.outcome != SUCCEEDED
+            && verdict.smallest_proposal != proposal
+            && verdict.smallest_proposal != 0)
+            .then(|| {
+                let own = match own {
+                    Decision::Try(size) => format!("this rank proposed {size}"),
+                    _ if succeeded => "this rank succeeded".to_owned(),
+                    _ => "this rank had no size left".to_owned(),
+                };
+                format!(
+                    "the smallest size the {} ranks proposed; {own}",
+                    self.collective.world_size()
+                )
+            });
         match verdict.outcome {
             FAILED => Decision::Stop(StopReason::Agreement(format!(
                 "rank {} failed with an error that is not out-of-memory",
@@ -303,7 +323,7 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
     }
 
     fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
+        self.overruled.clone().or_else(|| self.inner.rationale())
     }
 }
 
