@@ -6,8 +6,10 @@
 #
 # A model is sized from the device's free memory so that batch sizes 64 and 32 overflow it on
 # purpose and 16 fits; each attempt's size, outcome and free memory before it, at its failure
-# and after the release are printed (the retries' WARN logs go to stderr). Exits 1 when a check
-# fails, 0 when they pass or when there is no CUDA driver or device to check.
+# and after the release are printed (the retries' WARN logs go to stderr). Then, when NCCL is
+# found (the pip wheel's libnccl.so.2 too, or BATCH_SIZE_NCCL_LIBRARY), the agreement over NCCL:
+# world size 1, and two ranks on two GPUs or both on one. Exits 1 when a check fails, 0 when
+# they pass or when there is no CUDA driver or device to check.
 #
 # Usage: scripts/gpu-check.sh [DEVICE_ORDINAL]      (default 0)
 # Needs only this repository and a Rust toolchain (the crates come from the registry, or from

@@ -11,6 +11,10 @@
 //! keeps, and whether the workspace then still fits). Each attempt's size, outcome and free memory before,
 //! at the failure and after the release are printed; the retries' WARN logs go to stderr.
 //!
+//! Then the agreement over the real NCCL (`agree::nccl`), when NCCL is found: world size 1 on
+//! the device (an all-reduce and the agreed search, checked), and two ranks, on two GPUs or
+//! both on the one (NCCL may refuse that: the refusal must come back within the timeout).
+//!
 //! Without a CUDA driver or device it says so and exits 0. It exits 1 when a check fails.
 
 use std::io::IsTerminal;
@@ -173,7 +177,123 @@ fn check(ordinal: usize) -> Result<bool, DriverError> {
         fitted.as_ref().ok()
     );
     release_all();
+
+    passed &= nccl_check(ordinal, &model, expected);
     Ok(passed)
+}
+
+/// The agreement over the real NCCL: world size 1 on this GPU (checked), then two ranks, on
+/// GPUs `ordinal` and the next if there is one, or both on this GPU (reported: NCCL refuses two
+/// ranks of one communicator on one GPU unless it is told otherwise, and that refusal must come
+/// back as an error, not a hang).
+fn nccl_check(ordinal: usize, model: &GrowingModel, expected: Option<usize>) -> bool {
+    use batch_size_runtime::agree::nccl::{loaded_library, NcclId, NcclRank};
+    use batch_size_runtime::agree::{Collective, ReduceOp};
+    use std::time::Duration;
+
+    println!("\n== the agreement over NCCL");
+    let (path, version) = match loaded_library() {
+        Ok(found) => found,
+        Err(error) => {
+            println!("  NCCL part skipped: {error}");
+            return true;
+        }
+    };
+    println!("  NCCL {version} from {path}");
+    let timeout = Duration::from_secs(30);
+    let mut passed = true;
+
+    // World size 1.
+    let single = (|| -> Result<(Vec<u64>, Option<usize>), String> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| e.to_string())?;
+        let id = NcclId::new().map_err(|e| e.to_string())?;
+        let rank = NcclRank::with_timeout(
+            ctx.new_stream().map_err(|e| e.to_string())?,
+            &id,
+            0,
+            1,
+            timeout,
+        )
+        .map_err(|e| e.to_string())?;
+        let mut values = [3u64, 7, u64::MAX];
+        rank.all_reduce(&mut values, ReduceOp::Max)
+            .map_err(|e| e.to_string())?;
+        let stream = ctx.default_stream();
+        let fitted = BatchSizeSearch::new(STARTING)
+            .with_label("gpu_check_nccl")
+            .with_agreement(&rank)
+            .run(|batch_size| model.step(&stream, batch_size).map_err(TrainError::from))
+            .ok();
+        release_all();
+        Ok((values.to_vec(), fitted))
+    })();
+    match single {
+        Ok((values, fitted)) => {
+            passed &= verdict(
+                values == [3, 7, u64::MAX],
+                &format!("world size 1: all-reduce gave {values:?}"),
+            );
+            passed &= verdict(
+                fitted == expected,
+                &format!("world size 1: the agreed search found {fitted:?}, expected {expected:?}"),
+            );
+        }
+        Err(error) => passed &= verdict(false, &format!("world size 1: {error}")),
+    }
+
+    // Two ranks: on two GPUs if there are, else both on this one.
+    let count = CudaContext::device_count().unwrap_or(1).max(1) as usize;
+    let ordinals = if count > 1 {
+        [ordinal, (ordinal + 1) % count]
+    } else {
+        [ordinal, ordinal]
+    };
+    println!(
+        "  two ranks on cuda:{} and cuda:{}",
+        ordinals[0], ordinals[1]
+    );
+    let id = match NcclId::new() {
+        Ok(id) => id,
+        Err(error) => return verdict(false, &format!("two ranks: {error}")) && passed,
+    };
+    let started = std::time::Instant::now();
+    let outcomes: Vec<Result<u64, String>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = ordinals
+            .iter()
+            .enumerate()
+            .map(|(rank, &device)| {
+                scope.spawn(move || -> Result<u64, String> {
+                    let ctx = CudaContext::new(device).map_err(|e| e.to_string())?;
+                    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+                    let nccl = NcclRank::with_timeout(stream, &id, rank, 2, timeout)
+                        .map_err(|e| e.to_string())?;
+                    let mut values = [rank as u64 + 1];
+                    nccl.all_reduce(&mut values, ReduceOp::Max)
+                        .map_err(|e| e.to_string())?;
+                    Ok(values[0])
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().unwrap_or_else(|_| Err("panicked".to_owned())))
+            .collect()
+    });
+    let waited = started.elapsed();
+    println!("  two ranks: {outcomes:?} in {waited:.1?}");
+    if count > 1 {
+        passed &= verdict(
+            outcomes.iter().all(|outcome| outcome == &Ok(2)),
+            "two ranks on two GPUs: both got the maximum, 2",
+        );
+    } else {
+        // Either NCCL allows it (both see 2) or it refuses: in both cases no rank hangs.
+        passed &= verdict(
+            outcomes.iter().all(|outcome| outcome == &Ok(2)) || waited < timeout * 2,
+            "two ranks on one GPU: agreed, or refused within the timeout",
+        );
+    }
+    passed
 }
 
 /// Gives back what the last search left in the pool, so that the next one starts clean.
