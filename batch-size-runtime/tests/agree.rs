@@ -170,7 +170,9 @@ fn a_rank_that_never_joins_times_out_instead_of_hanging() {
             .recv_timeout(Duration::from_secs(10))
             .expect("a rank hung");
         match result {
-            Err(Some(StopReason::Agreement(why))) => assert!(why.contains("could not agree"), "{why}"),
+            Err(Some(StopReason::Agreement(why))) => {
+                assert!(why.contains("could not agree"), "{why}")
+            }
             other => panic!("{other:?}"),
         }
     }
