@@ -21,6 +21,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
 use crate::engine::BatchSizeSearch;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
@@ -150,6 +151,7 @@ pub struct Chunked<'r> {
     cost: Option<Cost<'r>>,
     notify: Option<Notify<'r>>,
     chunks: Vec<ChunkRecord>,
+    agreement: Option<Arc<dyn Collective + 'r>>,
 }
 
 impl fmt::Debug for Chunked<'_> {
@@ -174,12 +176,14 @@ struct Progress {
 /// The policy of one chunked run: the next chunk after each success, a smaller one after an
 /// out-of-memory chunk (from the inner policy), growing back after clean chunks.
 #[derive(Debug)]
-struct ChunkPolicy<P> {
+struct ChunkPolicy<'r, P> {
     inner: P,
     run: Arc<Mutex<Run>>,
     grow_after: usize,
     max: Option<u64>,
     clean: usize,
+    /// The other ranks whose chunks run in step with these.
+    agreement: Option<Arc<dyn Collective + 'r>>,
 }
 
 /// What one run's chunks and its policy share.
@@ -195,12 +199,136 @@ fn lock(run: &Mutex<Run>) -> MutexGuard<'_, Run> {
     lock_any(run)
 }
 
-impl<P: SizePolicy> SizePolicy for ChunkPolicy<P> {
+impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
     fn check(&self) -> Result<(), String> {
         self.inner.check()
     }
 
+    fn first(&mut self, starting: usize) -> Decision {
+        let Some(collective) = self.agreement.clone() else {
+            return Decision::Try(starting);
+        };
+        // Every rank starts its first chunk at the smallest starting size of all.
+        let said = Said {
+            outcome: SUCCEEDED,
+            proposal: starting as u64,
+            continues: true,
+        };
+        match agree::exchange(&*collective, said) {
+            Ok(verdict) => Decision::Try(verdict.smallest_proposal.max(1) as usize),
+            Err(error) => agree::disagreement(&error),
+        }
+    }
+
     fn after(&mut self, history: &SearchReport) -> Decision {
+        let own = self.decide(history);
+        match self.agreement.clone() {
+            None => own,
+            Some(collective) => self.agree(&*collective, history, own),
+        }
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history);
+        if let Some(collective) = self.agreement.clone() {
+            // Tell the others, who wait for this chunk's verdict.
+            let said = Said {
+                outcome: FAILED,
+                proposal: 0,
+                continues: false,
+            };
+            let _ = agree::exchange(&*collective, said);
+        }
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.inner.rationale()
+    }
+}
+
+impl<P: SizePolicy> ChunkPolicy<'_, P> {
+    /// With other ranks: every chunk ends with their verdict. A chunk that ran out of memory
+    /// on any rank is redone smaller on every rank (a rank where it succeeded takes its
+    /// progress back), so that ranks whose chunks communicate (tensor parallelism) stay in
+    /// step; a rank that is done answers the others until they are done too.
+    fn agree(
+        &mut self,
+        collective: &dyn Collective,
+        history: &SearchReport,
+        own: Decision,
+    ) -> Decision {
+        let succeeded = history
+            .last()
+            .is_some_and(|last| last.outcome == Outcome::Succeeded);
+        let done = succeeded && own == Decision::Accept;
+        let proposal = match own {
+            Decision::Try(size) => size as u64,
+            _ if succeeded => u64::MAX,
+            _ => 0,
+        };
+        let said = Said {
+            outcome: if succeeded { SUCCEEDED } else { OUT_OF_MEMORY },
+            proposal,
+            continues: !done,
+        };
+        let verdict = match agree::exchange(collective, said) {
+            Ok(verdict) => verdict,
+            Err(error) => return agree::disagreement(&error),
+        };
+        match verdict.outcome {
+            FAILED => verdict.failed(),
+            OUT_OF_MEMORY => {
+                if succeeded {
+                    self.take_back_last_chunk();
+                }
+                match verdict.smallest_proposal {
+                    0 => Decision::Stop(StopReason::Policy(
+                        "a rank ran out of memory on a chunk of one item".to_owned(),
+                    )),
+                    size => Decision::Try(size as usize),
+                }
+            }
+            _ if !done => Decision::Try(verdict.smallest_proposal as usize),
+            _ => {
+                // Done here: answer the others' verdicts until every rank is done.
+                let mut verdict = verdict;
+                while verdict.any_continue {
+                    let idle = Said {
+                        outcome: SUCCEEDED,
+                        proposal: u64::MAX,
+                        continues: false,
+                    };
+                    verdict = match agree::exchange(collective, idle) {
+                        Ok(verdict) if verdict.outcome == FAILED => return Decision::Accept,
+                        Ok(verdict) => verdict,
+                        Err(error) => return agree::disagreement(&error),
+                    };
+                }
+                Decision::Accept
+            }
+        }
+    }
+
+    /// This rank's last chunk succeeded but another rank's did not: it is redone.
+    fn take_back_last_chunk(&mut self) {
+        self.clean = 0;
+        let mut run = lock(&self.run);
+        let range = run.progress.current.clone();
+        if run.progress.completed == range.end {
+            run.progress.completed = range.start;
+        }
+        if let Some(record) = run.records.last_mut() {
+            record.done = false;
+        }
+        run.retries += 1;
+        tracing::info!(
+            items = ?range,
+            "chunk of items {range:?} is redone with the other ranks: one ran out of memory"
+        );
+    }
+
+    /// This rank's own decision after a chunk.
+    fn decide(&mut self, history: &SearchReport) -> Decision {
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
@@ -259,10 +387,6 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<P> {
             Decision::Try(size)
         }
     }
-
-    fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
-    }
 }
 
 impl<'r> Chunked<'r> {
@@ -286,6 +410,7 @@ impl<'r> Chunked<'r> {
             cost: None,
             notify: None,
             chunks: Vec::new(),
+            agreement: None,
         }
     }
 
@@ -410,6 +535,41 @@ impl<'r> Chunked<'r> {
         self
     }
 
+    /// Runs every chunk in step with the other ranks of a job whose chunks communicate (tensor
+    /// parallelism: an all-reduce inside each chunk): after every chunk the ranks agree; a chunk
+    /// that ran out of memory on any rank is redone smaller on every rank, from its start (a
+    /// rank where it completed takes it back: `run` drops its outputs, `for_each` runs it
+    /// again), so every rank runs the same chunks. A rank that is done answers the others
+    /// until they are done. See [`agree`](crate::agree).
+    ///
+    /// ```
+    /// use std::thread;
+    /// use batch_size_runtime::agree::{safe_point, Collective, ReduceOp, ThreadRanks};
+    /// use batch_size_runtime::{Chunked, OutOfMemory};
+    ///
+    /// let ranks = ThreadRanks::new(2);
+    /// let outputs: Vec<Vec<usize>> = thread::scope(|scope| {
+    ///     let workers: Vec<_> = ranks.iter().zip([300, 40]).map(|(rank, holds)| {
+    ///         scope.spawn(move || {
+    ///             Chunked::new(500).with_agreement(rank).run(|items| -> anyhow::Result<Vec<usize>> {
+    ///                 let out_of_memory = items.len() > holds; // this rank's forward pass
+    ///                 safe_point(rank, out_of_memory)?; // before the chunk's collective
+    ///                 if out_of_memory { Err(OutOfMemory::new())? }
+    ///                 rank.all_reduce(&mut [items.len() as u64], ReduceOp::Max)?;
+    ///                 Ok(items.collect())
+    ///             })
+    ///         })
+    ///     }).collect();
+    ///     workers.into_iter().map(|worker| worker.join().unwrap().unwrap()).collect()
+    /// });
+    /// assert_eq!(outputs[0], (0..500).collect::<Vec<_>>());
+    /// assert_eq!(outputs[0], outputs[1]);
+    /// ```
+    pub fn with_agreement(mut self, collective: impl Collective + 'r) -> Self {
+        self.agreement = Some(Arc::new(collective));
+        self
+    }
+
     /// Called after every chunk that completed, with the progress (drive a progress bar).
     ///
     /// ```
@@ -468,6 +628,8 @@ impl<'r> Chunked<'r> {
         let mut outputs = Vec::with_capacity(self.total);
         let mut wrong: Option<(Range<usize>, usize)> = None;
         self.drive(|range| {
+            // A chunk taken back (another rank could not finish it) is redone from its start.
+            outputs.truncate(range.start);
             let values = work(range.clone())?;
             if values.len() != range.len() {
                 wrong = Some((range.clone(), values.len()));
@@ -514,7 +676,7 @@ impl<'r> Chunked<'r> {
     }
 
     /// The search of one run, and the progress its policy and chunks share.
-    fn prepare(&mut self) -> (BatchSizeSearch<'static>, Arc<Mutex<Run>>) {
+    fn prepare(&mut self) -> (BatchSizeSearch<'r>, Arc<Mutex<Run>>) {
         self.chunks.clear();
         let run = Arc::new(Mutex::new(Run {
             progress: Progress {
@@ -543,6 +705,7 @@ impl<'r> Chunked<'r> {
             grow_after: self.grow_after,
             max: self.max,
             clean: 0,
+            agreement: self.agreement.clone(),
         };
         let mut search = BatchSizeSearch::new(usize::try_from(starting).unwrap_or(usize::MAX))
             .with_label("chunked")
@@ -713,7 +876,9 @@ impl<'r> Chunked<'r> {
                 async move {
                     let outcome = match pending.await {
                         Ok(values) if values.len() == range.len() => {
-                            lock_any(&outputs).extend(values);
+                            let mut outputs = lock_any(&outputs);
+                            outputs.truncate(range.start);
+                            outputs.extend(values);
                             Ok(())
                         }
                         Ok(values) => {

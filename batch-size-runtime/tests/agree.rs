@@ -376,3 +376,159 @@ fn ranks_that_all_explore_go_on_together_at_the_smallest_proposal() {
         assert_eq!(sizes, [4, 8, 16]);
     }
 }
+
+/// Tensor-parallel chunks: every chunk of every rank holds a collective (behind the safe
+/// point). Three ranks of different sizes run 2,000 items; rank 1 loses room after item 900.
+/// Every rank runs the same chunks, redoes the same ones, and returns every output once.
+#[test]
+fn chunks_that_communicate_run_in_step_and_a_chunk_that_fails_anywhere_is_redone_everywhere() {
+    use batch_size_runtime::agree::{Collective, ReduceOp};
+    use batch_size_runtime::{ChunkRecord, Chunked};
+
+    let world = ThreadRanks::with_timeout(3, Duration::from_secs(5));
+    let (sender, receiver) = mpsc::channel();
+    for (rank, (collective, holds)) in world.into_iter().zip([600usize, 400, 250]).enumerate() {
+        let sender = sender.clone();
+        thread::spawn(move || {
+            let mut chunked = Chunked::new(2000).with_agreement(&collective);
+            let outcome = chunked.run(|items| -> anyhow::Result<Vec<u64>> {
+                let room = if rank == 1 && items.start >= 900 {
+                    90
+                } else {
+                    holds
+                };
+                let out_of_memory = items.len() > room;
+                safe_point(&collective, out_of_memory)?;
+                if out_of_memory {
+                    Err(OutOfMemory::new())?
+                }
+                let mut shard = [items.len() as u64];
+                collective.all_reduce(&mut shard, ReduceOp::Min)?; // the chunk's collective
+                assert_eq!(
+                    shard[0],
+                    items.len() as u64,
+                    "every rank runs the same chunk"
+                );
+                Ok(items.map(|item| item as u64 * 3).collect())
+            });
+            let records: Vec<ChunkRecord> = chunked.chunks().to_vec();
+            let _ = sender.send((rank, outcome.map_err(|e| e.to_string()), records));
+        });
+    }
+    drop(sender);
+    let mut seen: Vec<_> = (0..3)
+        .map(|_| {
+            receiver
+                .recv_timeout(Duration::from_secs(20))
+                .expect("a rank hung")
+        })
+        .collect();
+    seen.sort_by_key(|(rank, ..)| *rank);
+    let expected: Vec<u64> = (0..2000u64).map(|item| item * 3).collect();
+    for (rank, outcome, records) in &seen {
+        assert_eq!(outcome.as_ref().unwrap(), &expected, "rank {rank}");
+        assert_eq!(records, &seen[0].2, "rank {rank} ran other chunks");
+    }
+    let records = &seen[0].2;
+    assert!(records
+        .iter()
+        .all(|record| record.range.len() <= 250 || !record.done));
+    let late = records.iter().filter(|r| r.done && r.range.start >= 900);
+    assert!(
+        late.clone().all(|record| record.range.len() <= 90),
+        "{records:?}"
+    );
+    assert!(records
+        .iter()
+        .any(|record| !record.done && record.range.start >= 900));
+}
+
+/// Data-parallel chunks of different lengths (no collective inside): a rank that is done
+/// answers the others until they are done; nobody waits forever.
+#[test]
+fn ranks_with_different_amounts_of_work_all_finish() {
+    use batch_size_runtime::Chunked;
+
+    let world = ThreadRanks::with_timeout(3, Duration::from_secs(5));
+    let handles: Vec<_> = world
+        .into_iter()
+        .zip([10usize, 1000, 300])
+        .map(|(collective, total)| {
+            thread::spawn(move || {
+                Chunked::new(total)
+                    .with_starting(64)
+                    .with_agreement(collective)
+                    .run(|items| -> anyhow::Result<Vec<usize>> { Ok(items.collect()) })
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    for (handle, total) in handles.into_iter().zip([10usize, 1000, 300]) {
+        let outputs = handle.join().unwrap().unwrap();
+        assert_eq!(outputs, (0..total).collect::<Vec<_>>());
+    }
+}
+
+/// One rank's chunk fails with an error that is not out-of-memory: it gets its error back;
+/// the others stop with an error naming it.
+#[test]
+fn a_chunk_failing_otherwise_on_one_rank_stops_the_others() {
+    use batch_size_runtime::{ChunkError, Chunked};
+
+    let world = ThreadRanks::with_timeout(2, Duration::from_secs(5));
+    let handles: Vec<_> = world
+        .into_iter()
+        .enumerate()
+        .map(|(rank, collective)| {
+            thread::spawn(move || {
+                Chunked::new(100)
+                    .with_starting(10)
+                    .with_agreement(collective)
+                    .for_each(|items| -> anyhow::Result<()> {
+                        if rank == 1 && items.start >= 30 {
+                            anyhow::bail!("corrupt record {}", items.start);
+                        }
+                        Ok(())
+                    })
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles
+        .into_iter()
+        .map(|handle| handle.join().unwrap())
+        .collect();
+    match &results[1] {
+        Err(ChunkError::Failed { completed, error }) => {
+            assert_eq!(*completed, 30);
+            assert_eq!(error.to_string(), "corrupt record 30");
+        }
+        other => panic!("{other:?}"),
+    }
+    let other = results[0].as_ref().unwrap_err().to_string();
+    assert!(other.contains("rank 1 failed"), "{other}");
+}
+
+/// Ranks that meet in collectives of different lengths are out of step: an error, not a
+/// panic or a wrong result.
+#[test]
+fn collectives_of_different_lengths_are_an_error() {
+    use batch_size_runtime::agree::{Collective, ReduceOp};
+
+    let world = ThreadRanks::with_timeout(2, Duration::from_secs(5));
+    let handles: Vec<_> = world
+        .into_iter()
+        .enumerate()
+        .map(|(rank, collective)| {
+            thread::spawn(move || {
+                let mut values = vec![1u64; rank + 1];
+                collective
+                    .all_reduce(&mut values, ReduceOp::Max)
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    for handle in handles {
+        let error = handle.join().unwrap().unwrap_err();
+        assert!(error.contains("out of step"), "{error}");
+    }
+}

@@ -147,9 +147,9 @@ impl<C: Collective + ?Sized> Collective for Arc<C> {
 }
 
 /// Outcome codes, ordered so that MAX picks the most serious.
-const SUCCEEDED: u64 = 0;
-const OUT_OF_MEMORY: u64 = 1;
-const FAILED: u64 = 2;
+pub(crate) const SUCCEEDED: u64 = 0;
+pub(crate) const OUT_OF_MEMORY: u64 = 1;
+pub(crate) const FAILED: u64 = 2;
 
 /// Makes every rank's search agree with the others' (see the [module docs](self)).
 #[derive(Debug)]
@@ -178,50 +178,69 @@ impl<P: SizePolicy, C: Collective> Agree<P, C> {
         }
     }
 
-    /// Exchanges what this rank says after an attempt; every rank gets the same [`Verdict`].
     fn exchange(&self, said: Said) -> Result<Verdict, AgreementError> {
-        let failed_rank = if said.outcome == FAILED {
-            self.collective.rank() as u64 + 1
-        } else {
-            0
-        };
-        let mut worst = [said.outcome, failed_rank];
-        self.collective.all_reduce(&mut worst, ReduceOp::Max)?;
-        let mut least = [said.proposal, u64::from(said.continues)];
-        self.collective.all_reduce(&mut least, ReduceOp::Min)?;
-        Ok(Verdict {
-            outcome: worst[0],
-            failed_rank: (worst[1] > 0).then(|| (worst[1] - 1) as usize),
-            smallest_proposal: least[0],
-            all_continue: least[1] == 1,
-        })
+        exchange(&self.collective, said)
     }
+}
+
+/// Exchanges what this rank says after an attempt; every rank gets the same [`Verdict`].
+pub(crate) fn exchange(collective: &dyn Collective, said: Said) -> Result<Verdict, AgreementError> {
+    let failed_rank = if said.outcome == FAILED {
+        collective.rank() as u64 + 1
+    } else {
+        0
+    };
+    let continues = u64::from(said.continues);
+    let mut most = [said.outcome, failed_rank, continues];
+    collective.all_reduce(&mut most, ReduceOp::Max)?;
+    let mut least = [said.proposal, continues];
+    collective.all_reduce(&mut least, ReduceOp::Min)?;
+    Ok(Verdict {
+        outcome: most[0],
+        failed_rank: (most[1] > 0).then(|| (most[1] - 1) as usize),
+        smallest_proposal: least[0],
+        all_continue: least[1] == 1,
+        any_continue: most[2] == 1,
+    })
 }
 
 /// What one rank says after an attempt.
 #[derive(Debug, Clone, Copy)]
-struct Said {
+pub(crate) struct Said {
     /// [`SUCCEEDED`], [`OUT_OF_MEMORY`] or [`FAILED`].
-    outcome: u64,
+    pub(crate) outcome: u64,
     /// The size its policy would try next (`u64::MAX` for none, 0 for none left).
-    proposal: u64,
+    pub(crate) proposal: u64,
     /// Whether its policy asks for another attempt after a success (a tuner, chunks).
-    continues: bool,
+    pub(crate) continues: bool,
 }
 
 /// What every rank learns from an exchange.
 #[derive(Debug, Clone, Copy)]
-struct Verdict {
+pub(crate) struct Verdict {
     /// The most serious outcome of any rank.
-    outcome: u64,
+    pub(crate) outcome: u64,
     /// The highest rank that failed with an error that is not out-of-memory.
-    failed_rank: Option<usize>,
-    smallest_proposal: u64,
+    pub(crate) failed_rank: Option<usize>,
+    pub(crate) smallest_proposal: u64,
     /// Whether every rank asked for another attempt.
-    all_continue: bool,
+    pub(crate) all_continue: bool,
+    /// Whether any rank asked for another attempt.
+    pub(crate) any_continue: bool,
 }
 
-fn disagreement(error: &AgreementError) -> Decision {
+impl Verdict {
+    /// The stop for a rank that failed otherwise.
+    pub(crate) fn failed(&self) -> Decision {
+        Decision::Stop(StopReason::Agreement(format!(
+            "rank {} failed with an error that is not out-of-memory",
+            self.failed_rank
+                .map_or_else(|| "?".to_owned(), |rank| rank.to_string())
+        )))
+    }
+}
+
+pub(crate) fn disagreement(error: &AgreementError) -> Decision {
     Decision::Stop(StopReason::Agreement(format!(
         "the ranks could not agree: {error}"
     )))
@@ -279,12 +298,7 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
                 )
             });
         match verdict.outcome {
-            FAILED => Decision::Stop(StopReason::Agreement(format!(
-                "rank {} failed with an error that is not out-of-memory",
-                verdict
-                    .failed_rank
-                    .map_or_else(|| "?".to_owned(), |rank| rank.to_string())
-            ))),
+            FAILED => verdict.failed(),
             OUT_OF_MEMORY if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
                 "a rank ran out of memory and has no smaller size left".to_owned(),
             )),
@@ -382,6 +396,9 @@ struct Round {
     joined: usize,
     values: Vec<u64>,
     result: Vec<u64>,
+    /// Ranks of this round called with different lengths (they are out of step).
+    mismatched: bool,
+    result_mismatched: bool,
 }
 
 impl ThreadRanks {
@@ -438,7 +455,9 @@ impl Collective for ThreadRank {
         let generation = round.generation;
         if round.joined == 0 {
             round.values = values.to_vec();
+            round.mismatched = false;
         } else {
+            round.mismatched |= round.values.len() != values.len();
             for (held, value) in round.values.iter_mut().zip(values.iter()) {
                 *held = match op {
                     ReduceOp::Max => (*held).max(*value),
@@ -449,11 +468,11 @@ impl Collective for ThreadRank {
         round.joined += 1;
         if round.joined == shared.world {
             round.result = std::mem::take(&mut round.values);
+            round.result_mismatched = round.mismatched;
             round.joined = 0;
             round.generation += 1;
-            values.copy_from_slice(&round.result[..values.len().min(round.result.len())]);
             shared.changed.notify_all();
-            return Ok(());
+            return self.take_result(&round, values);
         }
         let (mut round, timeout) = shared
             .changed
@@ -472,7 +491,22 @@ impl Collective for ThreadRank {
                 world: shared.world,
             });
         }
-        values.copy_from_slice(&round.result[..values.len().min(round.result.len())]);
+        self.take_result(&round, values)
+    }
+}
+
+impl ThreadRank {
+    /// Copies a completed round's result, unless the ranks were out of step.
+    fn take_result(&self, round: &Round, values: &mut [u64]) -> Result<(), AgreementError> {
+        if round.result_mismatched || round.result.len() != values.len() {
+            return Err(AgreementError::Failed(format!(
+                "rank {} met the other ranks in collectives of different lengths: the ranks are \
+                 out of step (is a collective of yours reached by some ranks only? put \
+                 `safe_point` before it)",
+                self.rank
+            )));
+        }
+        values.copy_from_slice(&round.result);
         Ok(())
     }
 }
