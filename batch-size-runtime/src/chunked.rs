@@ -540,7 +540,7 @@ impl<'r> Chunked<'r> {
     /// that ran out of memory on any rank is redone smaller on every rank, from its start (a
     /// rank where it completed takes it back: `run` drops its outputs, `for_each` runs it
     /// again), so every rank runs the same chunks. A rank that is done answers the others
-    /// until they are done. See [`agree`](crate::agree).
+    /// until they are done. See [`agree`].
     ///
     /// ```
     /// use std::thread;
