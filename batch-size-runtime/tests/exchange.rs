@@ -1,12 +1,14 @@
-//! Sharing the communicator's Id: through a file and over TCP, with ranks as threads (the
-//! tests crate's NCCL tests do it across processes), timeouts, and what the launcher's
-//! environment must hold. Every wait is bounded: a test fails rather than hangs.
+//! Sharing the communicator's Id: through a file and over TCP, with ranks as threads and as
+//! processes (this test binary run again as a child), timeouts, peers that are not ranks, and
+//! what the launcher's environment must hold. Every wait is bounded: a test fails rather than
+//! hangs.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -16,6 +18,11 @@ use batch_size_runtime::agree::{ExchangeError, IdExchange};
 
 fn id(seed: u8) -> [u8; 128] {
     std::array::from_fn(|index| seed.wrapping_add(index as u8))
+}
+
+/// The file format: lowercase hex, two digits a byte.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 fn temporary(name: &str) -> PathBuf {
@@ -41,7 +48,7 @@ fn four_ranks(make: impl Fn(usize) -> IdExchange) {
     let created = Arc::new(AtomicUsize::new(0));
     let mut handles = Vec::new();
     for rank in [1, 2, 3, 0] {
-        let exchange = make(rank).with_timeout(Duration::from_secs(10));
+        let exchange = make(rank).with_timeout(Duration::from_secs(5));
         let created = Arc::clone(&created);
         if rank == 0 {
             thread::sleep(Duration::from_millis(100)); // the others are already waiting
@@ -64,7 +71,13 @@ fn four_ranks_share_the_id_through_a_file() {
     let path = temporary("file");
     four_ranks(|rank| IdExchange::file(&path, rank, 4));
     let text = std::fs::read_to_string(&path).unwrap();
-    assert_eq!(text.trim_end().len(), 256, "hex, one line");
+    assert_eq!(
+        text,
+        format!("{}\n", hex(&id(42))),
+        "lowercase hex, one line"
+    );
+    let leftovers = std::fs::read_dir(path.parent().unwrap()).unwrap().count();
+    assert_eq!(leftovers, 1, "the temporary file was renamed into place");
 }
 
 #[test]
@@ -76,67 +89,119 @@ fn four_ranks_share_the_id_over_tcp() {
 #[test]
 fn one_rank_creates_the_id_and_opens_nothing() {
     let path = temporary("single");
+    let created = AtomicUsize::new(0);
     let got = IdExchange::file(&path, 0, 1)
-        .exchange(|| Ok::<_, std::io::Error>(id(1)))
+        .exchange(|| {
+            created.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(id(1))
+        })
         .unwrap();
     assert_eq!(got, id(1));
+    assert_eq!(created.load(Ordering::SeqCst), 1);
     assert!(!path.exists());
+    assert_eq!(
+        std::fs::read_dir(path.parent().unwrap()).unwrap().count(),
+        0
+    );
+
+    // Over TCP, a port another process holds does not matter: nothing listens.
+    let taken = TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let got = IdExchange::tcp("127.0.0.1", port, 0, 1)
+        .with_timeout(Duration::from_secs(2))
+        .exchange(|| Ok::<_, std::io::Error>(id(2)))
+        .unwrap();
+    assert_eq!(got, id(2));
 }
 
 #[test]
 fn a_rank_without_rank_0_times_out_through_a_file() {
     let path = temporary("alone");
+    let timeout = Duration::from_millis(500);
     let started = Instant::now();
     let error = IdExchange::file(&path, 1, 2)
-        .with_timeout(Duration::from_millis(200))
+        .with_timeout(timeout)
         .exchange(|| Ok::<_, std::io::Error>(id(0)))
         .unwrap_err();
-    assert!(started.elapsed() < Duration::from_secs(3));
+    let waited = started.elapsed();
     assert!(
-        matches!(error, ExchangeError::Timeout { rank: 1, .. }),
+        waited >= timeout && waited < timeout + Duration::from_secs(1),
+        "{waited:?}"
+    );
+    assert!(
+        matches!(error, ExchangeError::Timeout { rank: 1, waited, .. } if waited == timeout),
         "{error}"
     );
-    assert!(error.to_string().contains("is rank 0 running"), "{error}");
+    let message = error.to_string();
+    assert!(message.contains("is rank 0 running"), "{message}");
+    assert!(message.contains(&path.display().to_string()), "{message}");
 }
 
 #[test]
 fn a_rank_without_rank_0_times_out_over_tcp() {
     let port = free_port();
+    let timeout = Duration::from_millis(500);
     let started = Instant::now();
     let error = IdExchange::tcp("127.0.0.1", port, 1, 2)
-        .with_timeout(Duration::from_millis(300))
+        .with_timeout(timeout)
         .exchange(|| Ok::<_, std::io::Error>(id(0)))
         .unwrap_err();
-    assert!(started.elapsed() < Duration::from_secs(3));
-    assert!(matches!(error, ExchangeError::Timeout { .. }), "{error}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= timeout && waited < timeout + Duration::from_secs(1),
+        "{waited:?}"
+    );
+    assert!(
+        matches!(error, ExchangeError::Timeout { rank: 1, .. }),
+        "{error}"
+    );
+    let message = error.to_string();
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+    assert!(message.contains("MASTER_ADDR"), "{message}");
 }
 
 #[test]
 fn rank_0_without_the_others_times_out_naming_them() {
     let port = free_port();
+    let started = Instant::now();
     let error = IdExchange::tcp("127.0.0.1", port, 0, 3)
-        .with_timeout(Duration::from_millis(200))
+        .with_timeout(Duration::from_millis(300))
         .exchange(|| Ok::<_, std::io::Error>(id(0)))
         .unwrap_err();
+    assert!(started.elapsed() < Duration::from_millis(1300));
+    assert!(
+        matches!(error, ExchangeError::Timeout { rank: 0, .. }),
+        "{error}"
+    );
     assert!(error.to_string().contains("ranks 1, 2"), "{error}");
 }
 
 #[test]
 fn a_file_that_is_not_an_id_is_an_error_at_once() {
     let path = temporary("malformed");
-    std::fs::write(&path, "not an id\n").unwrap();
-    let error = IdExchange::file(&path, 1, 2)
-        .with_timeout(Duration::from_secs(10))
-        .exchange(|| Ok::<_, std::io::Error>(id(0)))
-        .unwrap_err();
-    assert!(matches!(error, ExchangeError::Malformed { .. }), "{error}");
+    // Too short; then the right length with a sign where a digit should be.
+    for text in ["not an id\n".to_owned(), format!("{}\n", "+f".repeat(128))] {
+        std::fs::write(&path, &text).unwrap();
+        let started = Instant::now();
+        let error = IdExchange::file(&path, 1, 2)
+            .with_timeout(Duration::from_secs(5))
+            .exchange(|| Ok::<_, std::io::Error>(id(0)))
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(1), "{text:?}");
+        assert!(
+            matches!(&error, ExchangeError::Malformed { from, .. } if *from == path.display().to_string()),
+            "{text:?}: {error}"
+        );
+    }
 }
 
 #[test]
 fn a_peer_that_answers_something_else_is_an_error_not_a_hang() {
     // Another service on the port (the launcher's own store, say).
+    // It answers and keeps the connection open, as a server waiting for more would.
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
+    let (done, client_done) = std::sync::mpsc::channel::<()>();
     let impostor = thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
         let mut greeting = [0u8; 12];
@@ -144,13 +209,24 @@ fn a_peer_that_answers_something_else_is_an_error_not_a_hang() {
         stream
             .write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
             .unwrap();
+        let _ = client_done.recv_timeout(Duration::from_secs(10));
+        greeting
     });
+    let started = Instant::now();
     let error = IdExchange::tcp("127.0.0.1", port, 1, 2)
         .with_timeout(Duration::from_secs(5))
         .exchange(|| Ok::<_, std::io::Error>(id(0)))
         .unwrap_err();
-    impostor.join().unwrap();
-    assert!(matches!(error, ExchangeError::Malformed { .. }), "{error}");
+    let waited = started.elapsed();
+    done.send(()).unwrap();
+    let greeting = impostor.join().unwrap();
+    assert_eq!(&greeting[..8], b"BSIDXv1\n");
+    assert_eq!(greeting[8..], 1u32.to_le_bytes());
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+    assert!(
+        matches!(&error, ExchangeError::Malformed { from, .. } if *from == format!("127.0.0.1:{port}")),
+        "{error}"
+    );
     assert!(
         error.to_string().contains("BATCH_SIZE_EXCHANGE_PORT"),
         "{error}"
@@ -162,7 +238,7 @@ fn rank_0_ignores_a_stranger_and_still_serves_the_ranks() {
     let port = free_port();
     let server = thread::spawn(move || {
         IdExchange::tcp("127.0.0.1", port, 0, 2)
-            .with_timeout(Duration::from_secs(10))
+            .with_timeout(Duration::from_secs(5))
             .exchange(|| Ok::<_, std::io::Error>(id(9)))
     });
     // A stranger connects first and says something else.
@@ -176,8 +252,19 @@ fn rank_0_ignores_a_stranger_and_still_serves_the_ranks() {
     };
     stranger.write_all(b"GET / HTTP/1.1\r\n").unwrap();
     drop(stranger);
+    // One with our greeting but a rank outside the job gets nothing and is not counted.
+    let mut outsider = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    outsider
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut greeting = b"BSIDXv1\n".to_vec();
+    greeting.extend_from_slice(&7u32.to_le_bytes());
+    outsider.write_all(&greeting).unwrap();
+    let mut answer = Vec::new();
+    outsider.read_to_end(&mut answer).unwrap();
+    assert!(answer.is_empty(), "{answer:?}");
     let got = IdExchange::tcp("127.0.0.1", port, 1, 2)
-        .with_timeout(Duration::from_secs(10))
+        .with_timeout(Duration::from_secs(5))
         .exchange(|| Ok::<_, std::io::Error>(id(0)))
         .unwrap();
     assert_eq!(got, id(9));
@@ -261,7 +348,9 @@ fn a_missing_or_bad_variable_is_named() {
         missing,
         ExchangeError::MissingVariable { name: "RANK", .. }
     ));
-    assert!(missing.to_string().contains("torchrun"), "{missing}");
+    let message = missing.to_string();
+    assert!(message.starts_with("RANK is not set"), "{message}");
+    assert!(message.contains("torchrun"), "{message}");
 
     let bad_port = IdExchange::from_vars(vars(&[
         ("RANK", "0"),
@@ -273,6 +362,23 @@ fn a_missing_or_bad_variable_is_named() {
     assert!(
         matches!(&bad_port, ExchangeError::InvalidVariable { name: "MASTER_PORT", value, .. } if value == "http"),
         "{bad_port}"
+    );
+    assert!(
+        bad_port.to_string().contains("MASTER_PORT=\"http\""),
+        "{bad_port}"
+    );
+
+    let bad_override = IdExchange::from_vars(vars(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+        ("BATCH_SIZE_EXCHANGE_PORT", "70000"),
+    ]))
+    .unwrap_err();
+    assert!(
+        matches!(&bad_override, ExchangeError::InvalidVariable { name: "BATCH_SIZE_EXCHANGE_PORT", value, .. } if value == "70000"),
+        "{bad_override}"
     );
 
     let outside = IdExchange::from_vars(vars(&[
@@ -289,4 +395,167 @@ fn a_missing_or_bad_variable_is_named() {
             world_size: 4
         }
     ));
+    assert!(
+        outside
+            .to_string()
+            .contains("RANK must be below WORLD_SIZE"),
+        "{outside}"
+    );
+
+    let nobody = IdExchange::from_vars(vars(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "0"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+    ]))
+    .unwrap_err();
+    assert!(
+        matches!(
+            nobody,
+            ExchangeError::InvalidRank {
+                rank: 0,
+                world_size: 0
+            }
+        ),
+        "{nobody}"
+    );
+    // The constructors check it when the exchange runs, before `create`.
+    let error = IdExchange::file(temporary("outside"), 2, 2)
+        .exchange(|| -> Result<[u8; 128], std::io::Error> { panic!("create on a bad rank") })
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ExchangeError::InvalidRank {
+                rank: 2,
+                world_size: 2
+            }
+        ),
+        "{error}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ranks as processes: this test binary, run again with a rank in the environment.
+
+/// Set in a child only: the rank it plays. Without it the child test does nothing.
+const CHILD_RANK: &str = "EXCHANGE_CHILD_RANK";
+/// The file to exchange through; without it the child reads the launcher's environment.
+const CHILD_FILE: &str = "EXCHANGE_CHILD_FILE";
+/// Rank 0's Id is `id(seed)`.
+const CHILD_SEED: &str = "EXCHANGE_CHILD_SEED";
+/// What a child prints before the hex of the Id it got.
+const EXCHANGED: &str = "EXCHANGED ";
+/// What a child prints when its `create` ran.
+const CREATED: &str = "CREATED";
+
+/// A rank as a process: exchanges through `EXCHANGE_CHILD_FILE`, or over TCP as its
+/// environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) says; prints the Id.
+#[test]
+fn child_exchange_rank() {
+    let Ok(rank) = std::env::var(CHILD_RANK) else {
+        return; // run only as a child
+    };
+    let rank: usize = rank.parse().unwrap();
+    let exchange = match std::env::var(CHILD_FILE) {
+        Ok(file) => IdExchange::file(file, rank, 2),
+        Err(_) => IdExchange::from_env().unwrap(),
+    };
+    assert_eq!((exchange.rank(), exchange.world_size()), (rank, 2));
+    let seed: u8 = std::env::var(CHILD_SEED).unwrap().parse().unwrap();
+    let got = exchange
+        .with_timeout(Duration::from_secs(5))
+        .exchange(|| {
+            println!("{CREATED}");
+            Ok::<_, std::io::Error>(id(seed))
+        })
+        .unwrap();
+    println!("{EXCHANGED}{}", hex(&got));
+}
+
+/// Runs this binary's `child_exchange_rank` with `env`; returns its stdout once it succeeded.
+fn run_child(env: &[(&str, String)]) -> String {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args([
+            "--exact",
+            "child_exchange_rank",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        // The parent's own launcher must not choose the child's port.
+        .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+        .env_remove("BATCH_SIZE_EXCHANGE_PORT")
+        .env_remove("LOCAL_RANK")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("child {env:?} ran past 30 s");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "child {env:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// Two processes, rank 0 started last; both must print rank 0's Id, and only rank 0 creates.
+fn two_processes(env: impl Fn(usize) -> Vec<(&'static str, String)>) {
+    let seed = (std::process::id() % 251) as u8;
+    let children: Vec<_> = [1, 0]
+        .into_iter()
+        .map(|rank| {
+            let mut env = env(rank);
+            env.push((CHILD_RANK, rank.to_string()));
+            env.push((CHILD_SEED, seed.to_string()));
+            if rank == 0 {
+                thread::sleep(Duration::from_millis(200)); // rank 1 is already waiting
+            }
+            (rank, thread::spawn(move || run_child(&env)))
+        })
+        .collect();
+    for (rank, child) in children {
+        let stdout = child.join().unwrap();
+        let got = stdout
+            .lines()
+            .find_map(|line| line.split_once(EXCHANGED).map(|(_, hex)| hex.trim()))
+            .unwrap_or_else(|| panic!("rank {rank} printed no Id:\n{stdout}"));
+        assert_eq!(got, hex(&id(seed)), "rank {rank}");
+        assert_eq!(
+            stdout.contains(CREATED),
+            rank == 0,
+            "rank {rank}:\n{stdout}"
+        );
+    }
+}
+
+#[test]
+fn two_processes_share_the_id_through_a_file() {
+    let path = temporary("processes").display().to_string();
+    two_processes(|_| vec![(CHILD_FILE, path.clone())]);
+}
+
+#[test]
+fn two_processes_share_the_id_over_tcp_from_the_launchers_environment() {
+    let port = free_port();
+    two_processes(|rank| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".to_owned()),
+            ("MASTER_ADDR", "127.0.0.1".to_owned()),
+            ("MASTER_PORT", port.to_string()),
+        ]
+    });
 }

@@ -138,7 +138,19 @@ impl IdExchange {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
     /// Rank 0 writes the Id to `path` atomically (a temporary file in the same folder, then a
-    /// rename); the others wait for the file and read it. The path must be fresh for each job.
+    /// rename), as candle's multi-process NCCL example does; the others poll for the file until
+    /// the timeout and read it. Use it when every rank sees one folder (one machine, or storage
+    /// every machine mounts) and there is no launcher's environment.
+    ///
+    /// The path must be fresh for each job (put the job's id in it): rank 0 replaces an
+    /// existing file, and a rank that starts before it would read the old job's Id.
+    ///
+    /// ```
+    /// use batch_size_runtime::agree::IdExchange;
+    /// let job = std::process::id(); // a scheduler's job id, in a real job
+    /// let exchange = IdExchange::file(std::env::temp_dir().join(format!("nccl-id-{job}")), 1, 4);
+    /// assert_eq!((exchange.rank(), exchange.world_size(), exchange.local_rank()), (1, 4, 1));
+    /// ```
     pub fn file(path: impl Into<PathBuf>, rank: usize, world_size: usize) -> Self {
         IdExchange {
             way: Way::File(path.into()),
@@ -149,8 +161,22 @@ impl IdExchange {
         }
     }
 
-    /// Rank 0 listens on `port` (every interface) and hands the Id to the others, which
-    /// connect to `host:port`, retrying until rank 0 is up or the timeout.
+    /// Rank 0 listens on `port` on every interface (`0.0.0.0`) and hands the Id to the
+    /// `world_size - 1` others, which connect to `host:port` (rank 0's address, reachable from
+    /// every rank), retrying until the timeout since rank 0 may start after them.
+    ///
+    /// ```
+    /// use std::thread;
+    /// use batch_size_runtime::agree::IdExchange;
+    ///
+    /// let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    /// let other = thread::spawn(move || {
+    ///     IdExchange::tcp("127.0.0.1", port, 1, 2).exchange(|| Ok::<_, std::io::Error>([0; 128]))
+    /// });
+    /// let id = IdExchange::tcp("127.0.0.1", port, 0, 2).exchange(|| Ok::<_, std::io::Error>([5; 128]))?;
+    /// assert_eq!(other.join().unwrap()?, id);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn tcp(host: impl Into<String>, port: u16, rank: usize, world_size: usize) -> Self {
         IdExchange {
             way: Way::Tcp {
@@ -167,12 +193,17 @@ impl IdExchange {
     /// The TCP exchange from the launcher's environment, as `torchrun` sets it: `RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK` (the rank when absent), `MASTER_ADDR`, `MASTER_PORT`. The
     /// port: `BATCH_SIZE_EXCHANGE_PORT` if set; else `MASTER_PORT + 1` under `torchrun`
-    /// (whose agent serves its store on `MASTER_PORT`); else `MASTER_PORT`.
+    /// (whose agent serves its store on `MASTER_PORT`, `TORCHELASTIC_USE_AGENT_STORE=True`);
+    /// else `MASTER_PORT`.
+    ///
+    /// A missing or unparsable variable is an [`ExchangeError`] that names it, its value and
+    /// what to set; a `RANK` not below `WORLD_SIZE` is [`ExchangeError::InvalidRank`].
     pub fn from_env() -> Result<Self, ExchangeError> {
         IdExchange::from_vars(|name| std::env::var(name).ok())
     }
 
-    /// [`from_env`](Self::from_env) reading the variables through `lookup`.
+    /// [`from_env`](Self::from_env) reading the variables through `lookup`: for tests, and for
+    /// launchers that keep them elsewhere than in the process's environment.
     ///
     /// ```
     /// use batch_size_runtime::agree::IdExchange;
@@ -253,23 +284,39 @@ impl IdExchange {
         Ok(exchange)
     }
 
-    /// How long to wait for the others (default [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT)).
+    /// How long to wait for the others (default [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT)):
+    /// a rank that died or never started ends the exchange with [`ExchangeError::Timeout`]
+    /// instead of a hang.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use batch_size_runtime::agree::{ExchangeError, IdExchange};
+    ///
+    /// let nobody = std::env::temp_dir().join(format!("no-rank-0-{}", std::process::id()));
+    /// let error = IdExchange::file(nobody, 1, 2)
+    ///     .with_timeout(Duration::from_millis(50))
+    ///     .exchange(|| Ok::<_, std::io::Error>([0; 128]))
+    ///     .unwrap_err();
+    /// assert!(matches!(error, ExchangeError::Timeout { rank: 1, .. }));
+    /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// This rank, from 0.
+    /// This rank, from 0: rank 0 creates the Id.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
-    /// How many ranks take part.
+    /// How many ranks take part: rank 0 waits for `world_size - 1` others.
     pub fn world_size(&self) -> usize {
         self.world_size
     }
 
-    /// The GPU this process should use on its machine (`LOCAL_RANK`; the rank otherwise).
+    /// The GPU ordinal this process should use on its machine: `LOCAL_RANK` from the
+    /// launcher's environment (several machines number their GPUs from 0 each); the rank for
+    /// [`file`](Self::file) and [`tcp`](Self::tcp), which assume one machine.
     pub fn local_rank(&self) -> usize {
         self.local_rank
     }
@@ -284,8 +331,17 @@ impl IdExchange {
         Ok(())
     }
 
-    /// Rank 0 calls `create` and shares its bytes; every rank returns the same 128 bytes.
-    /// With one rank nothing is written or opened.
+    /// Rank 0 calls `create` (`ncclGetUniqueId`, say) and shares its bytes; every rank returns
+    /// the same 128 bytes. `create` is called on rank 0 only, and its error comes back as
+    /// [`ExchangeError::Create`]. With one rank nothing is written or opened.
+    ///
+    /// ```
+    /// use batch_size_runtime::agree::IdExchange;
+    /// // One rank: no socket is opened, so the port does not matter.
+    /// let id = IdExchange::tcp("127.0.0.1", 1, 0, 1).exchange(|| Ok::<_, std::io::Error>([3; 128]))?;
+    /// assert_eq!(id, [3; 128]);
+    /// # Ok::<(), batch_size_runtime::agree::ExchangeError>(())
+    /// ```
     pub fn exchange<E>(
         &self,
         create: impl FnOnce() -> Result<[u8; ID_BYTES], E>,
@@ -302,14 +358,14 @@ impl IdExchange {
                     Way::Tcp { port, .. } => self.serve(*port, &id)?,
                 }
             }
-            tracing::debug!(ranks = self.world_size, way = %self, "communicator Id shared");
+            tracing::info!(ranks = self.world_size, way = %self, "communicator Id shared");
             return Ok(id);
         }
         let id = match &self.way {
             Way::File(path) => self.read_file(path)?,
             Way::Tcp { host, port } => self.fetch(host, *port)?,
         };
-        tracing::debug!(rank = self.rank, way = %self, "communicator Id received");
+        tracing::info!(rank = self.rank, way = %self, "communicator Id received");
         Ok(id)
     }
 
@@ -361,12 +417,17 @@ impl IdExchange {
                 what: "configuring the Id's socket".to_owned(),
                 source,
             })?;
+        tracing::debug!(
+            port,
+            ranks = self.world_size - 1,
+            "waiting for the ranks to fetch the Id"
+        );
         let deadline = Instant::now() + self.timeout;
         let mut served = vec![false; self.world_size];
         served[0] = true;
         while served.iter().any(|done| !done) {
             match listener.accept() {
-                Ok((stream, peer)) => match hand_over(stream, id, self.world_size) {
+                Ok((stream, peer)) => match hand_over(stream, id, self.world_size, deadline) {
                     Ok(rank) if !served[rank] => {
                         served[rank] = true;
                         tracing::debug!(rank, %peer, "communicator Id handed over");
@@ -443,10 +504,20 @@ fn connect(host: &str, port: u16, timeout: Duration) -> io::Result<TcpStream> {
 }
 
 /// Rank 0's side of one connection: checks the greeting, sends the Id; returns the rank.
-fn hand_over(mut stream: TcpStream, id: &[u8; ID_BYTES], world_size: usize) -> io::Result<usize> {
+fn hand_over(
+    mut stream: TcpStream,
+    id: &[u8; ID_BYTES],
+    world_size: usize,
+    deadline: Instant,
+) -> io::Result<usize> {
+    // A peer that connects and stays silent holds rank 0 (which serves one connection at a
+    // time) for a few seconds at most, and never past its deadline.
+    let patience = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(1), Duration::from_secs(5));
     stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    stream.set_read_timeout(Some(patience))?;
+    stream.set_write_timeout(Some(patience))?;
     let mut greeting = [0u8; 12];
     stream.read_exact(&mut greeting)?;
     if &greeting[..8] != MAGIC {
@@ -489,28 +560,36 @@ fn receive(
     greeting.extend_from_slice(MAGIC);
     greeting.extend_from_slice(&rank.to_le_bytes());
     stream.write_all(&greeting).map_err(io_error)?;
-    let mut answer = Vec::with_capacity(MAGIC.len() + ID_BYTES);
-    stream
-        .take((MAGIC.len() + ID_BYTES) as u64)
-        .read_to_end(&mut answer)
-        .map_err(io_error)?;
-    if answer.len() < MAGIC.len() || &answer[..MAGIC.len()] != MAGIC {
-        return Err(ExchangeError::Malformed {
-            from: peer.to_owned(),
-            why: "it answered something else (is MASTER_PORT another service's, such as \
-                  torchrun's store? set BATCH_SIZE_EXCHANGE_PORT)"
-                .to_owned(),
-        });
+    // The greeting is checked as soon as it is in: another service that answers something and
+    // keeps the connection open is told apart at once, not at the timeout.
+    let malformed = |why: &str| ExchangeError::Malformed {
+        from: peer.to_owned(),
+        why: why.to_owned(),
+    };
+    let read =
+        |stream: &mut TcpStream, buffer: &mut [u8], short: &str| match stream.read_exact(buffer) {
+            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => Err(malformed(short)),
+            other => other.map_err(io_error),
+        };
+    let mut magic = [0u8; MAGIC.len()];
+    read(
+        &mut stream,
+        &mut magic,
+        "it closed the connection without answering (is this rank in the job, below WORLD_SIZE?)",
+    )?;
+    if &magic != MAGIC {
+        return Err(malformed(
+            "it answered something else (is MASTER_PORT another service's, such as torchrun's \
+             store? set BATCH_SIZE_EXCHANGE_PORT to a free port, the same for every rank)",
+        ));
     }
-    answer[MAGIC.len()..]
-        .try_into()
-        .map_err(|_| ExchangeError::Malformed {
-            from: peer.to_owned(),
-            why: format!(
-                "{} bytes of Id instead of {ID_BYTES}",
-                answer.len() - MAGIC.len()
-            ),
-        })
+    let mut id = [0u8; ID_BYTES];
+    read(
+        &mut stream,
+        &mut id,
+        "it closed the connection before the whole Id",
+    )?;
+    Ok(id)
 }
 
 /// Writes the Id as hex to a temporary file beside `path`, then renames it into place, so that
@@ -545,19 +624,28 @@ fn parse_hex(text: &str, path: &Path) -> Result<[u8; ID_BYTES], ExchangeError> {
         from: path.display().to_string(),
         why,
     };
-    let text = text.trim_end();
+    let text = text.trim_end().as_bytes();
     if text.len() != 2 * ID_BYTES {
         return Err(malformed(format!(
-            "{} characters where an Id has {}",
+            "{} characters where an Id has {} hex digits (remove the file if it is another \
+             job's, and give each job its own path)",
             text.len(),
             2 * ID_BYTES
         )));
     }
     let mut id = [0u8; ID_BYTES];
-    for (slot, pair) in id.iter_mut().zip(text.as_bytes().chunks(2)) {
-        let pair = std::str::from_utf8(pair).map_err(|_| malformed("not hex".to_owned()))?;
-        *slot =
-            u8::from_str_radix(pair, 16).map_err(|_| malformed(format!("{pair:?} is not hex")))?;
+    for (slot, pair) in id.iter_mut().zip(text.chunks_exact(2)) {
+        // Digit by digit: `u8::from_str_radix` would also take a sign ("+f").
+        let digit = |byte: u8| (byte as char).to_digit(16);
+        match (digit(pair[0]), digit(pair[1])) {
+            (Some(high), Some(low)) => *slot = (high * 16 + low) as u8,
+            _ => {
+                return Err(malformed(format!(
+                    "{:?} is not a hex digit pair",
+                    String::from_utf8_lossy(pair)
+                )))
+            }
+        }
     }
     Ok(id)
 }
