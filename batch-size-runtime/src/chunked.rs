@@ -209,15 +209,7 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
             return Decision::Try(starting);
         };
         // Every rank starts its first chunk at the smallest starting size of all.
-        let said = Said {
-            outcome: SUCCEEDED,
-            proposal: starting as u64,
-            continues: true,
-        };
-        match agree::exchange(&*collective, said) {
-            Ok(verdict) => Decision::Try(verdict.smallest_proposal.max(1) as usize),
-            Err(error) => agree::disagreement(&error),
-        }
+        agree::agreed_start(&*collective, starting as u64)
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {
@@ -231,13 +223,7 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
     fn ended_by_failure(&mut self, history: &SearchReport) {
         self.inner.ended_by_failure(history);
         if let Some(collective) = self.agreement.clone() {
-            // Tell the others, who wait for this chunk's verdict.
-            let said = Said {
-                outcome: FAILED,
-                proposal: 0,
-                continues: false,
-            };
-            let _ = agree::exchange(&*collective, said);
+            agree::tell_failure(&*collective);
         }
     }
 
@@ -261,17 +247,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             .last()
             .is_some_and(|last| last.outcome == Outcome::Succeeded);
         let done = succeeded && own == Decision::Accept;
-        let proposal = match own {
-            Decision::Try(size) => size as u64,
-            _ if succeeded => u64::MAX,
-            _ => 0,
-        };
-        let said = Said {
-            outcome: if succeeded { SUCCEEDED } else { OUT_OF_MEMORY },
-            proposal,
-            continues: !done,
-        };
-        let verdict = match agree::exchange(collective, said) {
+        let verdict = match agree::exchange(collective, Said::after_attempt(succeeded, &own)) {
             Ok(verdict) => verdict,
             Err(error) => return agree::disagreement(&error),
         };

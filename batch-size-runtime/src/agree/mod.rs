@@ -229,6 +229,48 @@ pub(crate) struct Verdict {
     pub(crate) any_continue: bool,
 }
 
+impl Said {
+    /// After an attempt that succeeded or ran out of memory, its policy having decided `own`.
+    pub(crate) fn after_attempt(succeeded: bool, own: &Decision) -> Said {
+        Said {
+            outcome: if succeeded { SUCCEEDED } else { OUT_OF_MEMORY },
+            proposal: match own {
+                Decision::Try(size) => *size as u64,
+                _ if succeeded => u64::MAX,
+                _ => 0,
+            },
+            continues: matches!(own, Decision::Try(_)),
+        }
+    }
+}
+
+/// The first size every rank tries: the smallest of the ranks' `proposal`s (0: none).
+pub(crate) fn agreed_start(collective: &dyn Collective, proposal: u64) -> Decision {
+    let said = Said {
+        outcome: SUCCEEDED,
+        proposal,
+        continues: true,
+    };
+    match exchange(collective, said) {
+        Ok(verdict) if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
+            "a rank had no size to start from".to_owned(),
+        )),
+        Ok(verdict) => Decision::Try(verdict.smallest_proposal as usize),
+        Err(error) => disagreement(&error),
+    }
+}
+
+/// Tells the other ranks, waiting for this attempt's verdict, that it failed otherwise; what
+/// they answer no longer matters here.
+pub(crate) fn tell_failure(collective: &dyn Collective) {
+    let said = Said {
+        outcome: FAILED,
+        proposal: 0,
+        continues: false,
+    };
+    let _ = exchange(collective, said);
+}
+
 impl Verdict {
     /// The stop for a rank that failed otherwise.
     pub(crate) fn failed(&self) -> Decision {
@@ -252,33 +294,14 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
             Decision::Try(size) => size as u64,
             _ => 0,
         };
-        let said = Said {
-            outcome: SUCCEEDED,
-            proposal,
-            continues: true,
-        };
-        match self.exchange(said) {
-            Ok(verdict) if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
-                "a rank had no size to start from".to_owned(),
-            )),
-            Ok(verdict) => Decision::Try(verdict.smallest_proposal as usize),
-            Err(error) => disagreement(&error),
-        }
+        agreed_start(&self.collective, proposal)
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {
         let succeeded = history.last().is_some_and(|last| last.outcome.is_success());
         let own = self.inner.after(history);
-        let proposal = match own {
-            Decision::Try(size) => size as u64,
-            _ if succeeded => u64::MAX,
-            _ => 0,
-        };
-        let said = Said {
-            outcome: if succeeded { SUCCEEDED } else { OUT_OF_MEMORY },
-            proposal,
-            continues: matches!(own, Decision::Try(_)),
-        };
+        let said = Said::after_attempt(succeeded, &own);
+        let proposal = said.proposal;
         let verdict = match self.exchange(said) {
             Ok(verdict) => verdict,
             Err(error) => return disagreement(&error),
@@ -319,13 +342,7 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
 
     fn ended_by_failure(&mut self, history: &SearchReport) {
         self.inner.ended_by_failure(history);
-        // Tell the others, who are waiting in `after`; what they answer no longer matters here.
-        let said = Said {
-            outcome: FAILED,
-            proposal: 0,
-            continues: false,
-        };
-        let _ = self.exchange(said);
+        tell_failure(&self.collective);
     }
 
     fn check(&self) -> Result<(), String> {
