@@ -266,9 +266,10 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             }
             _ if !done => Decision::Try(verdict.smallest_proposal as usize),
             _ => {
-                // Done here: answer the others' verdicts until every rank is done.
+                // Done here: answer the others' verdicts until every rank is done, or until
+                // they all stop (one ran out of memory with no smaller chunk left).
                 let mut verdict = verdict;
-                while verdict.any_continue {
+                while verdict.any_continue && !verdict.all_stop() {
                     let idle = Said {
                         outcome: SUCCEEDED,
                         proposal: u64::MAX,

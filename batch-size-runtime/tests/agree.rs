@@ -532,3 +532,45 @@ fn collectives_of_different_lengths_are_an_error() {
         assert!(error.contains("out of step"), "{error}");
     }
 }
+
+/// A rank that finished its items waits for the others; when one of them meets an item too
+/// large for any chunk, every busy rank stops, and the finished one returns its outputs at
+/// once instead of waiting for a round nobody will join.
+#[test]
+fn a_finished_rank_returns_at_once_when_the_others_stop() {
+    use batch_size_runtime::Chunked;
+
+    let timeout = Duration::from_secs(3);
+    let world = ThreadRanks::with_timeout(3, timeout);
+    let started = std::time::Instant::now();
+    let handles: Vec<_> = world
+        .into_iter()
+        .zip([10usize, 1000, 1000])
+        .enumerate()
+        .map(|(rank, (collective, total))| {
+            thread::spawn(move || {
+                Chunked::new(total)
+                    .with_starting(64)
+                    .with_agreement(collective)
+                    .run(|items| -> anyhow::Result<Vec<usize>> {
+                        if rank == 1 && items.contains(&500) {
+                            Err(OutOfMemory::new())? // item 500 never fits on rank 1
+                        }
+                        Ok(items.collect())
+                    })
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(results[0].as_ref().unwrap(), &(0..10).collect::<Vec<_>>());
+    assert!(
+        results[1].as_ref().unwrap_err().contains("item 500"),
+        "{results:?}"
+    );
+    assert!(results[2].is_err(), "{results:?}");
+    assert!(
+        started.elapsed() < timeout,
+        "the finished rank waited for the timeout"
+    );
+}

@@ -272,6 +272,11 @@ pub(crate) fn tell_failure(collective: &dyn Collective) {
 }
 
 impl Verdict {
+    /// Whether every rank stops here: a rank ran out of memory with no smaller size left.
+    pub(crate) fn all_stop(&self) -> bool {
+        self.outcome == OUT_OF_MEMORY && self.smallest_proposal == 0
+    }
+
     /// The stop for a rank that failed otherwise.
     pub(crate) fn failed(&self) -> Decision {
         Decision::Stop(StopReason::Agreement(format!(
@@ -322,7 +327,7 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
             });
         match verdict.outcome {
             FAILED => verdict.failed(),
-            OUT_OF_MEMORY if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
+            _ if verdict.all_stop() => Decision::Stop(StopReason::Policy(
                 "a rank ran out of memory and has no smaller size left".to_owned(),
             )),
             // Every rank retries at the same size, the ones that succeeded too: the attempt
