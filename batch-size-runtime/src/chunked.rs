@@ -615,15 +615,7 @@ impl<'r> Chunked<'r> {
             outputs.extend(values);
             Ok(())
         })
-        .map_err(|error| match wrong.take() {
-            Some((range, got)) => ChunkError::WrongOutputCount {
-                completed: error.completed(),
-                expected: range.len(),
-                range,
-                got,
-            },
-            None => error,
-        })?;
+        .map_err(|error| with_wrong_count(error, wrong.take()))?;
         Ok(outputs)
     }
 
@@ -872,15 +864,8 @@ impl<'r> Chunked<'r> {
             .await;
         self.notify = lock_any(&notify).take();
         let wrong = lock_any(&wrong).take();
-        self.conclude(&run, result).map_err(|error| match wrong {
-            Some((range, got)) => ChunkError::WrongOutputCount {
-                completed: error.completed(),
-                expected: range.len(),
-                range,
-                got,
-            },
-            None => error,
-        })?;
+        self.conclude(&run, result)
+            .map_err(|error| with_wrong_count(error, wrong))?;
         let outputs = std::mem::take(&mut *lock_any(&outputs));
         Ok(outputs)
     }
@@ -935,6 +920,23 @@ fn reason<E: AsRef<dyn Error + Send + Sync + 'static>>(error: &E) -> Option<Stop
         .as_ref()
         .downcast_ref::<NoExecutableBatchSize>()
         .map(|none_fit| none_fit.reason().clone())
+}
+
+/// The run's error, or [`ChunkError::WrongOutputCount`] when it stopped because the chunk
+/// `wrong.0` returned `wrong.1` outputs.
+fn with_wrong_count<E>(
+    error: ChunkError<E>,
+    wrong: Option<(Range<usize>, usize)>,
+) -> ChunkError<E> {
+    match wrong {
+        Some((range, got)) => ChunkError::WrongOutputCount {
+            completed: error.completed(),
+            expected: range.len(),
+            range,
+            got,
+        },
+        None => error,
+    }
 }
 
 /// The error that stops the search when `run`'s closure returned the wrong number of outputs
