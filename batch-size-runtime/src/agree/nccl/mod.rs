@@ -360,25 +360,31 @@ impl NcclRank {
     }
 
     /// One all-reduce, waited for within the timeout.
-    fn reduce(&self, state: &mut State, values: &mut [u64], op: c_uint) -> Result<(), String> {
+    fn reduce(
+        &self,
+        state: &mut State,
+        values: &mut [u64],
+        op: c_uint,
+    ) -> Result<(), AgreementError> {
+        let failed = AgreementError::Failed;
         let Some(comm) = state.comm.as_ref().map(|comm| comm.0) else {
-            return Err("the communicator is closed".to_owned());
+            return Err(failed("the communicator is closed".to_owned()));
         };
         self.stream
             .context()
             .bind_to_thread()
-            .map_err(|error| format!("binding the context: {error}"))?;
+            .map_err(|error| failed(format!("binding the context: {error}")))?;
         if state.buffer.len() < values.len() {
             state.buffer = self
                 .stream
                 .alloc_zeros::<u64>(values.len())
-                .map_err(|error| format!("allocating: {error}"))?;
+                .map_err(|error| failed(format!("allocating: {error}")))?;
         }
         let count = values.len();
         let mut window = state.buffer.slice_mut(..count);
         self.stream
             .memcpy_htod(&*values, &mut window)
-            .map_err(|error| format!("copying to the device: {error}"))?;
+            .map_err(|error| failed(format!("copying to the device: {error}")))?;
         let code = {
             let (pointer, _recorded) = window.device_ptr(&self.stream);
             // SAFETY: in place on a live device buffer of `count` u64 on this stream.
@@ -400,12 +406,12 @@ impl NcclRank {
         self.wait(comm)?;
         self.stream
             .memcpy_dtoh(&window, values)
-            .map_err(|error| format!("copying from the device: {error}"))?;
+            .map_err(|error| failed(format!("copying from the device: {error}")))?;
         Ok(())
     }
 
     /// Until the stream's work is done: polls it and the communicator's asynchronous error.
-    fn wait(&self, comm: RawComm) -> Result<(), String> {
+    fn wait(&self, comm: RawComm) -> Result<(), AgreementError> {
         let started = Instant::now();
         let mut pause = Pause::new();
         loop {
@@ -414,24 +420,30 @@ impl NcclRank {
             match query {
                 cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(format!("the stream failed: {other:?}")),
+                other => {
+                    return Err(AgreementError::Failed(format!(
+                        "the stream failed: {other:?}"
+                    )))
+                }
             }
             match async_error(self.library, comm) {
                 NCCL_SUCCESS | NCCL_IN_PROGRESS => {}
                 code => return Err(self.library_error("the all-reduce", code, comm)),
             }
             if started.elapsed() >= self.timeout {
-                return Err(format!(
-                    "rank {} waited {:?} for the other ranks' all-reduce",
-                    self.rank, self.timeout
-                ));
+                return Err(AgreementError::Timeout {
+                    rank: self.rank,
+                    waited: self.timeout,
+                    joined: 0,
+                    world: self.world_size,
+                });
             }
             pause.sleep();
         }
     }
 
-    fn library_error(&self, call: &'static str, code: c_uint, comm: RawComm) -> String {
-        call_error(self.library, call, code, comm).to_string()
+    fn library_error(&self, call: &'static str, code: c_uint, comm: RawComm) -> AgreementError {
+        AgreementError::Failed(call_error(self.library, call, code, comm).to_string())
     }
 }
 
@@ -458,27 +470,15 @@ impl Collective for NcclRank {
                 "the NCCL communicator failed earlier: {failed}"
             )));
         }
-        let started = Instant::now();
-        match self.reduce(&mut state, values, op) {
-            Ok(()) => Ok(()),
-            Err(why) => {
-                // The communicator cannot be trusted after a failure or a timeout: abort it
-                // (which ends the collective on this rank) and fail every later agreement.
-                abort(self.library, &mut state);
-                state.failed = Some(why.clone());
-                tracing::error!(rank = self.rank, "NCCL agreement failed: {why}");
-                if started.elapsed() >= self.timeout {
-                    Err(AgreementError::Timeout {
-                        rank: self.rank,
-                        waited: self.timeout,
-                        joined: 0,
-                        world: self.world_size,
-                    })
-                } else {
-                    Err(AgreementError::Failed(why))
-                }
-            }
+        let reduced = self.reduce(&mut state, values, op);
+        if let Err(error) = &reduced {
+            // The communicator cannot be trusted after a failure or a timeout: abort it
+            // (which ends the collective on this rank) and fail every later agreement.
+            abort(self.library, &mut state);
+            state.failed = Some(error.to_string());
+            tracing::error!(rank = self.rank, "NCCL agreement failed: {error}");
         }
+        reduced
     }
 }
 
