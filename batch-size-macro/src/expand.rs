@@ -198,7 +198,7 @@ fn idents_in(tokens: &TokenStream) -> HashSet<String> {
 /// callers (which already omit the batch size) and the body still type-check, and nothing
 /// diverges before the body, so its parameters count as used and no lint fires.
 fn placeholder(function: &ItemFn, split: &Split) -> TokenStream {
-    let rebind = &split.rebind;
+    let rebind = split.rebind.iter().map(|rebinding| &rebinding.sync);
     let block = &function.block;
     placeholder_over(
         &function.attrs,
@@ -248,14 +248,10 @@ fn rewrite(
     let outer = &split.outer;
     let batch_pat = &split.batch_size.pat;
     let batch_ty = &split.batch_size.ty;
-    let rebind = &split.rebind;
     let shape = signature::return_shape(&function.sig.output);
 
     // Locals of the generated code are hygienic: the body can neither see nor shadow them.
-    let driver = quote_spanned!(Span::mixed_site()=> __batch_size_driver);
     let size = quote_spanned!(Span::mixed_site()=> __batch_size);
-    let value = quote_spanned!(Span::mixed_site()=> __batch_size_value);
-
     let effective = quote_spanned!(Span::mixed_site()=> __batch_size_effective);
     let is_plan = split.batch_size.is_plan;
     let size_ty: syn::Type = if is_plan {
@@ -275,38 +271,6 @@ fn rewrite(
     if effective_value.is_some() {
         search = quote! { #private::with_effective(#search, &#effective) };
     }
-    let (driver_new, typed) = match &shape.inferable {
-        // The return type with `_` for any `impl Trait` in it: the ladders pick the
-        // classification and the give-up by type, so a `Result` behind an alias is found too.
-        Some(ret) => {
-            let classify = spans::over(
-                quote! { (&&&&&&&#private::tag::<#ret>()).batch_size_classify_kind() },
-                &shape.ty,
-            );
-            let give_up = spans::over(
-                quote! { (&&&&&&#private::tag::<#ret>()).batch_size_give_up_kind() },
-                &shape.ty,
-            );
-            let new = spans::call_over(
-                quote! { #private::Driver::<#ret, _, _>::new },
-                quote! { #driver, #classify, #give_up },
-                &shape.ty,
-            );
-            (
-                quote! {{
-                    #[allow(unused_imports)]
-                    use #private::ladder::*;
-                    #new
-                }},
-                Some(quote! { ::<#ret, _> }),
-            )
-        }
-        // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
-        None => (
-            quote! { #private::Driver::new(#driver, #private::PanicOnly::new(), #private::PanicWithError::new()) },
-            None,
-        ),
-    };
 
     // Over the parameter's type, like the builder's check of it, so that a type that cannot be
     // a batch size gives one error there.
@@ -316,32 +280,82 @@ fn rewrite(
         let cast = spans::over(quote! { #private::batch_size_as::<#batch_ty> }, batch_ty);
         quote! { #cast(#size) }
     };
-    let attempt = quote! {
-        let #batch_pat: #batch_ty = #batch_size_as;
-        #(#rebind)*
-        #block
-    };
-    let run_attempt = if function.sig.asyncness.is_some() {
-        quote! { #private::catch_future #typed (async { #attempt }).await }
+    let is_async = function.sig.asyncness.is_some();
+    let mut_receiver = function
+        .sig
+        .receiver()
+        .is_some_and(|receiver| receiver.mutability.is_some());
+    let sync = split.rebind.iter().map(|rebinding| &rebinding.sync);
+    // The body's statements, not its block: a one-line body `{ Ok(batch_size) }` nested as a
+    // block would draw `unused_braces` at the user's own braces.
+    let block = &block.stmts;
+    // The body is the attempt: `return` and `?` end the attempt with the function's type.
+    let (before, attempt) = if !is_async {
+        let attempt = quote! {
+            |#size| {
+                let #batch_pat: #batch_ty = #batch_size_as;
+                #(#sync)*
+                #(#block)*
+            }
+        };
+        (TokenStream::new(), attempt)
+    } else if mut_receiver {
+        // `self` cannot be rebound, so `&mut self` is lent by an async closure (whose future
+        // rustc cannot yet prove `Send`, rust-lang/rust#110338).
+        let attempt = quote! {
+            async |#size| {
+                let #batch_pat: #batch_ty = #batch_size_as;
+                #(#sync)*
+                #(#block)*
+            }
+        };
+        (TokenStream::new(), attempt)
     } else {
-        quote! { #private::catch_attempt #typed (|| { #attempt }) }
+        // A closure returning an `async move` block: `Send` when the body is.
+        let before = split.rebind.iter().map(|rebinding| &rebinding.before);
+        let in_closure = split.rebind.iter().map(|rebinding| &rebinding.in_closure);
+        let in_future = split.rebind.iter().map(|rebinding| &rebinding.in_future);
+        let attempt = quote! {
+            move |#size| {
+                #(#in_closure)*
+                async move {
+                    let #batch_pat: #batch_ty = #batch_size_as;
+                    #(#in_future)*
+                    #(#block)*
+                }
+            }
+        };
+        (quote! { #(#before)* }, attempt)
+    };
+    let call = match (&shape.inferable, is_async) {
+        // The return type with `_` for any `impl Trait` in it, as an expression: the macro
+        // picks the classification and the give-up by type, so a `Result` behind an alias is
+        // found too. Over the return type, so that an error type that cannot be classified is
+        // reported there.
+        (Some(ret), _) => {
+            let ret = spans::over(quote! { ::core::marker::PhantomData::<#ret> }, &shape.ty);
+            let (drive, lending) = match (is_async, mut_receiver) {
+                (false, _) => (quote! { drive }, None),
+                (true, false) => (quote! { drive_async }, None),
+                (true, true) => (quote! { drive_async }, Some(quote! { lending })),
+            };
+            // The macro's name over the return type, where an error type that cannot be
+            // classified is reported; the path keeps its own spans (a wrong `crate = ...`).
+            let drive = spans::over(drive, &shape.ty);
+            let drive = quote! { #private::#drive! };
+            quote! { #drive(#lending #ret, #search, #attempt) }
+        }
+        // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
+        (None, false) => quote! { #private::drive_panics(#search, #attempt) },
+        (None, true) => quote! { #private::drive_panics_async(#search, #attempt).await },
     };
 
     quote! {
         #(#attrs)*
         #vis #outer {
             #effective_value
-            let #driver = #search;
-            let mut #driver = #driver_new;
-            loop {
-                let #size = match #driver.begin() {
-                    ::core::result::Result::Ok(#size) => #size,
-                    ::core::result::Result::Err(#value) => return #value,
-                };
-                if let ::core::option::Option::Some(#value) = #driver.settle(#run_attempt) {
-                    return #value;
-                }
-            }
+            #before
+            #call
         }
     }
 }
@@ -438,8 +452,29 @@ mod tests {
         found
     }
 
+    /// The expansion as rustfmt prints it.
+    fn rustfmt(expansion: &proc_macro2::TokenStream) -> String {
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("rustfmt")
+            .args(["--edition", "2021", "--emit", "stdout"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("rustfmt, from the Rust toolchain, formats the pinned expansion");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(expansion.to_string().as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success(), "{expansion}");
+        String::from_utf8(output.stdout).unwrap()
+    }
+
     #[test]
-    fn a_plain_function_expands_to_a_builder_and_a_driver_loop() {
+    fn a_plain_function_expands_to_one_call_of_the_engine() {
         // tests/ui/pass/free_fn.rs
         let expansion = find_executable_batch_size(
             quote! { starting = 128 },
@@ -452,40 +487,41 @@ mod tests {
                 }
             },
         );
+        // The whole expansion, pinned: the protocol (begin, classify, record, release, decide)
+        // lives in the runtime's `drive!`; the macro writes the search, the re-borrows and the
+        // body as a closure.
+        let expected = r#"fn train(limit: usize) -> anyhow::Result<usize> {
+    ::batch_size_runtime::__private::drive!(
+        ::core::marker::PhantomData::<anyhow::Result<usize>>,
+        ::batch_size_runtime::__private::search::<usize>(
+            ::core::concat!(::core::module_path!(), "::", "train"),
+            ::batch_size_runtime::__private::starting_of(128),
+        ),
+        |__batch_size| {
+            let batch_size: usize =
+                ::batch_size_runtime::__private::batch_size_as::<usize>(__batch_size);
+            let limit = ::batch_size_runtime::__private::ClonePerAttempt::clone_for_attempt(&limit);
+            if batch_size > limit {
+                return Err(OutOfMemory::new().into());
+            }
+            Ok(batch_size)
+        }
+    )
+}
+"#;
+        let formatted = rustfmt(&expansion);
+        assert_eq!(formatted, expected);
+        assert!(formatted.lines().count() <= 20);
         let names: Vec<&str> = [
             "ClonePerAttempt", // `limit`, owned, is cloned for each attempt
-            "Driver",
             "batch_size_as",
-            "catch_attempt",
-            "ladder",
+            "drive",
             "search",
             "starting_of",
-            "tag",
         ]
         .to_vec();
         let found = private_items(&expansion);
         assert_eq!(found.iter().map(String::as_str).collect::<Vec<_>>(), names);
-        // The protocol lives in the runtime: the expansion calls the driver, never the
-        // search's own methods.
-        let text = expansion.to_string();
-        for protocol in ["succeeded", "out_of_memory", "panicked", "failed", "judge"] {
-            assert!(!text.contains(protocol), "{protocol} in {text}");
-        }
-        // 383 tokens today, the user's body (25) included; the loop is in the runtime, so
-        // growing past this means protocol is leaking back into generated code.
-        let count = count_tokens(&expansion);
-        assert!(count < 400, "{count} tokens: {text}");
-    }
-
-    fn count_tokens(stream: &proc_macro2::TokenStream) -> usize {
-        stream
-            .clone()
-            .into_iter()
-            .map(|token| match token {
-                TokenTree::Group(group) => 2 + count_tokens(&group.stream()),
-                _ => 1,
-            })
-            .sum()
     }
 
     #[test]

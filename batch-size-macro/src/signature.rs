@@ -1,7 +1,7 @@
 //! Reading the function's signature: which parameter is the batch size, how every other
 //! parameter is handed to each attempt, and what the return type allows.
 
-use proc_macro2::TokenStream;
+use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, ToTokens};
 use std::collections::HashSet;
 use syn::punctuated::Punctuated;
@@ -40,7 +40,7 @@ pub(crate) struct Split {
     pub(crate) outer: Signature,
     pub(crate) batch_size: BatchSizeParam,
     /// `let` statements that give one attempt its own copy or reborrow of each parameter.
-    pub(crate) rebind: Vec<TokenStream>,
+    pub(crate) rebind: Vec<Rebinding>,
     /// What is wrong with a signature that could still be split (a `const fn`, `self` by value,
     /// a batch size that is not an integer): reported beside a placeholder with the rewritten
     /// signature, so that callers, which already omit the batch size, raise no errors of
@@ -223,6 +223,19 @@ fn outer_pattern(pat: &Pat, index: usize) -> (Pat, Ident) {
     (plain, name)
 }
 
+/// How one parameter reaches each attempt.
+pub(crate) struct Rebinding {
+    /// For a synchronous attempt (and an async closure): shared references copied, mutable
+    /// ones reborrowed, owned values cloned.
+    pub(crate) sync: TokenStream,
+    /// For an `async fn` whose attempt is a closure returning an `async move` block, so that
+    /// the future stays `Send` when the body is: before the search (a `&mut` parameter is
+    /// put where each attempt can borrow it in turn), in the closure, and in the block.
+    pub(crate) before: TokenStream,
+    pub(crate) in_closure: TokenStream,
+    pub(crate) in_future: TokenStream,
+}
+
 /// One attempt's binding of a parameter: shared references are copied, mutable ones
 /// reborrowed, owned values cloned (a compile error names a parameter that is not `Clone`).
 ///
@@ -234,17 +247,38 @@ fn rebinding(
     name: &Ident,
     private: &syn::Path,
     used_by_attribute: bool,
-) -> TokenStream {
+) -> Rebinding {
     let PatType { pat, ty, .. } = param;
+    let none = TokenStream::new;
     if let Pat::Wild(_) = &**pat {
-        return TokenStream::new();
+        return Rebinding {
+            sync: none(),
+            before: none(),
+            in_closure: none(),
+            in_future: none(),
+        };
     }
     let allow = used_by_attribute.then(|| quote! { #[allow(unused_variables)] });
     match &**ty {
         Type::Reference(reference) if reference.mutability.is_some() => {
-            quote! { #allow let #pat = &mut *#name; }
+            let guard =
+                quote::format_ident!("__batch_size_lent_{}", name, span = Span::mixed_site());
+            Rebinding {
+                sync: quote! { #allow let #pat = &mut *#name; },
+                before: quote! { let #name = #private::Lend::new(#name); let #name = &#name; },
+                in_closure: TokenStream::new(),
+                in_future: quote! { let mut #guard = #name.lend(); #allow let #pat = &mut *#guard; },
+            }
         }
-        Type::Reference(_) => quote! { #allow let #pat = #name; },
+        Type::Reference(_) => {
+            let copy = quote! { #allow let #pat = #name; };
+            Rebinding {
+                sync: copy.clone(),
+                before: none(),
+                in_closure: copy,
+                in_future: none(),
+            }
+        }
         _ => {
             // Laid over the parameter: one whose type is not `Clone` is reported there.
             let clone = crate::spans::call_over(
@@ -252,7 +286,13 @@ fn rebinding(
                 crate::spans::over(quote! { &#name }, param),
                 param,
             );
-            quote! { #allow let #pat = #clone; }
+            let clone = quote! { #allow let #pat = #clone; };
+            Rebinding {
+                sync: clone.clone(),
+                before: none(),
+                in_closure: clone,
+                in_future: none(),
+            }
         }
     }
 }

@@ -24,6 +24,7 @@ use std::error::Error;
 use std::fmt::{self, Display};
 use std::marker::PhantomData;
 
+use crate::attempt::{AttemptError, Dynamic, Typed};
 use crate::engine::Search;
 use crate::error::NoExecutableBatchSize;
 use crate::kept::KeptError;
@@ -86,11 +87,26 @@ macro_rules! zero_sized_kind {
     )*};
 }
 
+/// An error a runner takes ([`AttemptError`]): `E: Error + Send + Sync + 'static` (marker
+/// [`Typed`]), `anyhow::Error` or `Box<dyn Error + Send + Sync>` (marker [`Dynamic`]);
+/// classified through its chain and kept as `source()`.
+pub struct Kept<E, M>(PhantomData<fn() -> (E, M)>);
+
+impl<E, M> Kept<E, M> {
+    /// The kind.
+    #[allow(clippy::new_without_default)]
+    pub const fn new() -> Self {
+        Kept(PhantomData)
+    }
+}
+
+impl<E, M> fmt::Debug for Kept<E, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Kept")
+    }
+}
+
 zero_sized_kind! {
-    /// `E: Error + Send + Sync + 'static`: classified by type, kept.
-    TypedKept<E>;
-    /// `anyhow::Error`, `Box<dyn Error + Send + Sync>`: the chain classified, kept.
-    DynKept<E>;
     /// `E: Error + 'static`: classified by type.
     TypedView<E>;
     /// `Box<dyn Error>`: the chain classified.
@@ -115,10 +131,6 @@ zero_sized_kind! {
     PanicWithError<R>;
 }
 
-/// `BatchSizeSearch::call` returns the failure itself.
-#[derive(Debug, Clone, Copy)]
-pub struct ReturnNoExecutableBatchSize;
-
 fn judge_error<T, E>(
     error: E,
     search: &Search<'_>,
@@ -133,37 +145,17 @@ fn judge_error<T, E>(
     }
 }
 
-impl<T, E: Error + Send + Sync + 'static> Classify<Result<T, E>> for TypedKept<E> {
+impl<T, E: AttemptError<M>, M> Classify<Result<T, E>> for Kept<E, M> {
     type Error = E;
+    #[inline]
     fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, search, |error| error),
+            Err(error) => judge_error(error, search, AttemptError::as_error),
         }
     }
     fn keep(&self, error: E) -> Option<KeptError> {
-        let boxed: Box<dyn Error + Send + Sync> = Box::new(error);
-        Some(KeptError::from(boxed))
-    }
-}
-
-impl<T, E> Classify<Result<T, E>> for DynKept<E>
-where
-    E: AsRef<dyn Error + Send + Sync + 'static>
-        + Into<Box<dyn Error + Send + Sync + 'static>>
-        + 'static,
-{
-    type Error = E;
-    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
-        match value {
-            Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, search, |error| {
-                error.as_ref() as &(dyn Error + 'static)
-            }),
-        }
-    }
-    fn keep(&self, error: E) -> Option<KeptError> {
-        Some(KeptError::keep(error))
+        Some(error.into_kept())
     }
 }
 
@@ -231,7 +223,9 @@ macro_rules! usable {
     ($($kind:ident),*) => {$(impl<E> UsableKind for $kind<E> {})*};
 }
 
-usable!(TypedKept, DynKept, TypedView, DynView, Text, PanicOnly);
+usable!(TypedView, DynView, Text, PanicOnly);
+
+impl<E, M> UsableKind for Kept<E, M> {}
 
 impl<T, E> Classify<Result<T, E>> for Unclassifiable<E> {
     type Error = E;
@@ -313,18 +307,6 @@ impl<R> GiveUp<R> for PanicWithError<R> {
     }
 }
 
-impl<R> GiveUp<R> for ReturnNoExecutableBatchSize {
-    type Error = Infallible;
-    type Output = NoExecutableBatchSize;
-    fn give_up(
-        &self,
-        none_fit: NoExecutableBatchSize,
-        _: Option<Infallible>,
-    ) -> NoExecutableBatchSize {
-        none_fit
-    }
-}
-
 /// A function that cannot return the failure panics with it.
 #[allow(clippy::panic)]
 pub fn panic_no_executable_batch_size(error: NoExecutableBatchSize) -> ! {
@@ -340,8 +322,9 @@ impl<R> fmt::Debug for Tag<R> {
     }
 }
 
-/// The tag of the return type `R`.
-pub const fn tag<R>() -> Tag<R> {
+/// The tag of the return type `R`, written as `PhantomData::<R>` where the generated code
+/// needs an expression.
+pub const fn tag_of<R>(_: PhantomData<R>) -> Tag<R> {
     Tag(PhantomData)
 }
 
@@ -369,9 +352,9 @@ pub mod ladder {
         };
     }
 
-    rung!(ClassifyTypedKept, batch_size_classify_kind, &&&&&&Tag<Result<T, E>>, TypedKept<E>,
+    rung!(ClassifyTypedKept, batch_size_classify_kind, &&&&&&Tag<Result<T, E>>, Kept<E, Typed>,
         [E: Error + Send + Sync + 'static]);
-    rung!(ClassifyDynKept, batch_size_classify_kind, &&&&&Tag<Result<T, E>>, DynKept<E>,
+    rung!(ClassifyDynKept, batch_size_classify_kind, &&&&&Tag<Result<T, E>>, Kept<E, Dynamic>,
         [E: AsRef<dyn Error + Send + Sync + 'static> + Into<Box<dyn Error + Send + Sync + 'static>> + 'static]);
     rung!(ClassifyTypedView, batch_size_classify_kind, &&&&Tag<Result<T, E>>, TypedView<E>,
         [E: Error + 'static]);

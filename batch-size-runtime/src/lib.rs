@@ -204,18 +204,18 @@
 pub use batch_size_macro::find_executable_batch_size;
 
 pub mod agree;
+pub mod attempt;
 pub mod cache;
-pub mod chunked;
 mod dispatch;
 pub mod engine;
 pub mod error;
 mod kept;
 pub mod memory;
 pub mod oom;
-pub mod plan;
 pub mod policy;
 pub mod record;
 pub mod reduce;
+pub mod runners;
 pub mod simulated;
 mod unwind;
 
@@ -223,13 +223,16 @@ mod unwind;
 #[path = "private.rs"]
 pub mod __private;
 
+pub use attempt::AttemptError;
 pub use chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use engine::{BatchSizeSearch, Search};
 pub use error::{NoExecutableBatchSize, OutOfMemory, StopReason};
 pub use memory::{MemoryBackend, Release};
 pub use plan::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
-pub use policy::{Decision, SizePolicy, Tuned, Tuner};
+pub use policy::{Decision, SizePolicy};
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use reduce::{FailedAttempt, Reduction};
+pub use runners::tuner::{Tuned, Tuner};
+pub use runners::{chunked, effective as plan};
 pub use simulated::{SimAllocation, SimulatedDevice};
 pub use unwind::{set_quiet_oom_panics, CatchUnwind};

@@ -2,25 +2,109 @@
 //! change without notice. Generated code reaches it by absolute path
 //! (`::batch_size_runtime::__private`), so nothing the user names can shadow it.
 //!
-//! The expansion of a plain function is a builder, the two dispatch kinds for its return type
-//! (the `dispatch` module), and a loop of [`Driver::begin`] and [`Driver::settle`]
-//! around the body; everything else lives in the engine.
+//! The expansion of a plain function is one call of [`drive!`](crate::__batch_size_drive): the
+//! search built from the arguments, and the body as a closure run once per attempt. The macro
+//! picks, from the return type, how an attempt's value is classified and what the function
+//! returns when no size fits (the `dispatch` module); the engine does the rest.
 
-pub use crate::dispatch::{ladder, tag, InspectableError, PanicOnly, PanicWithError};
-pub use crate::engine::drive::Driver;
+pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
+pub use crate::engine::driver::{Lending, Returning};
 pub use crate::engine::BatchSizeSearch;
+pub use crate::{__batch_size_drive as drive, __batch_size_drive_async as drive_async};
 pub use core;
 
-/// Runs one synchronous attempt, catching its panic.
-pub fn catch_attempt<R, F: FnOnce() -> R>(attempt: F) -> Result<R, crate::unwind::PanicPayload> {
-    crate::unwind::catch_attempt(attempt)
+/// Runs the search over the attempts of a function whose return type is `$ret` (written as
+/// `PhantomData::<R>`, an expression, so that the call stays an ordinary expression): both
+/// dispatch ladders, then [`drive`](crate::engine::driver::drive).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __batch_size_drive {
+    ($ret:expr, $search:expr, $attempt:expr $(,)?) => {{
+        #[allow(unused_imports)]
+        use $crate::__private::ladder::*;
+        let ret = $ret;
+        let tag = $crate::__private::tag_of(ret);
+        $crate::__private::drive_with(
+            $search,
+            (&&&&&&&tag).batch_size_classify_kind(),
+            (&&&&&&tag).batch_size_give_up_kind(),
+            $crate::__private::returning(ret, $attempt),
+        )
+    }};
 }
 
-/// Runs one asynchronous attempt, catching its panic.
-pub fn catch_future<R, F: std::future::Future<Output = R>>(
+/// [`drive!`](crate::__batch_size_drive) for an `async fn`: `$attempt` is an async closure.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __batch_size_drive_async {
+    ($ret:expr, $search:expr, $attempt:expr $(,)?) => {
+        $crate::__batch_size_drive_async!(@returning returning_async, $ret, $search, $attempt)
+    };
+    // `&mut self`: an async closure, which lends it to each attempt.
+    (lending $ret:expr, $search:expr, $attempt:expr $(,)?) => {
+        $crate::__batch_size_drive_async!(@returning returning_lending, $ret, $search, $attempt)
+    };
+    (@returning $returning:ident, $ret:expr, $search:expr, $attempt:expr) => {{
+        #[allow(unused_imports)]
+        use $crate::__private::ladder::*;
+        let ret = $ret;
+        let tag = $crate::__private::tag_of(ret);
+        $crate::__private::drive_async_with(
+            $search,
+            (&&&&&&&tag).batch_size_classify_kind(),
+            (&&&&&&tag).batch_size_give_up_kind(),
+            $crate::__private::$returning(ret, $attempt),
+        )
+        .await
+    }};
+}
+
+pub use crate::engine::driver::{drive as drive_with, drive_async as drive_async_with};
+
+/// The attempt, told that it returns `R`: the body is checked against the function's return
+/// type, so that coercions (`&String` to `&str`) and `?` conversions apply as in the function.
+#[inline(always)]
+pub fn returning<R, F: FnMut(usize) -> R>(_: core::marker::PhantomData<R>, attempt: F) -> F {
+    attempt
+}
+
+/// [`returning`] for an `async fn`'s attempt, a closure returning a future (not bound as an
+/// async closure: the future would no longer be provably `Send`, rust-lang/rust#110338).
+#[inline(always)]
+pub fn returning_async<R, Fut, F>(_: core::marker::PhantomData<R>, attempt: F) -> Returning<F>
+where
+    Fut: core::future::Future<Output = R>,
+    F: FnMut(usize) -> Fut,
+{
+    Returning(attempt)
+}
+
+/// [`returning`] for an async closure (an `async fn` taking `&mut self`).
+#[inline(always)]
+pub fn returning_lending<R, F: AsyncFnMut(usize) -> R>(
+    _: core::marker::PhantomData<R>,
     attempt: F,
-) -> crate::unwind::CatchUnwind<F> {
-    crate::unwind::CatchUnwind::new(attempt)
+) -> Lending<F> {
+    Lending(attempt)
+}
+
+/// A function returning `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
+pub fn drive_panics<R>(search: BatchSizeSearch<'_>, attempt: impl FnMut(usize) -> R) -> R {
+    drive_with(search, PanicOnly::new(), PanicWithError::new(), attempt)
+}
+
+/// [`drive_panics`] for an `async fn`.
+pub async fn drive_panics_async<R, Fut: core::future::Future<Output = R>>(
+    search: BatchSizeSearch<'_>,
+    attempt: impl FnMut(usize) -> Fut,
+) -> R {
+    drive_async_with(
+        search,
+        PanicOnly::new(),
+        PanicWithError::new(),
+        Returning(attempt),
+    )
+    .await
 }
 
 /// The search for the attribute's `starting`, capped to what the batch-size parameter's type
@@ -149,3 +233,65 @@ macro_rules! batch_size_int {
 }
 
 batch_size_int!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+
+/// A `&mut` parameter of an `async fn`, lent to one attempt at a time: each attempt's future
+/// borrows it through a [`Lent`] that gives it back when the attempt ends, returns or unwinds,
+/// so the future stays `Send` when the parameter is (a `MutexGuard` held across an `.await`
+/// would not be).
+#[derive(Debug)]
+pub struct Lend<'a, T: ?Sized>(std::sync::Mutex<Option<&'a mut T>>);
+
+impl<'a, T: ?Sized> Lend<'a, T> {
+    /// Keeps `value` until an attempt borrows it.
+    pub fn new(value: &'a mut T) -> Self {
+        Lend(std::sync::Mutex::new(Some(value)))
+    }
+
+    /// The value, for one attempt.
+    pub fn lend(&self) -> Lent<'_, 'a, T> {
+        let value = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        Lent { home: self, value }
+    }
+}
+
+/// The value of a [`Lend`] while one attempt runs.
+#[derive(Debug)]
+pub struct Lent<'l, 'a, T: ?Sized> {
+    home: &'l Lend<'a, T>,
+    value: Option<&'a mut T>,
+}
+
+impl<T: ?Sized> std::ops::Deref for Lent<'_, '_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match &self.value {
+            Some(value) => value,
+            // The engine runs one attempt at a time and each gives the value back as it ends.
+            None => unreachable!("a `&mut` parameter lent to two attempts at once"),
+        }
+    }
+}
+
+impl<T: ?Sized> std::ops::DerefMut for Lent<'_, '_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        match &mut self.value {
+            Some(value) => value,
+            None => unreachable!("a `&mut` parameter lent to two attempts at once"),
+        }
+    }
+}
+
+impl<T: ?Sized> Drop for Lent<'_, '_, T> {
+    fn drop(&mut self) {
+        let mut home = self
+            .home
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *home = self.value.take();
+    }
+}

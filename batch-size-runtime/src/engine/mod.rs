@@ -20,26 +20,26 @@
 //! ```
 
 use std::error::Error;
-use std::future::Future;
 use std::path::PathBuf;
 
 use crate::agree::Collective;
+use crate::attempt::AttemptError;
 use crate::cache::CacheSettings;
-use crate::dispatch;
+use crate::dispatch::{Kept, PanicOnly, ViaFrom};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::policy::{Factor, Guided, Reduce, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 use crate::reduce::{FailedAttempt, Reduction};
-use crate::unwind::{self, CatchUnwind};
 
 mod active;
-pub(crate) mod drive;
+pub(crate) mod driver;
 mod search;
 
 pub(crate) use active::{ActivePolicy, Hooks};
-pub(crate) use drive::Driver;
+use driver::{drive, drive_async};
+pub(crate) use driver::{drive_ended, drive_ended_async, Ended};
 pub use search::Search;
 
 /// Finds a batch size that fits: calls an attempt with `starting`, and after each
@@ -80,7 +80,7 @@ pub struct BatchSizeSearch<'r> {
     // Boxed and absent until one is set: the common search carries one pointer, not three.
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
-    pub(crate) routine: bool,
+    pub(crate) first_fit_at_debug: bool,
     pub(crate) cache: Option<CacheSettings>,
     /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
     pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
@@ -107,7 +107,7 @@ impl<'r> BatchSizeSearch<'r> {
             label: "batch_size_search",
             invalid: None,
             hooks: None,
-            routine: false,
+            first_fit_at_debug: false,
             cache: None,
             agreement: None,
         }
@@ -442,15 +442,16 @@ impl<'r> BatchSizeSearch<'r> {
         self
     }
 
-    /// Runs an attempt whose error type implements [`std::error::Error`] and
-    /// `From<NoExecutableBatchSize>` (your `thiserror` enum with a `#[from]` variant, holding
-    /// cudarc's or a framework's errors). The attribute also accepts error types that only
-    /// have `From<std::io::Error>`, such as candle's.
+    /// Runs the search: calls `attempt` with each size until one returns without running out
+    /// of memory. Takes the error types every runner takes ([`AttemptError`]): your own error
+    /// type (with `From<NoExecutableBatchSize>`, e.g. a `thiserror` enum with a `#[from]`
+    /// variant), `anyhow::Error` and `Box<dyn Error + Send + Sync>`.
     ///
     /// Returns the first `Ok`. An error that is not out-of-memory is returned at once,
     /// unchanged; a panic that is not out-of-memory resumes unwinding. When no size is left,
     /// returns `E::from(NoExecutableBatchSize)`, keeping the last out-of-memory error as its
-    /// `source()`.
+    /// `source()`. The report goes to [`last_report()`](crate::last_report), as for every
+    /// search.
     ///
     /// ```
     /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
@@ -480,26 +481,26 @@ impl<'r> BatchSizeSearch<'r> {
     /// // Nothing fits: `E::from(NoExecutableBatchSize)`.
     /// let none = BatchSizeSearch::new(2).run(|_| Err::<(), _>(OutOfMemory::new().into()));
     /// assert!(matches!(none, Err(TrainError::NoBatchSize(_))));
+    ///
+    /// // anyhow, as text: the same method.
+    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(64).run(|batch_size| {
+    ///     if batch_size > 16 { anyhow::bail!("CUDA out of memory. Tried to allocate 2.00 GiB") }
+    ///     Ok(batch_size)
+    /// });
+    /// assert_eq!(fitted?, 16);
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
-    pub fn run<T, E, F>(self, mut attempt: F) -> Result<T, E>
+    #[inline]
+    pub fn run<T, E, M, F>(self, attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Result<T, E>,
-        E: Error + Send + Sync + 'static + From<NoExecutableBatchSize>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
-        let mut driver = Driver::new(self, dispatch::TypedKept::new(), dispatch::ViaFrom::new());
-        loop {
-            let batch_size = match driver.begin() {
-                Ok(batch_size) => batch_size,
-                Err(none_fit) => return none_fit,
-            };
-            if let Some(result) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
-                return result;
-            }
-        }
+        drive(self, Kept::<E, M>::new(), ViaFrom::new(), attempt)
     }
 
-    /// Runs an attempt whose error is an `anyhow::Error` or a `Box<dyn Error + Send + Sync>`:
-    /// the same as [`run`](Self::run), classifying through the whole chain.
+    /// The same as [`run`](Self::run), which now takes `anyhow::Error` and
+    /// `Box<dyn Error + Send + Sync>` too; kept for the code that calls it.
     ///
     /// ```
     /// # use batch_size_runtime::BatchSizeSearch;
@@ -513,24 +514,13 @@ impl<'r> BatchSizeSearch<'r> {
     /// });
     /// assert_eq!(fitted.unwrap(), 16);
     /// ```
-    pub fn run_dyn<T, E, F>(self, mut attempt: F) -> Result<T, E>
+    #[inline]
+    pub fn run_dyn<T, E, M, F>(self, attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Result<T, E>,
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
-        let mut driver = Driver::new(self, dispatch::DynKept::new(), dispatch::ViaFrom::new());
-        loop {
-            let batch_size = match driver.begin() {
-                Ok(batch_size) => batch_size,
-                Err(none_fit) => return none_fit,
-            };
-            if let Some(result) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
-                return result;
-            }
-        }
+        self.run(attempt)
     }
 
     /// Runs an attempt that returns a plain value: out-of-memory can only come as a panic
@@ -546,25 +536,19 @@ impl<'r> BatchSizeSearch<'r> {
     /// });
     /// assert_eq!(fitted.unwrap(), 4);
     /// ```
-    pub fn call<T, F>(self, mut attempt: F) -> Result<T, NoExecutableBatchSize>
+    pub fn call<T, F>(self, attempt: F) -> Result<T, NoExecutableBatchSize>
     where
         F: FnMut(usize) -> T,
     {
-        let mut driver = Driver::new(
-            self,
-            dispatch::PanicOnly::new(),
-            dispatch::ReturnNoExecutableBatchSize,
-        );
-        loop {
-            let batch_size = driver.begin()?;
-            if let Some(value) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
-                return Ok(value);
-            }
+        match drive_ended(self, &PanicOnly::new(), false, attempt) {
+            Ended::Returned(value) => Ok(value),
+            Ended::NoSizeFits(none_fit, _) => Err(none_fit),
         }
     }
 
     /// The async form of [`run`](Self::run): `attempt` returns a future, whose panics are
-    /// caught and classified like a synchronous attempt's.
+    /// caught and classified like a synchronous attempt's. The search's future is `Send` when
+    /// the attempt's futures are.
     ///
     /// ```
     /// use std::io::{Error, ErrorKind};
@@ -589,25 +573,16 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted?, 8);
     /// # Ok::<(), Error>(())
     /// ```
-    pub async fn run_async<T, E, F, Fut>(self, mut attempt: F) -> Result<T, E>
+    pub async fn run_async<T, E, M, Fut>(self, attempt: impl FnMut(usize) -> Fut) -> Result<T, E>
     where
-        F: FnMut(usize) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        E: Error + Send + Sync + 'static + From<NoExecutableBatchSize>,
+        Fut: std::future::Future<Output = Result<T, E>>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
-        let mut driver = Driver::new(self, dispatch::TypedKept::new(), dispatch::ViaFrom::new());
-        loop {
-            let batch_size = match driver.begin() {
-                Ok(batch_size) => batch_size,
-                Err(none_fit) => return none_fit,
-            };
-            if let Some(result) = driver.settle(CatchUnwind::new(attempt(batch_size)).await) {
-                return result;
-            }
-        }
+        let attempt = driver::Returning(attempt);
+        drive_async(self, Kept::<E, M>::new(), ViaFrom::new(), attempt).await
     }
 
-    /// The async form of [`run_dyn`](Self::run_dyn).
+    /// The same as [`run_async`](Self::run_async); kept for the code that calls it.
     ///
     /// ```
     /// # use batch_size_runtime::BatchSizeSearch;
@@ -630,29 +605,19 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted?, 8);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
-    pub async fn run_dyn_async<T, E, F, Fut>(self, mut attempt: F) -> Result<T, E>
+    pub async fn run_dyn_async<T, E, M, Fut>(
+        self,
+        attempt: impl FnMut(usize) -> Fut,
+    ) -> Result<T, E>
     where
-        F: FnMut(usize) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        Fut: std::future::Future<Output = Result<T, E>>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
-        let mut driver = Driver::new(self, dispatch::DynKept::new(), dispatch::ViaFrom::new());
-        loop {
-            let batch_size = match driver.begin() {
-                Ok(batch_size) => batch_size,
-                Err(none_fit) => return none_fit,
-            };
-            if let Some(result) = driver.settle(CatchUnwind::new(attempt(batch_size)).await) {
-                return result;
-            }
-        }
+        self.run_async(attempt).await
     }
 
-    /// [`run_dyn`](Self::run_dyn), returning the search's report beside the result (and not
-    /// in [`last_report()`](crate::last_report)).
+    /// [`run`](Self::run), returning the search's report beside the result (it is in
+    /// [`last_report()`](crate::last_report) too, as for every search).
     ///
     /// ```
     /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
@@ -664,26 +629,13 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted.unwrap(), 16);
     /// assert_eq!(report.out_of_memory_count(), 2);
     /// ```
-    pub fn run_with_report<T, E, F>(self, mut attempt: F) -> (Result<T, E>, SearchReport)
+    pub fn run_with_report<T, E, M, F>(self, attempt: F) -> (Result<T, E>, SearchReport)
     where
         F: FnMut(usize) -> Result<T, E>,
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
-        let mut driver = Driver::new(self, dispatch::DynKept::new(), dispatch::ViaFrom::new());
-        driver.keep_report();
-        let result = loop {
-            let batch_size = match driver.begin() {
-                Ok(batch_size) => batch_size,
-                Err(none_fit) => break none_fit,
-            };
-            if let Some(result) = driver.settle(unwind::catch_attempt(|| attempt(batch_size))) {
-                break result;
-            }
-        };
-        (result, driver.take_report())
+        let result = self.run(attempt);
+        (result, crate::record::last_report().unwrap_or_default())
     }
 
     /// The state machine, for a loop of your own (this is what the attribute expands into).

@@ -73,8 +73,7 @@ pub struct Search<'r> {
     smallest_failed: Option<usize>,
     succeeded_once: bool,
     rationale: Option<String>,
-    keep_report: bool,
-    routine: bool,
+    first_fit_at_debug: bool,
 }
 
 impl fmt::Debug for Search<'_> {
@@ -101,7 +100,7 @@ impl<'r> Search<'r> {
             label,
             invalid,
             hooks,
-            routine,
+            first_fit_at_debug,
             cache,
             agreement,
         } = config;
@@ -148,8 +147,7 @@ impl<'r> Search<'r> {
             last_error: None,
             smallest_failed: None,
             succeeded_once: false,
-            keep_report: false,
-            routine,
+            first_fit_at_debug,
         }
     }
 }
@@ -253,15 +251,11 @@ impl Search<'_> {
         error
     }
 
-    /// The search is over: the report goes to `on_report` and `last_report()` (or stays here
-    /// for [`Driver::take_report`](super::Driver::take_report)); a copy is returned for
-    /// [`NoExecutableBatchSize`].
+    /// The search is over: the report goes to `on_report` and `last_report()`; a copy is
+    /// returned for [`NoExecutableBatchSize`].
     fn finish_report(&mut self) -> SearchReport {
         if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);
-        }
-        if self.keep_report {
-            return self.report.clone();
         }
         let report = std::mem::take(&mut self.report);
         record::store_last_report(report.clone());
@@ -273,18 +267,8 @@ impl Search<'_> {
         if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);
         }
-        if !self.keep_report {
-            // Moved, not cloned: the success path copies as little as it can.
-            record::store_last_report(std::mem::take(&mut self.report));
-        }
-    }
-
-    pub(crate) fn keep_report(&mut self) {
-        self.keep_report = true;
-    }
-
-    pub(crate) fn take_report(&mut self) -> SearchReport {
-        std::mem::take(&mut self.report)
+        // Moved, not cloned: the success path copies as little as it can.
+        record::store_last_report(std::mem::take(&mut self.report));
     }
 
     fn finish_attempt(&mut self, outcome: Outcome) -> Attempt {
@@ -346,7 +330,7 @@ impl Search<'_> {
         match &self.next {
             Next::Accepted => {
                 if let Some(attempt) = self.report.last() {
-                    if self.routine && attempt.number == 1 {
+                    if self.first_fit_at_debug && attempt.number == 1 {
                         tracing::debug!(
                             function = self.label,
                             batch_size = attempt.batch_size,

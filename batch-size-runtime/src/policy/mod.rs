@@ -92,12 +92,10 @@ use crate::record::SearchReport;
 mod evidence;
 mod guided;
 mod shrink;
-mod tuner;
 
 pub use evidence::Evidence;
 pub use guided::Guided;
 pub use shrink::{Factor, Halve, Reduce};
-pub use tuner::{Tuned, Tuner};
 
 /// What a policy wants after an attempt (or before the first).
 #[derive(Debug, Clone, PartialEq)]

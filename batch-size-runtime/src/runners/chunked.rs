@@ -16,14 +16,17 @@
 //! # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
 //! ```
 
-use std::error::Error;
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
-use crate::engine::BatchSizeSearch;
+use crate::attempt::AttemptError;
+use crate::dispatch::{Classify, Judged, Kept};
+use crate::engine::driver::Returning;
+use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended, Search};
 use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::kept::KeptError;
 use crate::memory::Release;
 use crate::policy::{Decision, Factor, Guided, SizePolicy};
 use crate::record::{Outcome, SearchReport};
@@ -582,7 +585,10 @@ impl<'r> Chunked<'r> {
     }
 
     /// Runs `work` over every item, chunk by chunk, and returns its outputs concatenated in item
-    /// order (one per item). For errors like `anyhow::Error` and `Box<dyn Error + Send + Sync>`.
+    /// order (one per item). Takes the error types every runner takes
+    /// ([`AttemptError`](crate::AttemptError) and `From<NoExecutableBatchSize>`): your own
+    /// enum, `anyhow::Error`, `Box<dyn Error + Send + Sync>`. The search's report goes to
+    /// [`last_report()`](crate::last_report), as for every runner.
     ///
     /// ```
     /// # use batch_size_runtime::Chunked;
@@ -592,30 +598,18 @@ impl<'r> Chunked<'r> {
     /// assert_eq!(doubled, [0, 2, 4, 6, 8]);
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn run<T, E>(
+    pub fn run<T, E, M>(
         &mut self,
         mut work: impl FnMut(Range<usize>) -> Result<Vec<T>, E>,
     ) -> Result<Vec<T>, ChunkError<E>>
     where
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
         let mut outputs = Vec::with_capacity(self.total);
-        let mut wrong: Option<(Range<usize>, usize)> = None;
         self.drive(|range| {
-            // A chunk taken back (another rank could not finish it) is redone from its start.
-            outputs.truncate(range.start);
-            let values = work(range.clone())?;
-            if values.len() != range.len() {
-                wrong = Some((range.clone(), values.len()));
-                return Err(E::from(wrong_count()));
-            }
-            outputs.extend(values);
-            Ok(())
-        })
-        .map_err(|error| with_wrong_count(error, wrong.take()))?;
+            let values = work(range.clone()).map_err(ChunkAttempt::Work)?;
+            keep_outputs(&mut outputs, range, values)
+        })?;
         Ok(outputs)
     }
 
@@ -631,17 +625,75 @@ impl<'r> Chunked<'r> {
     /// assert_eq!(total, 100);
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn for_each<E>(
+    pub fn for_each<E, M>(
         &mut self,
-        work: impl FnMut(Range<usize>) -> Result<(), E>,
+        mut work: impl FnMut(Range<usize>) -> Result<(), E>,
     ) -> Result<(), ChunkError<E>>
     where
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
-        self.drive(work)
+        self.drive(|range| work(range).map_err(ChunkAttempt::Work))
+    }
+
+    /// The async form of [`run`](Self::run), for inference servers: `work` returns a future.
+    /// The run's future is `Send` when the work's futures are.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Chunked, OutOfMemory};
+    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    /// #     let mut future = std::pin::pin!(future);
+    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    /// #     loop {
+    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
+    /// #             break value;
+    /// #         }
+    /// #     }
+    /// # }
+    /// let mut chunked = Chunked::new(100).with_starting(64);
+    /// let outputs = block_on(chunked.run_async(|items| async move {
+    ///     if items.len() > 40 { Err(OutOfMemory::new())? }
+    ///     Ok::<_, anyhow::Error>(items.map(|i| i * 10).collect::<Vec<_>>())
+    /// }))?;
+    /// assert_eq!(outputs.len(), 100);
+    /// assert_eq!(outputs[99], 990);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub async fn run_async<T, E, M, Fut>(
+        &mut self,
+        mut work: impl FnMut(Range<usize>) -> Fut,
+    ) -> Result<Vec<T>, ChunkError<E>>
+    where
+        Fut: std::future::Future<Output = Result<Vec<T>, E>>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
+    {
+        if self.total == 0 {
+            self.chunks.clear();
+            return Ok(Vec::new());
+        }
+        let (search, run) = self.prepare();
+        // Shared with each chunk's future by reference, so that the run's future is `Send`
+        // when the work's is.
+        let outputs = Mutex::new(Vec::with_capacity(self.total));
+        let notify = Mutex::new(self.notify.take());
+        let (cost_of, total) = (self.cost.as_ref(), self.total);
+        let (run_ref, outputs_ref, notify_ref) = (&*run, &outputs, &notify);
+        let attempt = Returning(move |budget| {
+            let (range, cost) = begin_chunk(cost_of, total, run_ref, budget);
+            let pending = work(range.clone());
+            async move {
+                let outcome = match pending.await {
+                    Ok(values) => keep_outputs(&mut lock_any(outputs_ref), range.clone(), values),
+                    Err(error) => Err(ChunkAttempt::Work(error)),
+                };
+                let mut notify = lock_any(notify_ref);
+                Self::end_chunk(run_ref, &mut notify, range, budget, cost, outcome.is_ok());
+                outcome
+            }
+        });
+        let ended = drive_ended_async(search, &ChunkKind::<E, M>::new(), false, attempt).await;
+        self.notify = notify.into_inner().unwrap_or_else(PoisonError::into_inner);
+        self.conclude(&run, ended)?;
+        Ok(outputs.into_inner().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The search of one run, and the progress its policy and chunks share.
@@ -679,7 +731,7 @@ impl<'r> Chunked<'r> {
         let mut search = BatchSizeSearch::new(usize::try_from(starting).unwrap_or(usize::MAX))
             .with_label("chunked")
             .with_policy(policy);
-        search.routine = true;
+        search.first_fit_at_debug = true;
         if self.min == 0 {
             search.invalidate("`min` must be at least 1, got 0".to_owned());
         } else {
@@ -729,28 +781,38 @@ impl<'r> Chunked<'r> {
         }
     }
 
-    /// The run's result, from the search's.
-    fn conclude<E>(&mut self, run: &Mutex<Run>, result: Result<(), E>) -> Result<(), ChunkError<E>>
-    where
-        E: AsRef<dyn Error + Send + Sync + 'static>,
-    {
+    /// The run's result, from how its search ended: typed, never a downcast of your error.
+    fn conclude<E: From<NoExecutableBatchSize>>(
+        &mut self,
+        run: &Mutex<Run>,
+        ended: Ended<Result<(), ChunkAttempt<E>>, E>,
+    ) -> Result<(), ChunkError<E>> {
         let completed = {
             let mut run = lock(run);
             self.chunks = std::mem::take(&mut run.records);
             run.progress.completed
         };
-        let Err(error) = result else {
-            return Ok(());
+        let none_fit = match ended {
+            Ended::Returned(Ok(())) => return Ok(()),
+            Ended::Returned(Err(ChunkAttempt::Work(error))) => {
+                return Err(ChunkError::Failed { completed, error })
+            }
+            Ended::Returned(Err(ChunkAttempt::WrongOutputCount { range, got })) => {
+                return Err(ChunkError::WrongOutputCount {
+                    completed,
+                    expected: range.len(),
+                    range,
+                    got,
+                })
+            }
+            Ended::NoSizeFits(none_fit, _) => none_fit,
         };
-        if reason(&error).is_none() {
-            return Err(ChunkError::Failed { completed, error });
-        }
         // The last chunk that ran out of memory held one item: that item is too large.
         let last_failed = self.chunks.iter().rev().find(|chunk| !chunk.done);
         match last_failed {
             Some(chunk)
                 if chunk.range.len() == 1
-                    && !matches!(reason(&error), Some(StopReason::InvalidConfiguration(_))) =>
+                    && !matches!(none_fit.reason(), StopReason::InvalidConfiguration(_)) =>
             {
                 Err(ChunkError::ItemTooLarge {
                     completed,
@@ -759,19 +821,19 @@ impl<'r> Chunked<'r> {
                     largest_failed: chunk.budget,
                 })
             }
-            _ => Err(ChunkError::NoChunkFits { completed, error }),
+            _ => Err(ChunkError::NoChunkFits {
+                completed,
+                error: E::from(none_fit),
+            }),
         }
     }
 
-    fn drive<E>(
+    fn drive<E, M>(
         &mut self,
-        mut work: impl FnMut(Range<usize>) -> Result<(), E>,
+        mut work: impl FnMut(Range<usize>) -> Result<(), ChunkAttempt<E>>,
     ) -> Result<(), ChunkError<E>>
     where
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
         if self.total == 0 {
             self.chunks.clear();
@@ -780,94 +842,77 @@ impl<'r> Chunked<'r> {
         let (search, run) = self.prepare();
         let mut notify = self.notify.take();
         let (cost_of, total) = (self.cost.as_ref(), self.total);
-        let (result, _report) = search.run_with_report(|budget| {
+        let ended = drive_ended(search, &ChunkKind::<E, M>::new(), false, |budget| {
             let (range, cost) = begin_chunk(cost_of, total, &run, budget);
             let outcome = work(range.clone());
             Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
             outcome
         });
         self.notify = notify;
-        self.conclude(&run, result)
+        self.conclude(&run, ended)
     }
+}
 
-    /// The async form of [`run`](Self::run), for inference servers: `work` returns a future.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{Chunked, OutOfMemory};
-    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    /// #     let mut future = std::pin::pin!(future);
-    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    /// #     loop {
-    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
-    /// #             break value;
-    /// #         }
-    /// #     }
-    /// # }
-    /// let mut chunked = Chunked::new(100).with_starting(64);
-    /// let outputs = block_on(chunked.run_async(|items| async move {
-    ///     if items.len() > 40 { Err(OutOfMemory::new())? }
-    ///     Ok::<_, anyhow::Error>(items.map(|i| i * 10).collect::<Vec<_>>())
-    /// }))?;
-    /// assert_eq!(outputs.len(), 100);
-    /// assert_eq!(outputs[99], 990);
-    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
-    /// ```
-    pub async fn run_async<T, E, Fut>(
-        &mut self,
-        mut work: impl FnMut(Range<usize>) -> Fut,
-    ) -> Result<Vec<T>, ChunkError<E>>
-    where
-        Fut: std::future::Future<Output = Result<Vec<T>, E>>,
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
-    {
-        if self.total == 0 {
-            self.chunks.clear();
-            return Ok(Vec::new());
-        }
-        let (search, run) = self.prepare();
-        let notify = Arc::new(Mutex::new(self.notify.take()));
-        let outputs = Arc::new(Mutex::new(Vec::with_capacity(self.total)));
-        let wrong = Arc::new(Mutex::new(None));
-        let (cost_of, total) = (self.cost.as_ref(), self.total);
-        let result = search
-            .run_dyn_async(|budget| {
-                let (range, cost) = begin_chunk(cost_of, total, &run, budget);
-                let pending = work(range.clone());
-                let (run, notify, outputs, wrong) = (
-                    Arc::clone(&run),
-                    Arc::clone(&notify),
-                    Arc::clone(&outputs),
-                    Arc::clone(&wrong),
-                );
-                async move {
-                    let outcome = match pending.await {
-                        Ok(values) if values.len() == range.len() => {
-                            let mut outputs = lock_any(&outputs);
-                            outputs.truncate(range.start);
-                            outputs.extend(values);
-                            Ok(())
-                        }
-                        Ok(values) => {
-                            *lock_any(&wrong) = Some((range.clone(), values.len()));
-                            Err(E::from(wrong_count()))
-                        }
-                        Err(error) => Err(error),
-                    };
-                    let mut notify = lock_any(&notify);
-                    Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
-                    outcome
+/// How one chunk's call ended, when it did not succeed.
+#[derive(Debug)]
+enum ChunkAttempt<E> {
+    /// The closure's own error.
+    Work(E),
+    /// `run`'s closure returned a number of outputs that is not its number of items.
+    WrongOutputCount { range: Range<usize>, got: usize },
+}
+
+/// Appends a chunk's outputs where its items are (a chunk taken back, because another rank
+/// could not finish it, is redone from its start), or says that their number is wrong.
+fn keep_outputs<T, E>(
+    outputs: &mut Vec<T>,
+    range: Range<usize>,
+    values: Vec<T>,
+) -> Result<(), ChunkAttempt<E>> {
+    if values.len() != range.len() {
+        return Err(ChunkAttempt::WrongOutputCount {
+            range,
+            got: values.len(),
+        });
+    }
+    outputs.truncate(range.start);
+    outputs.extend(values);
+    Ok(())
+}
+
+/// Classifies a chunk's call: the closure's error as every runner does ([`Kept`]); a wrong
+/// number of outputs ends the run as a failure.
+struct ChunkKind<E, M>(Kept<E, M>);
+
+impl<E, M> ChunkKind<E, M> {
+    fn new() -> Self {
+        ChunkKind(Kept::new())
+    }
+}
+
+impl<E: AttemptError<M>, M> Classify<Result<(), ChunkAttempt<E>>> for ChunkKind<E, M> {
+    type Error = E;
+    fn judge(
+        &self,
+        value: Result<(), ChunkAttempt<E>>,
+        search: &Search<'_>,
+    ) -> Judged<Result<(), ChunkAttempt<E>>, E> {
+        match value {
+            Ok(()) => Judged::Succeeded(Ok(())),
+            Err(ChunkAttempt::Work(error)) => match self.0.judge(Err::<(), E>(error), search) {
+                Judged::Succeeded(_) => Judged::Succeeded(Ok(())),
+                Judged::Failed(value, description) => {
+                    Judged::Failed(value.map_err(ChunkAttempt::Work), description)
                 }
-            })
-            .await;
-        self.notify = lock_any(&notify).take();
-        let wrong = lock_any(&wrong).take();
-        self.conclude(&run, result)
-            .map_err(|error| with_wrong_count(error, wrong))?;
-        let outputs = std::mem::take(&mut *lock_any(&outputs));
-        Ok(outputs)
+                Judged::OutOfMemory(found, error) => Judged::OutOfMemory(found, error),
+            },
+            Err(wrong @ ChunkAttempt::WrongOutputCount { .. }) => {
+                Judged::Failed(Err(wrong), "wrong number of outputs".to_owned())
+            }
+        }
+    }
+    fn keep(&self, error: E) -> Option<KeptError> {
+        Some(error.into_kept())
     }
 }
 
@@ -913,40 +958,6 @@ fn begin_chunk(
     run.progress.current = range.clone();
     run.progress.current_cost = spent;
     (range, spent)
-}
-
-fn reason<E: AsRef<dyn Error + Send + Sync + 'static>>(error: &E) -> Option<StopReason> {
-    error
-        .as_ref()
-        .downcast_ref::<NoExecutableBatchSize>()
-        .map(|none_fit| none_fit.reason().clone())
-}
-
-/// The run's error, or [`ChunkError::WrongOutputCount`] when it stopped because the chunk
-/// `wrong.0` returned `wrong.1` outputs.
-fn with_wrong_count<E>(
-    error: ChunkError<E>,
-    wrong: Option<(Range<usize>, usize)>,
-) -> ChunkError<E> {
-    match wrong {
-        Some((range, got)) => ChunkError::WrongOutputCount {
-            completed: error.completed(),
-            expected: range.len(),
-            range,
-            got,
-        },
-        None => error,
-    }
-}
-
-/// The error that stops the search when `run`'s closure returned the wrong number of outputs
-/// (replaced by [`ChunkError::WrongOutputCount`] before it reaches the caller).
-fn wrong_count() -> NoExecutableBatchSize {
-    NoExecutableBatchSize::new(
-        StopReason::InvalidConfiguration("wrong number of outputs".to_owned()),
-        SearchReport::default(),
-        None,
-    )
 }
 
 /// The shrinking policy inside a chunked run.

@@ -31,10 +31,10 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
-use std::error::Error;
 use std::ops::Range;
 
 use crate::agree::Collective;
+use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 use crate::error::NoExecutableBatchSize;
 use crate::memory::Release;
@@ -469,7 +469,7 @@ impl<'r> EffectiveBatch<'r> {
         let mut search = BatchSizeSearch::new(self.next_start())
             .with_label("effective_batch")
             .with_min(self.min_micro);
-        search.routine = true;
+        search.first_fit_at_debug = true;
         if self.effective == 0 {
             search.invalidate("`effective` must be at least 1, got 0".to_owned());
         }
@@ -537,8 +537,11 @@ impl<'r> EffectiveBatch<'r> {
     /// Runs one optimizer step: `body` receives the plan, zeroes the gradients, runs every
     /// micro-batch and steps the optimizer. If it runs out of memory, memory is released and
     /// the same step runs again with a smaller micro-batch (so `body` must not have stepped the
-    /// optimizer before failing: step it last). For errors like `anyhow::Error` and
-    /// `Box<dyn Error + Send + Sync>`; [`step_typed`](Self::step_typed) for your own error type.
+    /// optimizer before failing: step it last). Takes the error types every runner takes
+    /// ([`AttemptError`] and `From<NoExecutableBatchSize>`): your own enum, `anyhow::Error`,
+    /// `Box<dyn Error + Send + Sync>`; an error that is not out-of-memory comes back unchanged.
+    /// The step's report is [`last_report`](Self::last_report), and in
+    /// [`crate::last_report()`] as for every runner.
     ///
     /// ```
     /// # use batch_size_runtime::{EffectiveBatch, SimulatedDevice};
@@ -553,24 +556,8 @@ impl<'r> EffectiveBatch<'r> {
     /// assert!(runner.micro() <= 33);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
-    pub fn step<T, E, F>(&mut self, mut body: F) -> Result<T, E>
-    where
-        F: FnMut(&BatchPlan) -> Result<T, E>,
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
-    {
-        let effective = self.effective;
-        let (result, report) = self
-            .search()
-            .run_with_report(|micro| body(&BatchPlan::new(effective, micro)));
-        self.account(report);
-        result
-    }
-
-    /// [`step`](Self::step) for an error type of your own that implements `Error` and
-    /// `From<NoExecutableBatchSize>`.
+    ///
+    /// Your own error type, the same way:
     ///
     /// ```
     /// # use batch_size_runtime::{EffectiveBatch, NoExecutableBatchSize, OutOfMemory};
@@ -582,28 +569,37 @@ impl<'r> EffectiveBatch<'r> {
     ///     NoBatchSize(#[from] NoExecutableBatchSize),
     /// }
     /// let mut runner = EffectiveBatch::new(16);
-    /// runner.step_typed(|plan| {
+    /// runner.step(|plan| {
     ///     if plan.micro() > 4 { return Err(TrainError::Device(OutOfMemory::new())) }
     ///     Ok(())
     /// })?;
     /// assert_eq!(runner.micro(), 4);
     /// # Ok::<(), TrainError>(())
     /// ```
-    pub fn step_typed<T, E, F>(&mut self, mut body: F) -> Result<T, E>
+    pub fn step<T, E, M, F>(&mut self, mut body: F) -> Result<T, E>
     where
         F: FnMut(&BatchPlan) -> Result<T, E>,
-        E: Error + Send + Sync + 'static + From<NoExecutableBatchSize>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
         let effective = self.effective;
-        let mut report_slot = SearchReport::default();
-        let result = {
-            let slot = &mut report_slot;
-            self.search()
-                .on_report(move |report| *slot = report.clone())
-                .run(|micro| body(&BatchPlan::new(effective, micro)))
-        };
-        self.account(report_slot);
+        let result = self
+            .search()
+            .run(|micro| body(&BatchPlan::new(effective, micro)));
+        self.account(crate::record::last_report().unwrap_or_default());
         result
+    }
+
+    /// The same as [`step`](Self::step), which takes your own error type now.
+    #[deprecated(
+        since = "0.1.0",
+        note = "`step` takes your own error type now: call `step`"
+    )]
+    pub fn step_typed<T, E, M, F>(&mut self, body: F) -> Result<T, E>
+    where
+        F: FnMut(&BatchPlan) -> Result<T, E>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
+    {
+        self.step(body)
     }
 
     /// One optimizer step in two parts: `accumulate` (zero the gradients, then forward and
@@ -632,14 +628,11 @@ impl<'r> EffectiveBatch<'r> {
     /// assert_eq!((runner.micro() <= 8, steps, loss), (true, 1, 1.0));
     /// # Ok::<(), anyhow::Error>(())
     /// ```
-    pub fn step_then<T, U, E, F, G>(&mut self, accumulate: F, apply: G) -> Result<U, E>
+    pub fn step_then<T, U, E, M, F, G>(&mut self, accumulate: F, apply: G) -> Result<U, E>
     where
         F: FnMut(&BatchPlan) -> Result<T, E>,
         G: FnOnce(&BatchPlan, T) -> Result<U, E>,
-        E: AsRef<dyn Error + Send + Sync + 'static>
-            + Into<Box<dyn Error + Send + Sync + 'static>>
-            + From<NoExecutableBatchSize>
-            + 'static,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
         let accumulated = self.step(accumulate)?;
         apply(&self.plan(), accumulated)

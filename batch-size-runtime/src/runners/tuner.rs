@@ -2,10 +2,11 @@
 //! small sizes, fit memory against the size from their peaks, jump close to the predicted limit,
 //! confirm, and bisect only what is left; then keep a margin, and run that size too.
 
-use super::{Decision, SizePolicy};
+use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 use crate::error::NoExecutableBatchSize;
 use crate::memory::Release;
+use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Finds the largest batch size whose trial runs, in few trials.
@@ -41,7 +42,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// assert_eq!(tuned.largest_fit(), 122);                    // the largest that fits
 /// assert!(tuned.batch_size() >= 115 && tuned.batch_size() < 122); // 5 % kept
 /// assert!(tuned.report().len() <= 6);                      // Lightning's binsearch: 13 trials
-/// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+/// # Ok::<(), anyhow::Error>(())
 /// ```
 #[derive(Debug)]
 #[must_use = "a tuner does nothing until it is run"]
@@ -69,7 +70,7 @@ impl Tuned {
     /// # use batch_size_runtime::Tuner;
     /// let tuned = Tuner::new().with_max(64).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.batch_size(), 60); // 64 ran; 5 % kept
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn batch_size(&self) -> usize {
         self.batch_size
@@ -81,7 +82,7 @@ impl Tuned {
     /// # use batch_size_runtime::Tuner;
     /// let tuned = Tuner::new().with_max(64).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.largest_fit(), 64);
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn largest_fit(&self) -> usize {
         self.largest_fit
@@ -96,7 +97,7 @@ impl Tuned {
     ///     Ok(())
     /// })?;
     /// assert!(tuned.report().out_of_memory_count() >= 1);
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn report(&self) -> &SearchReport {
         &self.report
@@ -141,7 +142,7 @@ impl Tuner {
     /// let again = tune()?;
     /// assert_eq!(again.batch_size(), first.batch_size());
     /// assert_eq!(again.report().len(), 1);
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_cache(mut self, key: impl Into<String>) -> Self {
         let dir = self.cache.take().and_then(|(_, dir)| dir);
@@ -170,7 +171,7 @@ impl Tuner {
     /// let tuned = Tuner::new().with_max(100).with_margin(0.0).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.batch_size(), 100);
     /// assert!(tuned.report().attempts().all(|trial| trial.batch_size <= 100));
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_max(mut self, max: usize) -> Self {
         self.max = Some(max);
@@ -183,7 +184,7 @@ impl Tuner {
     /// # use batch_size_runtime::Tuner;
     /// let tuned = Tuner::new().with_min(8).with_max(8).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.report().attempts().next().unwrap().batch_size, 8);
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_min(mut self, min: usize) -> Self {
         self.min = min;
@@ -196,7 +197,7 @@ impl Tuner {
     /// # use batch_size_runtime::Tuner;
     /// let tuned = Tuner::new().with_max(100).with_margin(0.2).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.batch_size(), 80);
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
         self.margin = margin;
@@ -209,7 +210,7 @@ impl Tuner {
     /// # use batch_size_runtime::Tuner;
     /// let tuned = Tuner::new().with_max_trials(3).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert!(tuned.report().len() <= 3);
-    /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
+    /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_max_trials(mut self, max_trials: usize) -> Self {
         self.max_trials = max_trials;
@@ -229,21 +230,19 @@ impl Tuner {
         self
     }
 
-    /// Runs the trials. A trial that fails with an error that is not out-of-memory ends the
-    /// tuning: the error is the `source()` of the `NoExecutableBatchSize` returned, whose
-    /// reason says so; a panic that is not out-of-memory resumes.
+    /// Runs the trials. Takes the error types every runner takes ([`AttemptError`] and
+    /// `From<NoExecutableBatchSize>`): a trial that fails with an error that is not
+    /// out-of-memory ends the tuning and the error comes back unchanged; a panic that is not
+    /// out-of-memory resumes; when not even `min` fits, `E::from(NoExecutableBatchSize)`.
     ///
     /// ```
-    /// # use batch_size_runtime::{StopReason, Tuner};
+    /// # use batch_size_runtime::Tuner;
     /// let error = Tuner::new().run(|_| -> anyhow::Result<()> { anyhow::bail!("no data") }).unwrap_err();
-    /// assert!(matches!(error.reason(), StopReason::Policy(why) if why.contains("no data")));
+    /// assert_eq!(error.to_string(), "no data"); // your error, not a string in another one
     /// ```
-    pub fn run<T, E>(
-        self,
-        mut trial: impl FnMut(usize) -> Result<T, E>,
-    ) -> Result<Tuned, NoExecutableBatchSize>
+    pub fn run<T, E, M>(self, trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
     where
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+        E: AttemptError<M> + From<NoExecutableBatchSize>,
     {
         let margin = self.margin;
         let policy = TunerPolicy {
@@ -274,55 +273,15 @@ impl Tuner {
                 search = search.with_cache_dir(dir);
             }
         }
-        let (result, report) = search.run_with_report(|size| -> Result<(), TrialError> {
-            trial(size)
-                .map(drop)
-                .map_err(|error| TrialError(error.into()))
-        });
-        match result {
-            Ok(()) => {
-                let largest_fit = report.largest_success().unwrap_or(0);
-                let batch_size = report.batch_size().unwrap_or(largest_fit);
-                Ok(Tuned {
-                    batch_size,
-                    largest_fit,
-                    report,
-                })
-            }
-            Err(TrialError(error)) => match error.downcast::<NoExecutableBatchSize>() {
-                Ok(none_fit) => Err(*none_fit),
-                // Not out of memory: the tuning ends, the error kept as the source.
-                Err(error) => Err(NoExecutableBatchSize::new(
-                    crate::StopReason::Policy(format!(
-                        "a trial failed with an error that is not out-of-memory: {error}"
-                    )),
-                    report,
-                    Some(crate::kept::KeptError::from(error)),
-                )),
-            },
-        }
-    }
-}
-
-/// A trial's error, boxed so that any error type can be classified and kept.
-#[derive(Debug)]
-struct TrialError(Box<dyn std::error::Error + Send + Sync + 'static>);
-
-impl AsRef<dyn std::error::Error + Send + Sync + 'static> for TrialError {
-    fn as_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-        &*self.0
-    }
-}
-
-impl From<TrialError> for Box<dyn std::error::Error + Send + Sync + 'static> {
-    fn from(error: TrialError) -> Self {
-        error.0
-    }
-}
-
-impl From<NoExecutableBatchSize> for TrialError {
-    fn from(error: NoExecutableBatchSize) -> Self {
-        TrialError(Box::new(error))
+        let (result, report) = search.run_with_report(trial);
+        result?;
+        let largest_fit = report.largest_success().unwrap_or(0);
+        let batch_size = report.batch_size().unwrap_or(largest_fit);
+        Ok(Tuned {
+            batch_size,
+            largest_fit,
+            report,
+        })
     }
 }
 

@@ -1,0 +1,231 @@
+//! The one door into the engine: [`drive`] and [`drive_async`] run a search's loop (begin an
+//! attempt, run it under `catch_unwind`, classify its outcome, record it, release memory, let
+//! the policy decide) for every runner and for the attribute's generated code. How an
+//! attempt's value is classified and what comes back when no size fits are the two kinds of
+//! [`dispatch`](crate::dispatch); every runner leaves through the same typed [`Ended`].
+
+use std::fmt;
+use std::future::Future;
+
+use super::{BatchSizeSearch, Search};
+use crate::dispatch::{Classify, GiveUp, Judged, UsableKind};
+use crate::error::NoExecutableBatchSize;
+use crate::unwind::{self, CatchUnwind, PanicPayload};
+
+/// How a search ended, for a runner: never a downcast to tell "no size fits" from "the
+/// closure failed".
+#[derive(Debug)]
+pub(crate) enum Ended<R, E> {
+    /// The attempt's own value: the accepted success, or an error that is not out-of-memory,
+    /// unchanged.
+    Returned(R),
+    /// No size fits; the last out-of-memory error itself where it was asked for.
+    NoSizeFits(NoExecutableBatchSize, Option<E>),
+}
+
+/// Runs the search: the attempt's value, or `give_up`'s when no size fits. What the attribute
+/// expands into (through `drive!`, which picks `classify` and `give_up` from the return type).
+#[inline]
+pub fn drive<R, C, G>(
+    search: BatchSizeSearch<'_>,
+    classify: C,
+    give_up: G,
+    attempt: impl FnMut(usize) -> R,
+) -> R
+where
+    C: Classify<R> + UsableKind,
+    G: GiveUp<R, Error = C::Error, Output = R>,
+{
+    let ended = drive_ended(search, &classify, give_up.returns_last_error(), attempt);
+    returned_or_given_up(ended, &give_up)
+}
+
+/// The async form of [`drive`]: `attempt` is a closure returning a future ([`Returning`]) or
+/// an async closure ([`Lending`]), whose panics are caught like a synchronous attempt's.
+#[inline]
+pub async fn drive_async<R, C, G>(
+    search: BatchSizeSearch<'_>,
+    classify: C,
+    give_up: G,
+    attempt: impl AsyncAttempt<R>,
+) -> R
+where
+    C: Classify<R> + UsableKind,
+    G: GiveUp<R, Error = C::Error, Output = R>,
+{
+    let ended = drive_ended_async(search, &classify, give_up.returns_last_error(), attempt).await;
+    returned_or_given_up(ended, &give_up)
+}
+
+#[inline]
+fn returned_or_given_up<R, E, G: GiveUp<R, Error = E, Output = R>>(
+    ended: Ended<R, E>,
+    give_up: &G,
+) -> R {
+    match ended {
+        Ended::Returned(value) => value,
+        Ended::NoSizeFits(none_fit, last) => give_up.give_up(none_fit, last),
+    }
+}
+
+/// The loop, for runners that act on how the search ended.
+#[inline]
+pub(crate) fn drive_ended<R, C: Classify<R>>(
+    search: BatchSizeSearch<'_>,
+    classify: &C,
+    keep_last_error: bool,
+    mut attempt: impl FnMut(usize) -> R,
+) -> Ended<R, C::Error> {
+    let mut driver = Driver::new(search, classify, keep_last_error);
+    loop {
+        let batch_size = match driver.begin() {
+            Ok(batch_size) => batch_size,
+            Err(ended) => return ended,
+        };
+        if let Some(ended) = driver.record(unwind::catch_attempt(|| attempt(batch_size))) {
+            return ended;
+        }
+    }
+}
+
+/// The async loop, for runners that act on how the search ended.
+pub(crate) async fn drive_ended_async<R, C: Classify<R>>(
+    search: BatchSizeSearch<'_>,
+    classify: &C,
+    keep_last_error: bool,
+    mut attempt: impl AsyncAttempt<R>,
+) -> Ended<R, C::Error> {
+    let mut driver = Driver::new(search, classify, keep_last_error);
+    loop {
+        let batch_size = match driver.begin() {
+            Ok(batch_size) => batch_size,
+            Err(ended) => return ended,
+        };
+        if let Some(ended) = driver.record(CatchUnwind::new(attempt.start(batch_size)).await) {
+            return ended;
+        }
+    }
+}
+
+/// An attempt of an async search. Two forms, because rustc cannot yet prove the future of a
+/// generic async closure `Send` (rust-lang/rust#110338): a closure that returns a future
+/// ([`Returning`]), which keeps the search's future `Send` when the attempt's is, and an
+/// async closure ([`Lending`]), which may lend its captures (`&mut self`) to each attempt.
+pub trait AsyncAttempt<R> {
+    /// Starts the attempt at `batch_size`.
+    fn start(&mut self, batch_size: usize) -> impl Future<Output = R>;
+}
+
+/// A closure that returns a future, as an [`AsyncAttempt`].
+#[derive(Debug)]
+pub struct Returning<F>(pub F);
+
+impl<R, F, Fut> AsyncAttempt<R> for Returning<F>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = R>,
+{
+    #[inline]
+    fn start(&mut self, batch_size: usize) -> impl Future<Output = R> {
+        (self.0)(batch_size)
+    }
+}
+
+/// An async closure, as an [`AsyncAttempt`].
+#[derive(Debug)]
+pub struct Lending<F>(pub F);
+
+impl<R, F: AsyncFnMut(usize) -> R> AsyncAttempt<R> for Lending<F> {
+    #[inline]
+    fn start(&mut self, batch_size: usize) -> impl Future<Output = R> {
+        (self.0)(batch_size)
+    }
+}
+
+/// One search over attempts that return `R`, between attempts.
+struct Driver<'r, 'c, R, C: Classify<R>> {
+    search: Search<'r>,
+    classify: &'c C,
+    keep_last_error: bool,
+    /// The latest success's value, while a policy that continues after a success runs on; it
+    /// is returned if the policy accepts after a later failure.
+    latest_success: Option<R>,
+    /// The last out-of-memory error itself, where the caller gives up by returning it.
+    last_error: Option<C::Error>,
+}
+
+impl<R, C: Classify<R>> fmt::Debug for Driver<'_, '_, R, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Driver")
+            .field("search", &self.search)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'r, 'c, R, C: Classify<R>> Driver<'r, 'c, R, C> {
+    #[inline]
+    fn new(search: BatchSizeSearch<'r>, classify: &'c C, keep_last_error: bool) -> Self {
+        Driver {
+            search: search.start(),
+            classify,
+            keep_last_error,
+            latest_success: None,
+            last_error: None,
+        }
+    }
+
+    /// The next attempt's size, or how the search ended because no size is left.
+    #[inline]
+    fn begin(&mut self) -> Result<usize, Ended<R, C::Error>> {
+        self.search
+            .begin()
+            .map_err(|none_fit| Ended::NoSizeFits(none_fit, self.last_error.take()))
+    }
+
+    /// Records how an attempt ended: `Some` ends the search; `None` means begin again.
+    #[inline]
+    fn record(&mut self, outcome: Result<R, PanicPayload>) -> Option<Ended<R, C::Error>> {
+        match outcome {
+            Ok(value) => match self.classify.judge(value, &self.search) {
+                Judged::Succeeded(value) => {
+                    self.search.succeeded();
+                    if self.search.is_accepted() {
+                        return Some(Ended::Returned(value));
+                    }
+                    self.latest_success = Some(value);
+                    None
+                }
+                Judged::Failed(value, description) => {
+                    self.search.failed_with(description);
+                    Some(Ended::Returned(value))
+                }
+                Judged::OutOfMemory(found, error) => {
+                    let kept = match error {
+                        Some(error) if self.keep_last_error => {
+                            self.last_error = Some(error);
+                            None
+                        }
+                        Some(error) => self.classify.keep(error),
+                        None => None,
+                    };
+                    self.search.record_out_of_memory(found, kept);
+                    self.accepted_value()
+                }
+            },
+            Err(payload) => {
+                self.search.panicked(payload);
+                self.accepted_value()
+            }
+        }
+    }
+
+    /// After a failure, a policy may accept the latest success (a tuner that has bracketed the
+    /// limit): its value is the caller's.
+    fn accepted_value(&mut self) -> Option<Ended<R, C::Error>> {
+        if self.search.is_accepted() {
+            self.latest_success.take().map(Ended::Returned)
+        } else {
+            None
+        }
+    }
+}
