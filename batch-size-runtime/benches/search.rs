@@ -1,9 +1,11 @@
 //! Every size policy on the same memory workloads, on a simulated 16 GiB device, side by side:
-//! `cargo bench -p batch-size-runtime --bench search` prints one row per case and policy, then
-//! the means. Each policy runs through the real engine (`BatchSizeSearch`), so the release, the
-//! figures and the engine's rules are the ones users get.
+//! `cargo bench -p batch-size-runtime --bench search` prints one row per case (workload and
+//! start) with halving, x0.9 and the default (guided, with the device's figures and with only the
+//! error's text), then the means and, for each policy, the cases that ended below halving's size
+//! or took more than halving's attempts + 1. Each policy runs through the real engine
+//! (`BatchSizeSearch`), so the release, the figures and the engine's rules are the ones users get.
 //!
-//! Workloads (16 GiB device; starts above the fit):
+//! Workloads (16 GiB device; starts 128, 256 and 512 where they are above the fit):
 //! - linear: one activation tensor of 120 MiB a sample;
 //! - fixed + linear: 9 GiB of weights and optimizer state, then 60 MiB a sample;
 //! - layered: 2 GiB of weights, then 24 layers that each keep 5 MiB a sample, so the failure
@@ -12,18 +14,35 @@
 //! - rounded: 3 GiB, then four tensors of 7.3 MiB a sample, every allocation rounded up to
 //!   2 MiB blocks;
 //! - cramped: 15 GiB fixed, then 20 MiB a sample;
-//! - noisy: 4 GiB, then 100 MiB a sample varying by up to ±3 % from one attempt to the next.
+//! - noisy: 4 GiB, then 100 MiB a sample varying by up to ±3 % from one attempt to the next;
+//! - decoder: 3 GiB of weights and optimizer state, 12 layers of 20 MiB a sample, then logits of
+//!   150 MiB a sample last (34 fit): the failure comes in the layers, the largest tensor after;
+//! - attention: 2 GiB, 30 MiB a sample, then 0.3 MiB × size² (174 fit);
+//! - lazy Adam: 2 GiB of weights; a first step (activations of 80 MiB a sample, 2 GiB of
+//!   gradients), then Adam's moments (4 GiB) appear at the first optimizer step, as in PyTorch,
+//!   and a second step runs with them: a large size fails in the first step, whose figures do not
+//!   show the moments to come;
+//! - PyTorch allocator: a caching allocator in front of the device as PyTorch's: requests under
+//!   1 MiB carved from 2 MiB segments, under 10 MiB from 20 MiB segments, larger ones rounded up
+//!   to 2 MiB; freed blocks stay in the cache for the next request of their kind and go back to
+//!   the device only when a request fails (then retried) or at the release between attempts.
+//!   3 GiB of weights, 24 layers keeping 3 MiB a sample with a 1.5 MiB-a-sample temporary and a
+//!   40 KiB-a-sample buffer each, then logits of 40 MiB a sample.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy, Tuner};
+use batch_size_runtime::memory::{MemorySnapshot, ReleaseError};
+use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy};
 use batch_size_runtime::{
-    BatchSizeSearch, OutOfMemory, Outcome, SearchReport, SimAllocation, SimulatedDevice,
+    BatchSizeSearch, MemoryBackend, OutOfMemory, Outcome, SearchReport, SimAllocation,
+    SimulatedDevice, Tuner,
 };
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
+const KIB: u64 = 1 << 10;
 const DEVICE: u64 = 16 * GIB;
 
 #[derive(Clone, Copy, PartialEq)]
@@ -35,10 +54,14 @@ enum Workload {
     Rounded,
     Cramped,
     Noisy,
+    Decoder,
+    Attention,
+    LazyAdam,
+    PyTorchAllocator,
 }
 
 impl Workload {
-    const ALL: [Workload; 7] = [
+    const ALL: [Workload; 11] = [
         Workload::Linear,
         Workload::FixedLinear,
         Workload::Layered,
@@ -46,6 +69,10 @@ impl Workload {
         Workload::Rounded,
         Workload::Cramped,
         Workload::Noisy,
+        Workload::Decoder,
+        Workload::Attention,
+        Workload::LazyAdam,
+        Workload::PyTorchAllocator,
     ];
 
     fn name(self) -> &'static str {
@@ -57,19 +84,30 @@ impl Workload {
             Workload::Rounded => "2 MiB-rounded",
             Workload::Cramped => "cramped",
             Workload::Noisy => "noisy (±3 %)",
+            Workload::Decoder => "decoder (logits last)",
+            Workload::Attention => "attention (size²)",
+            Workload::LazyAdam => "lazy Adam moments",
+            Workload::PyTorchAllocator => "PyTorch allocator",
         }
     }
 
     fn device(self) -> SimulatedDevice {
-        let device = SimulatedDevice::new(DEVICE).with_caching();
         match self {
-            Workload::Rounded => device.with_block_size(2 * MIB),
-            _ => device,
+            Workload::Rounded => SimulatedDevice::new(DEVICE)
+                .with_caching()
+                .with_block_size(2 * MIB),
+            // Memory freed within the attempt is reused at once (by the device, or by the
+            // allocator in front of it), as PyTorch's allocator does.
+            Workload::LazyAdam | Workload::PyTorchAllocator => SimulatedDevice::new(DEVICE),
+            _ => SimulatedDevice::new(DEVICE).with_caching(),
         }
     }
 
-    /// One training step at `size`: every allocation it makes, kept until it returns.
+    /// One attempt at `size`: every allocation it makes, kept until it returns.
     fn step(self, device: &SimulatedDevice, size: u64, noise: f64) -> Result<(), OutOfMemory> {
+        if self == Workload::PyTorchAllocator {
+            return pytorch_step(&CachingAllocator::new(device.clone()), size);
+        }
         let mut held: Vec<SimAllocation> = Vec::new();
         let mut alloc = |bytes: u64| -> Result<(), OutOfMemory> {
             held.push(device.alloc(bytes)?);
@@ -108,6 +146,35 @@ impl Workload {
                 alloc(4 * GIB)?;
                 alloc((size as f64 * 100.0 * MIB as f64 * noise) as u64)
             }
+            Workload::Decoder => {
+                alloc(3 * GIB)?;
+                for _ in 0..12 {
+                    alloc(size * 20 * MIB)?;
+                }
+                alloc(size * 150 * MIB)
+            }
+            Workload::Attention => {
+                alloc(2 * GIB)?;
+                alloc(size * 30 * MIB)?;
+                alloc(size * size * 3 * MIB / 10)
+            }
+            Workload::LazyAdam => {
+                let _weights = device.alloc(2 * GIB)?;
+                let mut moments = None;
+                for _ in 0..2 {
+                    let activations = device.alloc(size * 80 * MIB)?;
+                    let gradients = device.alloc(2 * GIB)?;
+                    drop(activations);
+                    if moments.is_none() {
+                        // Adam's exp_avg and exp_avg_sq, created at the first optimizer step.
+                        moments = Some(device.alloc(4 * GIB)?);
+                    }
+                    // zero_grad(set_to_none=True): the gradients go until the next backward.
+                    drop(gradients);
+                }
+                Ok(())
+            }
+            Workload::PyTorchAllocator => Ok(()),
         }
     }
 
@@ -128,6 +195,124 @@ impl Workload {
             }
         }
         low
+    }
+}
+
+/// The step on PyTorch's allocator: weights, 24 layers that keep an activation, use a
+/// temporary (freed at once, reused from the cache by the next layer) and keep a small buffer,
+/// then the logits.
+fn pytorch_step(allocator: &CachingAllocator, size: u64) -> Result<(), OutOfMemory> {
+    let mut held = Vec::new();
+    for _ in 0..200 {
+        held.push(allocator.alloc(15 * MIB)?); // 3 GiB of weights in 15 MiB tensors
+    }
+    for _ in 0..24 {
+        held.push(allocator.alloc(size * 3 * MIB)?);
+        let temporary = allocator.alloc(size * 3 * MIB / 2)?;
+        held.push(allocator.alloc(size * 40 * KIB)?);
+        allocator.free(temporary);
+    }
+    held.push(allocator.alloc(size * 40 * MIB)?);
+    for block in held {
+        allocator.free(block);
+    }
+    Ok(())
+}
+
+/// PyTorch's caching allocator, as far as sizes go (c10/cuda/CUDACachingAllocator.cpp):
+/// requests under 1 MiB rounded to 512 bytes inside 2 MiB segments, under 10 MiB inside 20 MiB
+/// segments, larger ones rounded up to 2 MiB in a segment of their own size; a freed block stays
+/// in its segment for later requests; when the device refuses a segment, the unused cached
+/// segments are given back and the request retried once before the out-of-memory error.
+/// Fragmentation inside a segment is not modelled (free bytes are counted, not placed).
+struct CachingAllocator {
+    device: SimulatedDevice,
+    segments: RefCell<Vec<Segment>>,
+}
+
+struct Segment {
+    memory: Option<SimAllocation>,
+    size: u64,
+    used: u64,
+    kind: u8,
+}
+
+/// A block: its segment and its bytes.
+struct Block(usize, u64);
+
+impl CachingAllocator {
+    fn new(device: SimulatedDevice) -> Self {
+        CachingAllocator {
+            device,
+            segments: RefCell::new(Vec::new()),
+        }
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<Block, OutOfMemory> {
+        let (kind, rounded, segment_size) = if bytes < MIB {
+            (0, bytes.div_ceil(512) * 512, 2 * MIB)
+        } else if bytes < 10 * MIB {
+            (1, bytes.div_ceil(512) * 512, 20 * MIB)
+        } else {
+            let rounded = bytes.div_ceil(2 * MIB) * 2 * MIB;
+            (2, rounded, rounded)
+        };
+        let mut segments = self.segments.borrow_mut();
+        // Best fit among the cached segments of the same kind.
+        let found = segments
+            .iter()
+            .enumerate()
+            .filter(|(_, segment)| {
+                segment.memory.is_some()
+                    && segment.kind == kind
+                    && segment.size - segment.used >= rounded
+            })
+            .min_by_key(|(_, segment)| segment.size - segment.used)
+            .map(|(index, _)| index);
+        let index = match found {
+            Some(index) => index,
+            None => {
+                let memory = match self.device.alloc(segment_size) {
+                    Ok(memory) => memory,
+                    Err(_) => {
+                        // Give the cached, unused segments back and try once more.
+                        for segment in segments.iter_mut().filter(|segment| segment.used == 0) {
+                            segment.memory = None;
+                        }
+                        self.device.alloc(segment_size)?
+                    }
+                };
+                segments.push(Segment {
+                    memory: Some(memory),
+                    size: segment_size,
+                    used: 0,
+                    kind,
+                });
+                segments.len() - 1
+            }
+        };
+        segments[index].used += rounded;
+        Ok(Block(index, rounded))
+    }
+
+    fn free(&self, block: Block) {
+        if let Some(segment) = self.segments.borrow_mut().get_mut(block.0) {
+            segment.used = segment.used.saturating_sub(block.1);
+        }
+    }
+}
+
+/// The device without its readings: errors keep their text (bytes asked for, free, total), the
+/// release still works, the memory backend reports nothing.
+#[derive(Debug)]
+struct TextOnly(SimulatedDevice);
+
+impl MemoryBackend for TextOnly {
+    fn release(&self) -> Result<(), ReleaseError> {
+        self.0.release()
+    }
+    fn memory(&self) -> MemorySnapshot {
+        MemorySnapshot::default()
     }
 }
 
@@ -249,7 +434,11 @@ fn run(workload: Workload, start: usize, policy: &str) -> Row {
     let device = workload.device();
     let attempt_number = AtomicU64::new(0);
     let result = Arc::new(Mutex::new(None));
-    let search = BatchSizeSearch::new(start).with_release(device.clone());
+    let search = if policy == "guided, text only" {
+        BatchSizeSearch::new(start).with_release(TextOnly(device.clone()))
+    } else {
+        BatchSizeSearch::new(start).with_release(device.clone())
+    };
     let search = match policy {
         "halving" => search.with_policy(Halve),
         "x0.9" => search.with_policy(Factor(0.9)),
@@ -290,6 +479,30 @@ fn run(workload: Workload, start: usize, policy: &str) -> Row {
     }
 }
 
+fn shown(tried: &[usize]) -> String {
+    let tried: Vec<String> = tried.iter().map(usize::to_string).collect();
+    if tried.len() > 12 {
+        format!(
+            "{} … {}",
+            tried[..6].join(" "),
+            tried[tried.len() - 3..].join(" ")
+        )
+    } else {
+        tried.join(" ")
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Totals {
+    utilisation: f64,
+    worst: f64,
+    attempts: usize,
+    failures: usize,
+    cases: usize,
+    below_halving: usize,
+    over_halving_attempts: usize,
+}
+
 /// The tuner on `workload`: with the device's figures, or without (no release backend, errors
 /// that carry no figures, a device that frees at once). Returns the size, trials and failures.
 fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
@@ -324,11 +537,10 @@ fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
             tuned.report().len(),
             tuned.report().out_of_memory_count(),
         ),
-        Err(none_fit) => (
-            0,
-            none_fit.report().len(),
-            none_fit.report().out_of_memory_count(),
-        ),
+        // The tuner returns the trial's own error; its record is the last report.
+        Err(_) => batch_size_runtime::last_report().map_or((0, 0, 0), |report| {
+            (0, report.len(), report.out_of_memory_count())
+        }),
     }
 }
 
@@ -351,7 +563,7 @@ fn cached_rerun(workload: Workload, tuner: bool) -> usize {
                 .run(step)
             {
                 Ok(tuned) => tuned.report().len(),
-                Err(none_fit) => none_fit.report().len(),
+                Err(_) => batch_size_runtime::last_report().map_or(0, |report| report.len()),
             }
         } else {
             let (_, report) = BatchSizeSearch::new(512)
@@ -365,11 +577,28 @@ fn cached_rerun(workload: Workload, tuner: bool) -> usize {
 }
 
 fn main() {
-    let policies = ["halving", "x0.9", "binsearch", "power", "guided"];
-    let mut totals: Vec<(f64, f64, usize, usize, usize)> =
-        vec![(0.0, f64::INFINITY, 0, 0, 0); policies.len()];
+    let policies = [
+        "halving",
+        "x0.9",
+        "binsearch",
+        "power",
+        "guided",
+        "guided, text only",
+    ];
+    let mut totals = vec![
+        Totals {
+            utilisation: 0.0,
+            worst: f64::INFINITY,
+            attempts: 0,
+            failures: 0,
+            cases: 0,
+            below_halving: 0,
+            over_halving_attempts: 0,
+        };
+        policies.len()
+    ];
     println!(
-        "| workload | start | fits | policy | sizes tried | found | attempts | OOM | utilisation |"
+        "| workload | start | fits | halving | x0.9 | guided (device figures): sizes tried | found | guided (text only): sizes tried | found |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for workload in Workload::ALL {
@@ -378,38 +607,48 @@ fn main() {
             if start <= fit {
                 continue;
             }
-            for (index, policy) in policies.iter().enumerate() {
-                let row = run(workload, start, policy);
+            let rows: Vec<Row> = policies
+                .iter()
+                .map(|policy| run(workload, start, policy))
+                .collect();
+            let halving = (rows[0].found, rows[0].attempts);
+            for (total, row) in totals.iter_mut().zip(&rows) {
                 let utilisation = row.found as f64 / fit as f64;
-                let tried: Vec<String> = row.tried.iter().map(usize::to_string).collect();
-                let tried = if tried.len() > 12 {
-                    format!(
-                        "{} … {}",
-                        tried[..6].join(" "),
-                        tried[tried.len() - 3..].join(" ")
-                    )
-                } else {
-                    tried.join(" ")
-                };
-                let start_shown = if matches!(*policy, "binsearch" | "power") {
-                    "2".to_owned()
-                } else {
-                    start.to_string()
-                };
-                println!(
-                    "| {} | {start_shown} | {fit} | {policy} | {tried} | {} | {} | {} | {utilisation:.3} |",
-                    workload.name(),
+                total.utilisation += utilisation;
+                total.worst = total.worst.min(utilisation);
+                total.attempts += row.attempts;
+                total.failures += row.failures;
+                total.cases += 1;
+                total.below_halving += usize::from(row.found < halving.0);
+                total.over_halving_attempts += usize::from(row.attempts > halving.1 + 1);
+            }
+            let cell = |row: &Row| {
+                let mut cell = format!(
+                    "{} in {} ({:.3})",
                     row.found,
                     row.attempts,
-                    row.failures
+                    row.found as f64 / fit as f64
                 );
-                let total = &mut totals[index];
-                total.0 += utilisation;
-                total.1 = total.1.min(utilisation);
-                total.2 += row.attempts;
-                total.3 += row.failures;
-                total.4 += 1;
-            }
+                if row.found < halving.0 {
+                    cell.push_str(" **below halving**");
+                }
+                if row.attempts > halving.1 + 1 {
+                    cell.push_str(" **over halving + 1**");
+                }
+                cell
+            };
+            println!(
+                "| {} | {start} | {fit} | {} in {} | {} in {} | {} | {} | {} | {} |",
+                workload.name(),
+                rows[0].found,
+                rows[0].attempts,
+                rows[1].found,
+                rows[1].attempts,
+                shown(&rows[4].tried),
+                cell(&rows[4]),
+                shown(&rows[5].tried),
+                cell(&rows[5]),
+            );
         }
     }
     // The tuner against Lightning's binsearch, once a workload (they start small).
@@ -472,15 +711,26 @@ fn main() {
     }
 
     println!();
-    println!("| policy | mean utilisation | worst | mean attempts | mean OOM failures |");
-    println!("|---|---|---|---|---|");
-    for (policy, (sum, worst, attempts, failures, cases)) in policies.iter().zip(totals) {
-        let cases_f = cases.max(1) as f64;
+    println!(
+        "| policy | mean utilisation | worst | mean attempts | mean OOM failures | cases below halving's size | cases over halving's attempts + 1 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (policy, total) in policies.iter().zip(totals) {
+        let cases = total.cases.max(1) as f64;
+        let shown_policy = match *policy {
+            "binsearch" | "power" => format!("{policy} (Lightning, from 2)"),
+            _ => (*policy).to_owned(),
+        };
         println!(
-            "| {policy} | {:.3} | {worst:.3} | {:.2} | {:.2} |",
-            sum / cases_f,
-            attempts as f64 / cases_f,
-            failures as f64 / cases_f
+            "| {shown_policy} | {:.3} | {:.3} | {:.2} | {:.2} | {} of {} | {} of {} |",
+            total.utilisation / cases,
+            total.worst,
+            total.attempts as f64 / cases,
+            total.failures as f64 / cases,
+            total.below_halving,
+            total.cases,
+            total.over_halving_attempts,
+            total.cases
         );
     }
 }

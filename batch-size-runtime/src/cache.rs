@@ -14,8 +14,12 @@
 //! device has at least 10 % more free memory than when the entry was written, the search starts
 //! again from `starting`, so that a size that failed then may fit now.
 //!
-//! A missing file is a first run. A corrupt, truncated or unreadable file, or a folder that
-//! cannot be written, gives one WARN and is ignored: the cache never fails a search.
+//! A missing file is a first run. A cached size is used only when it lies in `1..=starting`
+//! and the entry is this search's (the same key, so the same device): a size of 0, one larger
+//! than `starting`, a negative or fractional number, an entry of another device, a corrupt,
+//! truncated or unreadable file, or a folder that cannot be read or written (a file in its place,
+//! a path under a file) is ignored and the search starts at `starting`. Whatever went wrong, a
+//! search gives at most one WARN about its cache: the cache never fails or steers a search.
 //!
 //! ```
 //! use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
@@ -93,6 +97,8 @@ pub(crate) struct Cached<'r> {
     label: &'static str,
     /// The first attempt is the cached size.
     from_cache: bool,
+    /// This search gave its WARN about the cache already: one is enough, whatever else fails.
+    warned: bool,
 }
 
 impl fmt::Debug for Cached<'_> {
@@ -114,31 +120,56 @@ fn file_name(key: &str) -> String {
     format!("batch-size-{hash:016x}.json")
 }
 
-fn read_entry(file: &Path, key: &str) -> Option<CacheEntry> {
+/// The entry in `file` for `key`: `Ok(None)` for a first run (no file), `Err(why)` for a file
+/// that cannot be used.
+fn read_entry(file: &Path, key: &str) -> Result<Option<CacheEntry>, String> {
     let text = match std::fs::read_to_string(file) {
         Ok(text) => text,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(error) => {
-            tracing::warn!(file = %file.display(), %error, "the batch size cache could not be read; it is ignored");
-            return None;
-        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(format!("it could not be read: {error}")),
     };
     match serde_json::from_str::<CacheEntry>(&text) {
-        Ok(entry) if entry.key == key => Some(entry),
-        Ok(_) => None, // another key with the same file name
-        Err(error) => {
-            tracing::warn!(file = %file.display(), %error, "the batch size cache is not a valid entry; it is ignored");
-            None
-        }
+        Ok(entry) if entry.key == key => Ok(Some(entry)),
+        // Another search's entry (another device, another `starting`) under the same name: a
+        // copied folder, or a file edited by hand.
+        Ok(entry) => Err(format!(
+            "it holds the entry of another search or device (\"{}\")",
+            entry.key
+        )),
+        Err(error) => Err(format!("it is not a valid entry: {error}")),
     }
 }
 
-fn write_entry(file: &Path, entry: &CacheEntry) {
+/// Why a cached size cannot start this search: only a size the search could have tried itself is
+/// used, so that nothing read from outside steers it out of its range. A shrinking search tries
+/// `1..=starting`; a growing one (a tuner) starts at `starting`, its smallest size, and goes up.
+fn unusable(entry: &CacheEntry, starting: usize, shrinking: bool) -> Option<String> {
+    let (low, high) = if shrinking {
+        (1, starting)
+    } else {
+        (starting.max(1), usize::MAX)
+    };
+    (!(low..=high).contains(&entry.fits)).then(|| {
+        if shrinking {
+            format!(
+                "its size {} is not between 1 and the search's starting size {starting}",
+                entry.fits
+            )
+        } else {
+            format!(
+                "its size {} is below the search's smallest size {low}",
+                entry.fits
+            )
+        }
+    })
+}
+
+fn write_entry(file: &Path, entry: &CacheEntry) -> std::io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let Some(dir) = file.parent() else {
-        return;
+        return Ok(());
     };
-    let result = (|| -> std::io::Result<()> {
+    (|| -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         let text = serde_json::to_string_pretty(entry).map_err(std::io::Error::other)?;
         // Written whole under a name of this process's own, then renamed over the entry: a
@@ -154,10 +185,7 @@ fn write_entry(file: &Path, entry: &CacheEntry) {
         std::fs::rename(&temporary, file).inspect_err(|_| {
             let _ = std::fs::remove_file(&temporary);
         })
-    })();
-    if let Err(error) = result {
-        tracing::warn!(file = %file.display(), %error, "the batch size cache could not be written; the search's result is kept in this process only");
-    }
+    })()
 }
 
 impl<'r> Cached<'r> {
@@ -184,13 +212,38 @@ impl<'r> Cached<'r> {
             .dir
             .or_else(|| std::env::var_os(CACHE_DIR_VARIABLE).map(PathBuf::from));
         let file = dir.map(|dir| dir.join(file_name(&key)));
-        let entry = {
+        let mut warned = false;
+        let mut warn = |file: &Path, why: &str| {
+            if !std::mem::replace(&mut warned, true) {
+                tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the search starts at its starting size");
+            }
+        };
+        let in_process = {
             let entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
             entries
                 .as_ref()
                 .and_then(|entries| entries.get(&key).cloned())
+        };
+        let entry = match (in_process, file.as_deref()) {
+            (Some(entry), _) => Some(entry),
+            (None, Some(file)) => read_entry(file, &key).unwrap_or_else(|why| {
+                warn(file, &why);
+                None
+            }),
+            (None, None) => None,
         }
-        .or_else(|| file.as_deref().and_then(|file| read_entry(file, &key)));
+        .filter(
+            |entry| match unusable(entry, starting, inner.is_shrinking()) {
+                Some(why) => {
+                    warn(
+                        file.as_deref().unwrap_or(Path::new("(in this process)")),
+                        &why,
+                    );
+                    false
+                }
+                None => true,
+            },
+        );
         let mut free_now = memory.free();
         if entry.is_some() {
             // The cached size was measured on a device with nothing held for this search: give
@@ -211,6 +264,7 @@ impl<'r> Cached<'r> {
             free_now,
             label,
             from_cache: false,
+            warned,
         }
     }
 
@@ -249,7 +303,11 @@ impl<'r> Cached<'r> {
                 .insert(self.key.clone(), entry.clone());
         }
         if let Some(file) = &self.file {
-            write_entry(file, &entry);
+            if let Err(error) = write_entry(file, &entry) {
+                if !std::mem::replace(&mut self.warned, true) {
+                    tracing::warn!(file = %file.display(), %error, "the batch size cache could not be written; the search's result is kept in this process only");
+                }
+            }
         }
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
     }
