@@ -203,6 +203,12 @@ impl Parse for Args {
                 ),
             ));
         }
+        if let (Some(dir), None) = (&args.cache_dir, &args.cache) {
+            return Err(syn::Error::new_spanned(
+                dir,
+                "`cache_dir` says where the cache is kept, but nothing is cached without `cache = KEY`: add e.g. `cache = \"train\"` beside it",
+            ));
+        }
         Ok(args)
     }
 }

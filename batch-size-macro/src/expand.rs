@@ -335,14 +335,16 @@ fn rewrite(
         (Some(ret), _) => {
             let ret = spans::over(quote! { ::core::marker::PhantomData::<#ret> }, &shape.ty);
             let (drive, lending) = match (is_async, mut_receiver) {
-                (false, _) => (quote! { drive }, None),
-                (true, false) => (quote! { drive_async }, None),
-                (true, true) => (quote! { drive_async }, Some(quote! { lending })),
+                (false, _) => (quote! { drive_attempts }, None),
+                (true, false) => (quote! { drive_attempts_async }, None),
+                (true, true) => (quote! { drive_attempts_async }, Some(quote! { lending })),
             };
             // The macro's name over the return type, where an error type that cannot be
             // classified is reported; the path keeps its own spans (a wrong `crate = ...`).
             let drive = spans::over(drive, &shape.ty);
-            let drive = quote! { #private::#drive! };
+            let mut krate = private.clone();
+            krate.segments.pop();
+            let drive = quote! { #krate #drive! };
             quote! { #drive(#lending #ret, #search, #attempt) }
         }
         // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
@@ -491,7 +493,7 @@ mod tests {
         // lives in the runtime's `drive!`; the macro writes the search, the re-borrows and the
         // body as a closure.
         let expected = r#"fn train(limit: usize) -> anyhow::Result<usize> {
-    ::batch_size_runtime::__private::drive!(
+    ::batch_size_runtime::drive_attempts!(
         ::core::marker::PhantomData::<anyhow::Result<usize>>,
         ::batch_size_runtime::__private::search::<usize>(
             ::core::concat!(::core::module_path!(), "::", "train"),
@@ -515,7 +517,6 @@ mod tests {
         let names: Vec<&str> = [
             "ClonePerAttempt", // `limit`, owned, is cloned for each attempt
             "batch_size_as",
-            "drive",
             "search",
             "starting_of",
         ]

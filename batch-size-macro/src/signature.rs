@@ -92,14 +92,57 @@ pub(crate) fn split(
         first = inputs.next();
     }
 
+    // A batch size written later (`fn train(data: &Data, batch_size: usize)`): one error that
+    // says to move it first, and the signature without it, so that callers raise none.
+    let rest: Vec<&FnArg> = inputs.collect();
+    let misplaced = match first {
+        Some(FnArg::Typed(first)) if check_batch_size_type(&first.ty).is_err() => {
+            rest.iter().position(|input| is_misplaced_batch_size(input))
+        }
+        _ => None,
+    };
+    let rest: Vec<&FnArg> = match (misplaced, first) {
+        (Some(index), Some(first_param)) => {
+            let param = rest[index];
+            combine(
+                &mut error,
+                syn::Error::new_spanned(
+                    param,
+                    format!(
+                        "the batch size must be the first parameter{} of `{}`: move `{}` first",
+                        if sig.receiver().is_some() {
+                            " after the receiver"
+                        } else {
+                            ""
+                        },
+                        sig.ident,
+                        param.to_token_stream()
+                    ),
+                ),
+            );
+            let mut others = vec![first_param];
+            others.extend(
+                rest.iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != index)
+                    .map(|(_, input)| *input),
+            );
+            first = Some(rest[index]);
+            others
+        }
+        _ => rest,
+    };
+
     let batch_size = match first {
         Some(FnArg::Typed(PatType { pat, ty, .. })) => {
-            if let Err(wrong_type) = check_batch_size_type(ty) {
-                if contains_impl_trait(ty) {
-                    // Not even a placeholder can name this type.
-                    return Err(wrong_type);
+            if misplaced.is_none() {
+                if let Err(wrong_type) = check_batch_size_type(ty) {
+                    if contains_impl_trait(ty) {
+                        // Not even a placeholder can name this type.
+                        return Err(wrong_type);
+                    }
+                    combine(&mut error, wrong_type);
                 }
-                combine(&mut error, wrong_type);
             }
             BatchSizeParam {
                 pat: (**pat).clone(),
@@ -121,7 +164,7 @@ pub(crate) fn split(
     };
 
     let mut rebind = Vec::new();
-    for (index, input) in inputs.enumerate() {
+    for (index, input) in rest.into_iter().enumerate() {
         let FnArg::Typed(param) = input else {
             continue;
         };
@@ -154,6 +197,24 @@ fn contains_impl_trait(ty: &Type) -> bool {
 const INTEGERS: [&str; 12] = [
     "u8", "u16", "u32", "u64", "u128", "usize", "i8", "i16", "i32", "i64", "i128", "isize",
 ];
+
+/// A later parameter that is plainly the batch size: a primitive integer whose name says so.
+fn is_misplaced_batch_size(input: &FnArg) -> bool {
+    let FnArg::Typed(PatType { pat, ty, .. }) = input else {
+        return false;
+    };
+    let Pat::Ident(PatIdent { ident, .. }) = &**pat else {
+        return false;
+    };
+    let Type::Path(path) = &**ty else {
+        return false;
+    };
+    let integer = path
+        .path
+        .get_ident()
+        .is_some_and(|name| INTEGERS.contains(&name.to_string().as_str()));
+    integer && ident.to_string().contains("batch")
+}
 
 /// Rejects types that are plainly not integers; aliases are checked by a trait bound later.
 fn check_batch_size_type(ty: &Type) -> syn::Result<()> {

@@ -1,12 +1,18 @@
 //! What a runner needs of the error type your closure returns: a way to look at it (is it
-//! out-of-memory?) and a way to keep it as the `source()` of [`NoExecutableBatchSize`] when no
-//! size fits. Every runner ([`BatchSizeSearch::run`](crate::BatchSizeSearch::run),
+//! out-of-memory?), a way to keep it as the `source()` of [`NoExecutableBatchSize`], and
+//! `From<NoExecutableBatchSize>` for what it returns when no size fits. Every runner ([`BatchSizeSearch::run`](crate::BatchSizeSearch::run),
 //! [`EffectiveBatch::step`](crate::EffectiveBatch::step), [`Chunked::run`](crate::Chunked::run),
 //! [`Tuner::run`](crate::Tuner::run)) takes the same error types:
 //!
-//! - your own error type: anything `Error + Send + Sync + 'static` (a `thiserror` enum, cudarc's
-//!   `DriverError`, candle's `Error`), looked at through its `source()` chain;
-//! - `anyhow::Error` and `Box<dyn Error + Send + Sync>`, looked at through their chain.
+//! - your own error type: `Error + Send + Sync + 'static` with `From<NoExecutableBatchSize>` (a
+//!   `thiserror` enum with a `#[error(transparent)] NoBatchSize(#[from] NoExecutableBatchSize)`
+//!   variant), looked at through its `source()` chain;
+//! - `anyhow::Error` and `Box<dyn Error + Send + Sync>`, looked at through their chain;
+//! - a framework's error type (cudarc's `DriverError`, candle's `Error`) has no
+//!   `From<NoExecutableBatchSize>`: hold it in your enum with `#[from]`, or return `anyhow::Error`.
+//!   (A generic method cannot choose between "convert" and "give the last error back" by
+//!   whether the conversion exists; the attribute can, and gives the last out-of-memory error
+//!   back for such a type.)
 //!
 //! An error that is not out-of-memory comes back from the runner unchanged: same type, same
 //! value. The marker type parameter is inferred; you never write it. It is what lets one
@@ -14,19 +20,14 @@
 
 use std::error::Error;
 
-#[allow(unused_imports)] // for the docs' links
 use crate::error::NoExecutableBatchSize;
 use crate::kept::KeptError;
 
-/// An error type a runner can classify and give back unchanged. Implemented for every
-/// `E: Error + Send + Sync + 'static` (marker [`Typed`]) and for `anyhow::Error` and
-/// `Box<dyn Error + Send + Sync>` (marker [`Dynamic`]); see the [module](self).
-#[diagnostic::on_unimplemented(
-    message = "a batch-size runner cannot tell whether `{Self}` is out-of-memory",
-    label = "the closure's error type",
-    note = "return an error type that implements `std::error::Error + Send + Sync + 'static` (your own enum, a framework's error), `anyhow::Error` or `Box<dyn std::error::Error + Send + Sync>`"
-)]
-pub trait AttemptError<Marker>: Sized + 'static {
+/// An error type that can be told out-of-memory or not: every
+/// `E: Error + Send + Sync + 'static` (marker [`Typed`]), `anyhow::Error` and
+/// `Box<dyn Error + Send + Sync>` (marker [`Dynamic`]). What the attribute needs of an error
+/// type it keeps; a runner needs [`AttemptError`] as well.
+pub trait InspectError<Marker>: Sized + 'static + InspectableError {
     /// The error as a trait object, for classification and descriptions.
     #[doc(hidden)]
     fn as_error(&self) -> &(dyn Error + 'static);
@@ -35,16 +36,7 @@ pub trait AttemptError<Marker>: Sized + 'static {
     fn into_kept(self) -> KeptError;
 }
 
-/// The marker of error types that implement [`Error`] themselves.
-#[derive(Debug)]
-pub enum Typed {}
-
-/// The marker of `anyhow::Error` and `Box<dyn Error + Send + Sync>`, which are not themselves
-/// [`Error`]s but hold one.
-#[derive(Debug)]
-pub enum Dynamic {}
-
-impl<E: Error + Send + Sync + 'static> AttemptError<Typed> for E {
+impl<E: Error + Send + Sync + 'static> InspectError<Typed> for E {
     #[inline]
     fn as_error(&self) -> &(dyn Error + 'static) {
         self
@@ -55,10 +47,11 @@ impl<E: Error + Send + Sync + 'static> AttemptError<Typed> for E {
     }
 }
 
-impl<E> AttemptError<Dynamic> for E
+impl<E> InspectError<Dynamic> for E
 where
     E: AsRef<dyn Error + Send + Sync + 'static>
         + Into<Box<dyn Error + Send + Sync + 'static>>
+        + std::fmt::Display
         + 'static,
 {
     #[inline]
@@ -69,3 +62,47 @@ where
         KeptError::keep(self)
     }
 }
+
+/// An error type a runner can classify and give back unchanged, and build when no size fits;
+/// see the [module](self).
+#[diagnostic::on_unimplemented(
+    message = "a batch-size runner cannot take `{Self}` as the closure's error type",
+    label = "the closure's error type",
+    note = "a runner needs an error it can inspect (`std::error::Error + Send + Sync + 'static`, `anyhow::Error` or `Box<dyn std::error::Error + Send + Sync>`) and can build when no size fits (`From<NoExecutableBatchSize>`)",
+    note = "for your own enum, add `#[error(transparent)] NoBatchSize(#[from] batch_size_runtime::NoExecutableBatchSize)`; hold a framework's error in it with `#[from]`, or return `anyhow::Error`"
+)]
+pub trait AttemptError<Marker>: InspectError<Marker> {
+    /// What the runner returns when no size fits.
+    #[doc(hidden)]
+    fn no_size_fits(none_fit: NoExecutableBatchSize) -> Self;
+}
+
+#[diagnostic::do_not_recommend]
+impl<E: InspectError<M> + From<NoExecutableBatchSize>, M> AttemptError<M> for E {
+    fn no_size_fits(none_fit: NoExecutableBatchSize) -> Self {
+        E::from(none_fit)
+    }
+}
+
+/// What the attribute needs of a function's error type for its out-of-memory errors to be
+/// recognised: at least `Display` (classified by text); `Error + Send + Sync + 'static`,
+/// `anyhow::Error` and boxed errors are classified through their `source()` chain. A type
+/// that is neither is a compile error at the return type: it could hide an out-of-memory error.
+#[diagnostic::on_unimplemented(
+    message = "`#[find_executable_batch_size]` cannot tell whether an error of type `{Self}` is out-of-memory",
+    label = "the error type of this return type can be neither inspected nor printed",
+    note = "for a generic error type, add the bound `{Self}: std::error::Error + Send + Sync + 'static` (or at least `std::fmt::Display`); for your own type, implement `std::error::Error` or `Display`"
+)]
+pub trait InspectableError {}
+
+#[diagnostic::do_not_recommend]
+impl<E: std::fmt::Display + ?Sized> InspectableError for E {}
+
+/// The marker of error types that implement [`Error`] themselves.
+#[derive(Debug)]
+pub enum Typed {}
+
+/// The marker of `anyhow::Error` and `Box<dyn Error + Send + Sync>`, which are not themselves
+/// [`Error`]s but hold one.
+#[derive(Debug)]
+pub enum Dynamic {}

@@ -24,7 +24,7 @@ use std::error::Error;
 use std::fmt::{self, Display};
 use std::marker::PhantomData;
 
-use crate::attempt::{AttemptError, Dynamic, Typed};
+use crate::attempt::{AttemptError, Dynamic, InspectError, Typed};
 use crate::engine::Search;
 use crate::error::NoExecutableBatchSize;
 use crate::kept::KeptError;
@@ -145,17 +145,26 @@ fn judge_error<T, E>(
     }
 }
 
-impl<T, E: AttemptError<M>, M> Classify<Result<T, E>> for Kept<E, M> {
+impl<T, E: InspectError<M>, M> Classify<Result<T, E>> for Kept<E, M> {
     type Error = E;
     #[inline]
     fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, search, AttemptError::as_error),
+            Err(error) => judge_error(error, search, InspectError::as_error),
         }
     }
     fn keep(&self, error: E) -> Option<KeptError> {
         Some(error.into_kept())
+    }
+}
+
+/// A runner gives up with `E::from(NoExecutableBatchSize)` ([`AttemptError`]).
+impl<T, E: AttemptError<M>, M> GiveUp<Result<T, E>> for Kept<E, M> {
+    type Error = E;
+    type Output = Result<T, E>;
+    fn give_up(&self, none_fit: NoExecutableBatchSize, _: Option<E>) -> Result<T, E> {
+        Err(E::no_size_fits(none_fit))
     }
 }
 
@@ -203,29 +212,6 @@ impl<T, E: Display> Classify<Result<T, E>> for Text<E> {
         None
     }
 }
-
-/// The bound an error type needs for its out-of-memory errors to be recognised. Nothing
-/// implements it: reaching it is the compile error.
-#[diagnostic::on_unimplemented(
-    message = "`#[find_executable_batch_size]` cannot tell whether an error of type `{Self}` is out-of-memory",
-    label = "the error type of this return type can be neither inspected nor printed",
-    note = "for a generic error type, add the bound `{Self}: std::error::Error + Send + Sync + 'static` (or at least `std::fmt::Display`); for your own type, implement `std::error::Error` or `Display`"
-)]
-pub trait InspectableError {}
-
-/// A kind the driver accepts: every kind but [`Unclassifiable`], which needs
-/// [`InspectableError`], so that the one error the user sees is that bound, at the return type.
-pub trait UsableKind {}
-
-impl<E: InspectableError> UsableKind for Unclassifiable<E> {}
-
-macro_rules! usable {
-    ($($kind:ident),*) => {$(impl<E> UsableKind for $kind<E> {})*};
-}
-
-usable!(TypedView, DynView, Text, PanicOnly);
-
-impl<E, M> UsableKind for Kept<E, M> {}
 
 impl<T, E> Classify<Result<T, E>> for Unclassifiable<E> {
     type Error = E;

@@ -2,7 +2,7 @@
 //! change without notice. Generated code reaches it by absolute path
 //! (`::batch_size_runtime::__private`), so nothing the user names can shadow it.
 //!
-//! The expansion of a plain function is one call of [`drive!`](crate::__batch_size_drive): the
+//! The expansion of a plain function is one call of [`drive_attempts!`](crate::drive_attempts): the
 //! search built from the arguments, and the body as a closure run once per attempt. The macro
 //! picks, from the return type, how an attempt's value is classified and what the function
 //! returns when no size fits (the `dispatch` module); the engine does the rest.
@@ -10,7 +10,6 @@
 pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
 pub use crate::engine::driver::{Lending, Returning};
 pub use crate::engine::BatchSizeSearch;
-pub use crate::{__batch_size_drive as drive, __batch_size_drive_async as drive_async};
 pub use core;
 
 /// Runs the search over the attempts of a function whose return type is `$ret` (written as
@@ -18,13 +17,13 @@ pub use core;
 /// dispatch ladders, then [`drive`](crate::engine::driver::drive).
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __batch_size_drive {
+macro_rules! drive_attempts {
     ($ret:expr, $search:expr, $attempt:expr $(,)?) => {{
         #[allow(unused_imports)]
         use $crate::__private::ladder::*;
         let ret = $ret;
         let tag = $crate::__private::tag_of(ret);
-        $crate::__private::drive_with(
+        $crate::engine::drive(
             $search,
             (&&&&&&&tag).batch_size_classify_kind(),
             (&&&&&&tag).batch_size_give_up_kind(),
@@ -33,23 +32,23 @@ macro_rules! __batch_size_drive {
     }};
 }
 
-/// [`drive!`](crate::__batch_size_drive) for an `async fn`: `$attempt` is an async closure.
+/// [`drive_attempts!`](crate::drive_attempts) for an `async fn`: `$attempt` is an async closure.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __batch_size_drive_async {
+macro_rules! drive_attempts_async {
     ($ret:expr, $search:expr, $attempt:expr $(,)?) => {
-        $crate::__batch_size_drive_async!(@returning returning_async, $ret, $search, $attempt)
+        $crate::drive_attempts_async!(@returning returning_async, $ret, $search, $attempt)
     };
     // `&mut self`: an async closure, which lends it to each attempt.
     (lending $ret:expr, $search:expr, $attempt:expr $(,)?) => {
-        $crate::__batch_size_drive_async!(@returning returning_lending, $ret, $search, $attempt)
+        $crate::drive_attempts_async!(@returning returning_lending, $ret, $search, $attempt)
     };
     (@returning $returning:ident, $ret:expr, $search:expr, $attempt:expr) => {{
         #[allow(unused_imports)]
         use $crate::__private::ladder::*;
         let ret = $ret;
         let tag = $crate::__private::tag_of(ret);
-        $crate::__private::drive_async_with(
+        $crate::engine::drive_async(
             $search,
             (&&&&&&&tag).batch_size_classify_kind(),
             (&&&&&&tag).batch_size_give_up_kind(),
@@ -59,7 +58,7 @@ macro_rules! __batch_size_drive_async {
     }};
 }
 
-pub use crate::engine::driver::{drive as drive_with, drive_async as drive_async_with};
+use crate::engine::{drive as drive_with, drive_async as drive_async_with};
 
 /// The attempt, told that it returns `R`: the body is checked against the function's return
 /// type, so that coercions (`&String` to `&str`) and `?` conversions apply as in the function.

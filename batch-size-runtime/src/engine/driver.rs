@@ -8,7 +8,8 @@ use std::fmt;
 use std::future::Future;
 
 use super::{BatchSizeSearch, Search};
-use crate::dispatch::{Classify, GiveUp, Judged, UsableKind};
+use crate::attempt::InspectableError;
+use crate::dispatch::{Classify, GiveUp, Judged};
 use crate::error::NoExecutableBatchSize;
 use crate::unwind::{self, CatchUnwind, PanicPayload};
 
@@ -33,7 +34,8 @@ pub fn drive<R, C, G>(
     attempt: impl FnMut(usize) -> R,
 ) -> R
 where
-    C: Classify<R> + UsableKind,
+    C: Classify<R>,
+    C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
     let ended = drive_ended(search, &classify, give_up.returns_last_error(), attempt);
@@ -50,7 +52,8 @@ pub async fn drive_async<R, C, G>(
     attempt: impl AsyncAttempt<R>,
 ) -> R
 where
-    C: Classify<R> + UsableKind,
+    C: Classify<R>,
+    C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
     let ended = drive_ended_async(search, &classify, give_up.returns_last_error(), attempt).await;

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use crate::agree::Collective;
 use crate::attempt::AttemptError;
 use crate::cache::CacheSettings;
-use crate::dispatch::{Kept, PanicOnly, ViaFrom};
+use crate::dispatch::{Kept, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
@@ -38,7 +38,8 @@ pub(crate) mod driver;
 mod search;
 
 pub(crate) use active::{ActivePolicy, Hooks};
-use driver::{drive, drive_async};
+#[doc(hidden)]
+pub use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, Ended};
 pub use search::Search;
 
@@ -494,9 +495,9 @@ impl<'r> BatchSizeSearch<'r> {
     pub fn run<T, E, M, F>(self, attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Result<T, E>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
-        drive(self, Kept::<E, M>::new(), ViaFrom::new(), attempt)
+        drive(self, Kept::<E, M>::new(), Kept::<E, M>::new(), attempt)
     }
 
     /// The same as [`run`](Self::run), which now takes `anyhow::Error` and
@@ -518,7 +519,7 @@ impl<'r> BatchSizeSearch<'r> {
     pub fn run_dyn<T, E, M, F>(self, attempt: F) -> Result<T, E>
     where
         F: FnMut(usize) -> Result<T, E>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         self.run(attempt)
     }
@@ -576,10 +577,10 @@ impl<'r> BatchSizeSearch<'r> {
     pub async fn run_async<T, E, M, Fut>(self, attempt: impl FnMut(usize) -> Fut) -> Result<T, E>
     where
         Fut: std::future::Future<Output = Result<T, E>>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         let attempt = driver::Returning(attempt);
-        drive_async(self, Kept::<E, M>::new(), ViaFrom::new(), attempt).await
+        drive_async(self, Kept::<E, M>::new(), Kept::<E, M>::new(), attempt).await
     }
 
     /// The same as [`run_async`](Self::run_async); kept for the code that calls it.
@@ -611,7 +612,7 @@ impl<'r> BatchSizeSearch<'r> {
     ) -> Result<T, E>
     where
         Fut: std::future::Future<Output = Result<T, E>>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         self.run_async(attempt).await
     }
@@ -632,7 +633,7 @@ impl<'r> BatchSizeSearch<'r> {
     pub fn run_with_report<T, E, M, F>(self, attempt: F) -> (Result<T, E>, SearchReport)
     where
         F: FnMut(usize) -> Result<T, E>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         let result = self.run(attempt);
         (result, crate::record::last_report().unwrap_or_default())

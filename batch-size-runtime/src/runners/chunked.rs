@@ -21,11 +21,11 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
-use crate::attempt::AttemptError;
+use crate::attempt::{AttemptError, InspectError};
 use crate::dispatch::{Classify, Judged, Kept};
 use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended, Search};
-use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::error::StopReason;
 use crate::kept::KeptError;
 use crate::memory::Release;
 use crate::policy::{Decision, Factor, Guided, SizePolicy};
@@ -586,7 +586,7 @@ impl<'r> Chunked<'r> {
 
     /// Runs `work` over every item, chunk by chunk, and returns its outputs concatenated in item
     /// order (one per item). Takes the error types every runner takes
-    /// ([`AttemptError`](crate::AttemptError) and `From<NoExecutableBatchSize>`): your own
+    /// ([`AttemptError`](crate::AttemptError)): your own
     /// enum, `anyhow::Error`, `Box<dyn Error + Send + Sync>`. The search's report goes to
     /// [`last_report()`](crate::last_report), as for every runner.
     ///
@@ -603,7 +603,7 @@ impl<'r> Chunked<'r> {
         mut work: impl FnMut(Range<usize>) -> Result<Vec<T>, E>,
     ) -> Result<Vec<T>, ChunkError<E>>
     where
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         let mut outputs = Vec::with_capacity(self.total);
         self.drive(|range| {
@@ -630,7 +630,7 @@ impl<'r> Chunked<'r> {
         mut work: impl FnMut(Range<usize>) -> Result<(), E>,
     ) -> Result<(), ChunkError<E>>
     where
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         self.drive(|range| work(range).map_err(ChunkAttempt::Work))
     }
@@ -664,7 +664,7 @@ impl<'r> Chunked<'r> {
     ) -> Result<Vec<T>, ChunkError<E>>
     where
         Fut: std::future::Future<Output = Result<Vec<T>, E>>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         if self.total == 0 {
             self.chunks.clear();
@@ -782,7 +782,7 @@ impl<'r> Chunked<'r> {
     }
 
     /// The run's result, from how its search ended: typed, never a downcast of your error.
-    fn conclude<E: From<NoExecutableBatchSize>>(
+    fn conclude<E: AttemptError<M>, M>(
         &mut self,
         run: &Mutex<Run>,
         ended: Ended<Result<(), ChunkAttempt<E>>, E>,
@@ -823,7 +823,7 @@ impl<'r> Chunked<'r> {
             }
             _ => Err(ChunkError::NoChunkFits {
                 completed,
-                error: E::from(none_fit),
+                error: E::no_size_fits(none_fit),
             }),
         }
     }
@@ -833,7 +833,7 @@ impl<'r> Chunked<'r> {
         mut work: impl FnMut(Range<usize>) -> Result<(), ChunkAttempt<E>>,
     ) -> Result<(), ChunkError<E>>
     where
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         if self.total == 0 {
             self.chunks.clear();
@@ -890,7 +890,7 @@ impl<E, M> ChunkKind<E, M> {
     }
 }
 
-impl<E: AttemptError<M>, M> Classify<Result<(), ChunkAttempt<E>>> for ChunkKind<E, M> {
+impl<E: InspectError<M>, M> Classify<Result<(), ChunkAttempt<E>>> for ChunkKind<E, M> {
     type Error = E;
     fn judge(
         &self,

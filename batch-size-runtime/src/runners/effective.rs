@@ -36,7 +36,6 @@ use std::ops::Range;
 use crate::agree::Collective;
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
-use crate::error::NoExecutableBatchSize;
 use crate::memory::Release;
 use crate::record::SearchReport;
 use crate::reduce::FailedAttempt;
@@ -538,7 +537,7 @@ impl<'r> EffectiveBatch<'r> {
     /// micro-batch and steps the optimizer. If it runs out of memory, memory is released and
     /// the same step runs again with a smaller micro-batch (so `body` must not have stepped the
     /// optimizer before failing: step it last). Takes the error types every runner takes
-    /// ([`AttemptError`] and `From<NoExecutableBatchSize>`): your own enum, `anyhow::Error`,
+    /// ([`AttemptError`]): your own enum, `anyhow::Error`,
     /// `Box<dyn Error + Send + Sync>`; an error that is not out-of-memory comes back unchanged.
     /// The step's report is [`last_report`](Self::last_report), and in
     /// [`crate::last_report()`] as for every runner.
@@ -579,7 +578,7 @@ impl<'r> EffectiveBatch<'r> {
     pub fn step<T, E, M, F>(&mut self, mut body: F) -> Result<T, E>
     where
         F: FnMut(&BatchPlan) -> Result<T, E>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         let effective = self.effective;
         let result = self
@@ -597,7 +596,7 @@ impl<'r> EffectiveBatch<'r> {
     pub fn step_typed<T, E, M, F>(&mut self, body: F) -> Result<T, E>
     where
         F: FnMut(&BatchPlan) -> Result<T, E>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         self.step(body)
     }
@@ -632,7 +631,7 @@ impl<'r> EffectiveBatch<'r> {
     where
         F: FnMut(&BatchPlan) -> Result<T, E>,
         G: FnOnce(&BatchPlan, T) -> Result<U, E>,
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         let accumulated = self.step(accumulate)?;
         apply(&self.plan(), accumulated)

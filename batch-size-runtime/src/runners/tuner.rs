@@ -4,7 +4,6 @@
 
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
-use crate::error::NoExecutableBatchSize;
 use crate::memory::Release;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
@@ -242,7 +241,7 @@ impl Tuner {
     /// ```
     pub fn run<T, E, M>(self, trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
     where
-        E: AttemptError<M> + From<NoExecutableBatchSize>,
+        E: AttemptError<M>,
     {
         let margin = self.margin;
         let policy = TunerPolicy {
