@@ -342,9 +342,7 @@ fn rewrite(
             // The macro's name over the return type, where an error type that cannot be
             // classified is reported; the path keeps its own spans (a wrong `crate = ...`).
             let drive = spans::over(drive, &shape.ty);
-            let mut krate = private.clone();
-            krate.segments.pop();
-            let drive = quote! { #krate #drive! };
+            let drive = quote! { #private::#drive! };
             quote! { #drive(#lending #ret, #search, #attempt) }
         }
         // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
@@ -493,7 +491,7 @@ mod tests {
         // lives in the runtime's `drive!`; the macro writes the search, the re-borrows and the
         // body as a closure.
         let expected = r#"fn train(limit: usize) -> anyhow::Result<usize> {
-    ::batch_size_runtime::drive_attempts!(
+    ::batch_size_runtime::__private::drive_attempts!(
         ::core::marker::PhantomData::<anyhow::Result<usize>>,
         ::batch_size_runtime::__private::search::<usize>(
             ::core::concat!(::core::module_path!(), "::", "train"),
@@ -517,6 +515,7 @@ mod tests {
         let names: Vec<&str> = [
             "ClonePerAttempt", // `limit`, owned, is cloned for each attempt
             "batch_size_as",
+            "drive_attempts",
             "search",
             "starting_of",
         ]

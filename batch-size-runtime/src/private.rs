@@ -9,6 +9,7 @@
 
 pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
 pub use crate::engine::driver::{Lending, Returning};
+pub use crate::{drive_attempts, drive_attempts_async};
 pub use crate::engine::BatchSizeSearch;
 pub use core;
 
