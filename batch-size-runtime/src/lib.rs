@@ -18,10 +18,11 @@
 //! }
 //!
 //! let device = SimulatedDevice::new(5 << 30); // 5 GiB; a GPU works the same way
-//! // 128 runs out of memory; its figures say 48 fit, so 45 (a 5 % margin) comes next.
+//! // 128 runs out of memory. One failure cannot tell the 2 GiB of weights from activations,
+//! // so halving's 64 comes next; 64's failure with 128's says 48 fit: 45 (a 5 % margin).
 //! let fitted = train(&Config { batch_size: 128 }, &device)?;
-//! assert_eq!(fitted, 45); // halving would have stopped at 32
-//! assert_eq!(batch_size_runtime::last_report().unwrap().len(), 2);
+//! assert_eq!(fitted, 45); // halving would have stopped at 32, in as many attempts
+//! assert_eq!(batch_size_runtime::last_report().unwrap().len(), 3);
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 //!
@@ -159,7 +160,7 @@
 ///     let _activations = device.alloc(batch_size as u64 * (32 << 20))?;
 ///     Ok(batch_size)
 /// }
-/// assert_eq!(fit(&device)?, 30); // 32 fill the device; the guided search keeps 5 % free
+/// assert_eq!(fit(&device)?, 32); // 32 fill the device: halving's step, which the guided search tries first
 /// assert_eq!(device.release_count(), 1);
 /// # Ok::<(), anyhow::Error>(())
 /// ```

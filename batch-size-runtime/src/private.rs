@@ -9,8 +9,8 @@
 
 pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
 pub use crate::engine::driver::{Lending, Returning};
-pub use crate::{drive_attempts, drive_attempts_async};
 pub use crate::engine::BatchSizeSearch;
+pub use crate::{drive_attempts, drive_attempts_async};
 pub use core;
 
 /// Runs the search over the attempts of a function whose return type is `$ret` (written as

@@ -79,9 +79,13 @@ fn a_cached_size_that_fails_goes_on_downward_and_updates_the_entry() {
 #[test]
 fn more_room_than_when_written_starts_again_from_starting() {
     let device = SimulatedDevice::new(1 << 30);
+    // A folder of its own: `the_environment_names_the_folder` sets BATCH_SIZE_CACHE_DIR for
+    // the whole process while it runs, which would otherwise move this entry under it.
+    let dir = folder("room");
     let run = |device: &SimulatedDevice| {
         let found = BatchSizeSearch::new(64)
             .with_cache("room")
+            .with_cache_dir(&dir)
             .with_release(device.clone())
             .run_dyn(|size| -> anyhow::Result<usize> {
                 let _activations = device.alloc(size as u64 * (16 << 20))?; // 16 MiB a sample

@@ -224,7 +224,8 @@ fn the_tuner_gives_the_users_error_back_unchanged() {
 fn a_panic_that_is_not_out_of_memory_comes_back_with_its_payload_from_every_runner() {
     #[derive(Debug, PartialEq)]
     struct Payload(u32);
-    let runners: [(&str, Box<dyn Fn()>); 3] = [
+    type Door = (&'static str, Box<dyn Fn()>);
+    let runners: [Door; 3] = [
         (
             "builder",
             Box::new(|| {

@@ -119,7 +119,7 @@ pub trait AsyncAttempt<R> {
     fn start(&mut self, batch_size: usize) -> impl Future<Output = R>;
 }
 
-/// A closure that returns a future, as an [`AsyncAttempt`].
+/// A closure that returns a future, as an `AsyncAttempt`.
 #[derive(Debug)]
 pub struct Returning<F>(pub F);
 
@@ -134,7 +134,7 @@ where
     }
 }
 
-/// An async closure, as an [`AsyncAttempt`].
+/// An async closure, as an `AsyncAttempt`.
 #[derive(Debug)]
 pub struct Lending<F>(pub F);
 

@@ -256,14 +256,14 @@ impl<'r> BatchSizeSearch<'r> {
     /// use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
     ///
     /// let device = SimulatedDevice::new(1 << 30);
-    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(256)
+    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(150)
     ///     .with_margin(0.2)
     ///     .with_release(device.clone())
     ///     .run_dyn(|batch_size| {
     ///         let _activations = device.alloc(batch_size as u64 * (8 << 20))?; // 8 MiB a sample
     ///         Ok(batch_size)
     ///     });
-    /// assert_eq!(fitted.unwrap(), 102); // 128 fit; 80 % of the device is 102 samples
+    /// assert_eq!(fitted.unwrap(), 102); // 128 fit; 80 % of the device is 102 samples (halving: 75)
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
         self.policy = ActivePolicy::Guided(Guided::new().with_margin(margin));

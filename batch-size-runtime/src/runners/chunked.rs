@@ -586,7 +586,7 @@ impl<'r> Chunked<'r> {
 
     /// Runs `work` over every item, chunk by chunk, and returns its outputs concatenated in item
     /// order (one per item). Takes the error types every runner takes
-    /// ([`AttemptError`](crate::AttemptError)): your own
+    /// ([`AttemptError`]): your own
     /// enum, `anyhow::Error`, `Box<dyn Error + Send + Sync>`. The search's report goes to
     /// [`last_report()`](crate::last_report), as for every runner.
     ///
