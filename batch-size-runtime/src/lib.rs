@@ -237,3 +237,8 @@ pub use runners::tuner::{Tuned, Tuner};
 pub use runners::{chunked, effective as plan};
 pub use simulated::{SimAllocation, SimulatedDevice};
 pub use unwind::{set_quiet_oom_panics, CatchUnwind};
+
+// The README's snippets run as doctests, so that what it teaches keeps compiling.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
