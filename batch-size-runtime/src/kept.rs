@@ -1,11 +1,11 @@
-//! The last out-of-memory error of a search, kept for [`NoExecutableBatchSize`]'s `source()`.
+//! The last out-of-memory error of a search, kept for `NoExecutableBatchSize`'s `source()`.
+//!
+//! Below the errors: `error.rs` holds a `KeptError`, and nothing here needs to know the error
+//! that holds it (hence no link to it, which would be an import back).
 
 use std::error::Error;
 
-#[allow(unused_imports)] // for the docs' links
-use crate::error::NoExecutableBatchSize;
-
-/// The last out-of-memory error of a search, kept for [`NoExecutableBatchSize`]'s `source()`.
+/// The last out-of-memory error of a search, kept for `NoExecutableBatchSize`'s `source()`.
 ///
 /// An `anyhow::Error` is kept as it is: turned into a `Box<dyn Error>` it would become anyhow's
 /// own wrapper type, and `source().downcast_ref::<YourError>()` would no longer find the error

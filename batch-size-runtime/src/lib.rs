@@ -213,6 +213,7 @@ pub mod error;
 mod kept;
 pub mod memory;
 pub mod oom;
+mod panic_filter;
 pub mod policy;
 pub mod record;
 pub mod reduce;

@@ -576,12 +576,12 @@ fn chain_text(error: &(dyn Error + 'static)) -> String {
 
 /// `layer.to_string()`, or `None` if its `Display` panicked.
 fn text_of(layer: &(dyn Error + 'static)) -> Option<String> {
-    crate::unwind::quietly(|| layer.to_string())
+    crate::panic_filter::quietly(|| layer.to_string())
 }
 
 /// `rule(layer)`; a rule that panics does not match.
 fn rule_matches(rule: &OomRule, layer: &(dyn Error + 'static)) -> bool {
-    crate::unwind::quietly(|| rule(layer)).unwrap_or(false)
+    crate::panic_filter::quietly(|| rule(layer)).unwrap_or(false)
 }
 
 fn describe_chain(error: &(dyn Error + 'static)) -> String {

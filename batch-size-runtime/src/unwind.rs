@@ -2,32 +2,24 @@
 //! looking like a crash.
 //!
 //! Rust prints a panic's message from the panic hook, before `catch_unwind` sees it. While an
-//! attempt runs, a filter installed in front of the hook skips the message of a panic that is
-//! out-of-memory (it is logged at DEBUG instead, and the retry at WARN); every other panic
-//! still reaches the hook that was there before.
+//! attempt runs, the [panic filter](crate::panic_filter) stands in front of the hook and skips
+//! the message of a panic that is out-of-memory (it is logged at DEBUG instead, and the retry
+//! at WARN); every other panic still reaches the hook. Once no attempt runs, the hook is the
+//! one that was there before (see the filter's docs for attempts on several threads).
 
 use std::any::Any;
-use std::cell::Cell;
 use std::future::Future;
-use std::panic::{self, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Once;
 use std::task::{Context, Poll};
 
 use crate::oom;
+use crate::panic_filter::{self, InUse};
 
 /// A caught panic's payload.
 pub type PanicPayload = Box<dyn Any + Send + 'static>;
 
-thread_local! {
-    static ATTEMPTS_RUNNING: Cell<usize> = const { Cell::new(0) };
-    /// Set while an error's text is read for classification: a panic there is expected.
-    static READING_TEXT: Cell<bool> = const { Cell::new(false) };
-}
-
 static QUIET_OOM_PANICS: AtomicBool = AtomicBool::new(true);
-static INSTALL_FILTER: Once = Once::new();
 
 /// Whether the message of an out-of-memory panic caught by the search is kept from the panic
 /// hook (`true`, the default) or printed like any panic (`false`).
@@ -64,60 +56,14 @@ pub fn set_quiet_oom_panics(quiet: bool) {
     QUIET_OOM_PANICS.store(quiet, Ordering::Relaxed);
 }
 
-fn install_filter() {
-    INSTALL_FILTER.call_once(|| {
-        let previous = panic::take_hook();
-        panic::set_hook(Box::new(move |info| {
-            if READING_TEXT.with(Cell::get) {
-                tracing::debug!(
-                    location = %info.location().map(ToString::to_string).unwrap_or_default(),
-                    "an error's Display panicked while it was classified; its text is not used"
-                );
-                return;
-            }
-            let inside_attempt = ATTEMPTS_RUNNING.with(Cell::get) > 0;
-            if inside_attempt && QUIET_OOM_PANICS.load(Ordering::Relaxed) {
-                // A formatted panic message reaches the hook as a `String`, a literal as `&str`.
-                if let Some(found) = oom::classify_panic(info.payload()) {
-                    tracing::debug!(
-                        location = %info.location().map(ToString::to_string).unwrap_or_default(),
-                        error = %found.description,
-                        "out-of-memory panic caught; the attempt will be retried"
-                    );
-                    return;
-                }
-            }
-            previous(info);
-        }));
-    });
-}
-
-/// Runs `read` (an error's `Display`, a user's rule), turning a panic into `None` without
-/// printing it: cudarc's errors call into libcuda when formatted and panic where it is absent,
-/// and classification must never panic because of what an error's text does.
-pub(crate) fn quietly<R>(read: impl FnOnce() -> R) -> Option<R> {
-    install_filter();
-    let was = READING_TEXT.with(|reading| reading.replace(true));
-    let result = panic::catch_unwind(AssertUnwindSafe(read)).ok();
-    READING_TEXT.with(|reading| reading.set(was));
-    result
-}
-
-/// Marks this thread as running an attempt for as long as it lives.
-struct AttemptGuard;
-
-impl AttemptGuard {
-    fn enter() -> Self {
-        install_filter();
-        ATTEMPTS_RUNNING.with(|running| running.set(running.get() + 1));
-        AttemptGuard
+/// The panic filter's judge during an attempt: an out-of-memory panic is kept quiet unless
+/// [`set_quiet_oom_panics`] said otherwise. Read at each panic, so the setting applies at once.
+fn quiet_out_of_memory(payload: &(dyn Any + Send)) -> Option<String> {
+    if !QUIET_OOM_PANICS.load(Ordering::Relaxed) {
+        return None;
     }
-}
-
-impl Drop for AttemptGuard {
-    fn drop(&mut self) {
-        ATTEMPTS_RUNNING.with(|running| running.set(running.get().saturating_sub(1)));
-    }
+    // A formatted panic message reaches the hook as a `String`, a literal as `&str`.
+    oom::classify_panic(payload).map(|found| found.description)
 }
 
 /// Runs `attempt`, catching a panic.
@@ -126,8 +72,8 @@ impl Drop for AttemptGuard {
 /// half-updated by the next attempt: that is why everything holding device memory belongs
 /// inside it (hence `AssertUnwindSafe`).
 pub fn catch_attempt<R>(attempt: impl FnOnce() -> R) -> Result<R, PanicPayload> {
-    let _running = AttemptGuard::enter();
-    panic::catch_unwind(AssertUnwindSafe(attempt))
+    let in_use = InUse::begin();
+    panic_filter::catch_judged(&in_use, quiet_out_of_memory, attempt)
 }
 
 /// A future that catches a panic raised while it is polled.
@@ -161,6 +107,9 @@ pub struct CatchUnwind<F> {
     // Boxed so that polling needs no pin projection (and no `unsafe`); one allocation per
     // attempt is nothing next to an attempt's work.
     future: Pin<Box<F>>,
+    /// The panic filter, in use from the first poll until the future is ready or dropped:
+    /// putting it in and out at every poll would cost a hook swap each time.
+    filter: Option<InUse>,
 }
 
 impl<F: Future> CatchUnwind<F> {
@@ -177,6 +126,7 @@ impl<F: Future> CatchUnwind<F> {
     pub fn new(future: F) -> Self {
         CatchUnwind {
             future: Box::pin(future),
+            filter: None,
         }
     }
 }
@@ -185,8 +135,15 @@ impl<F: Future> Future for CatchUnwind<F> {
     type Output = Result<F::Output, PanicPayload>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let future = self.future.as_mut();
-        match catch_attempt(|| future.poll(cx)) {
+        let this = &mut *self;
+        let in_use = this.filter.get_or_insert_with(InUse::begin);
+        let future = this.future.as_mut();
+        let polled = panic_filter::catch_judged(in_use, quiet_out_of_memory, || future.poll(cx));
+        if !matches!(polled, Ok(Poll::Pending)) {
+            // Ready: the attempt is over, and the filter may go.
+            this.filter = None;
+        }
+        match polled {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
             Err(payload) => Poll::Ready(Err(payload)),
