@@ -43,7 +43,53 @@ pub struct OomPattern {
     pub text: &'static str,
     /// Who prints it.
     pub origin: &'static str,
+    /// Where the figures of a message of this kind are written; empty where it has none.
+    pub figures: &'static [FigureAt],
 }
+
+/// A figure an out-of-memory message states: bytes, in the units the message uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Figure {
+    /// Bytes the failed allocation asked for.
+    Requested,
+    /// Bytes free on the device when it failed.
+    Free,
+    /// The device's total bytes.
+    Capacity,
+}
+
+/// Where a figure is written: right after `marker` (`"Tried to allocate "` then `2.00 GiB`).
+/// Sizes are read as `4096`, `4096 bytes`, `2.00 GiB`, `1.5 GB`; a number with a fraction
+/// needs a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FigureAt {
+    /// The text right before the figure.
+    pub marker: &'static str,
+    /// Which figure it is.
+    pub figure: Figure,
+}
+
+const fn at(marker: &'static str, figure: Figure) -> FigureAt {
+    FigureAt { marker, figure }
+}
+
+/// PyTorch's allocator (CUDA, ROCm, XPU, NPU): "Tried to allocate 2.00 GiB. GPU 0 has a total
+/// capacity of 79.15 GiB of which 228.38 MiB is free."
+const PYTORCH_FIGURES: &[FigureAt] = &[
+    at("Tried to allocate ", Figure::Requested),
+    at("total capacity of ", Figure::Capacity),
+    at(" of which ", Figure::Free),
+];
+
+/// This crate's [`OutOfMemory`] ("tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB")
+/// and burn's "out of device memory allocating 4096 bytes".
+const OUT_OF_DEVICE_MEMORY_FIGURES: &[FigureAt] = &[
+    at("tried to allocate ", Figure::Requested),
+    at(" with ", Figure::Free),
+    at(" free of ", Figure::Capacity),
+    at("allocating ", Figure::Requested),
+];
 
 /// Every message pattern recognised as out-of-memory, each with where it comes from. The first
 /// match names the source, so specific entries come before Accelerate's generic
@@ -51,6 +97,11 @@ pub struct OomPattern {
 ///
 /// Matching is by case-sensitive substring anywhere in the message of any error in the chain
 /// (or in a panic's message).
+///
+/// Each entry also says where a message of its kind states its figures (bytes requested, free,
+/// total): [`figures`] reads them, for [`OomMatch::requested`] and for the guided policy's
+/// [`Evidence`](crate::policy::Evidence). One table, so that every message whose figures are
+/// read is one recognised as out-of-memory.
 ///
 /// ```
 /// use batch_size_runtime::oom::{self, OOM_PATTERNS};
@@ -64,116 +115,144 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
     OomPattern {
         text: "CUDA out of memory",
         origin: "PyTorch / tch: `OutOfMemoryError: CUDA out of memory. Tried to allocate ...`",
+        figures: PYTORCH_FIGURES,
     },
     OomPattern {
         text: "CUDA error: out of memory",
         origin: "PyTorch's C10_CUDA_CHECK and CUDA runtime messages",
+        figures: &[],
     },
     OomPattern {
         text: "CUDA_ERROR_OUT_OF_MEMORY",
         origin:
             "cudarc `DriverError(CUDA_ERROR_OUT_OF_MEMORY, ...)` as candle and unwrap() print it",
+        figures: &[],
     },
     OomPattern {
         text: "cudaErrorMemoryAllocation",
         origin: "CUDA runtime API error name",
+        figures: &[],
     },
     OomPattern {
         text: "out of device memory",
         origin: "burn / cubecl: `IoError::OutOfMemory` \"out of device memory allocating N bytes\"; this crate's `OutOfMemory`",
+        figures: OUT_OF_DEVICE_MEMORY_FIGURES,
     },
     OomPattern {
         text: "OutOfMemory { size:",
         origin: "burn / cubecl: `IoError::OutOfMemory` as `into_data()`'s panic prints it",
+        figures: &[at("OutOfMemory { size: ", Figure::Requested)],
     },
     OomPattern {
         text: "CUBLAS_STATUS_ALLOC_FAILED",
         origin: "cuBLAS allocation failure (cudarc CublasError, tch)",
+        figures: &[],
     },
     OomPattern {
         text: "CURAND_STATUS_ALLOCATION_FAILED",
         origin: "cuRAND allocation failure (cudarc CurandError)",
+        figures: &[],
     },
     OomPattern {
         text: "CUDNN_STATUS_ALLOC_FAILED",
         origin: "cuDNN 8 allocation failure",
+        figures: &[],
     },
     OomPattern {
         text: "_DEVICE_ALLOCATION_FAILED",
         origin: "cuDNN 9 `CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`",
+        figures: &[],
     },
     OomPattern {
         text: "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
         origin: "Accelerate's list: PyTorch raises it when cuDNN has no memory for a workspace",
+        figures: &[],
     },
     OomPattern {
         text: "DefaultCPUAllocator: can't allocate memory",
         origin: "Accelerate's list: PyTorch's CPU allocator",
+        figures: &[],
     },
     OomPattern {
         text: "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",
         origin: "Accelerate's list: Habana HPU",
+        figures: &[],
     },
     OomPattern {
         text: "HIP out of memory",
         origin: "PyTorch on ROCm: \"HIP out of memory. Tried to allocate ...\"",
+        figures: PYTORCH_FIGURES,
     },
     OomPattern {
         text: "hipErrorOutOfMemory",
         origin: "HIP runtime error name (cubecl-hip's and PyTorch's HIP messages)",
+        figures: &[],
     },
     OomPattern {
         text: "wgpu error: Out of Memory",
         origin: "wgpu 30: the default uncaptured-error handler's panic (src/backend/wgpu_core.rs, `panic!(\"wgpu error: {err}\")`) for `wgpu::Error::OutOfMemory`, as burn-wgpu raises it",
+        figures: &[],
     },
     OomPattern {
         text: "Not enough memory left.",
         origin: "wgpu-core 30 `DeviceError::OutOfMemory` (src/device/mod.rs), the source of `wgpu::Error::OutOfMemory`; wgpu-hal maps Vulkan, DirectX 12 and Metal allocation failures to it",
+        figures: &[],
     },
     OomPattern {
         text: "An out-of-memory error happened during launch",
         origin: "cubecl-runtime 0.11 `LaunchError::OutOfMemory` (src/server/base.rs), a kernel launch's allocation failure in burn",
+        figures: &[],
     },
     OomPattern {
         text: "can't allocate buffer of size: ",
         origin: "cubecl-runtime 0.11 `IoError::BufferTooBig` (src/server/base.rs): a buffer larger than the device (or cubecl's CPU storage) can give, smaller with a smaller batch",
+        figures: &[at("buffer of size: ", Figure::Requested)],
     },
     OomPattern {
         text: "XPU out of memory",
         origin: "PyTorch on Intel XPU: \"XPU out of memory. Tried to allocate ...\"",
+        figures: PYTORCH_FIGURES,
     },
     OomPattern {
         text: "MPS backend out of memory",
         origin: "PyTorch on Apple MPS",
+        figures: &[at("Tried to allocate ", Figure::Requested)],
     },
     OomPattern {
         text: "NPU out of memory",
         origin: "PyTorch on Ascend NPU (torch_npu)",
+        figures: PYTORCH_FIGURES,
     },
     OomPattern {
         text: "CUDA failure 2: out of memory",
         origin: "ONNX Runtime's CUDA execution provider (the ort crate)",
+        figures: &[],
     },
     OomPattern {
         text: "Failed to allocate memory for requested buffer",
         origin: "ONNX Runtime's BFC arena (the ort crate)",
+        figures: &[at("requested buffer of size ", Figure::Requested)],
     },
     OomPattern {
         text: "RESOURCE_EXHAUSTED: Out of memory",
         origin: "XLA / PJRT (the xla crate)",
+        figures: &[at("trying to allocate ", Figure::Requested)],
     },
     OomPattern {
         text: "OOM when allocating tensor",
         origin: "TensorFlow (the tensorflow crate)",
+        figures: &[],
     },
     OomPattern {
         text: "OUT_OF_DEVICE_MEMORY",
         origin: "Vulkan `VK_ERROR_OUT_OF_DEVICE_MEMORY` as ash's `vk::Result` prints it (`ERROR_OUT_OF_DEVICE_MEMORY`), for code on ash or vulkano; wgpu drops the code and reports `Not enough memory left.`",
+        figures: &[],
     },
     // Last: the generic form, so that the specific entries above name the source.
     OomPattern {
         text: " out of memory.",
         origin: "Accelerate's list (utils/memory.py, should_reduce_batch_size)",
+        figures: PYTORCH_FIGURES,
     },
 ];
 
@@ -325,21 +404,28 @@ pub fn classify_error(error: &(dyn Error + 'static)) -> Option<OomMatch> {
             requested,
         });
     }
+    // One quiet section for every layer's text and every rule: the panic filter goes in and
+    // out once, not once a layer.
+    crate::panic_filter::quietly(|| classify_by_text(error)).flatten()
+}
+
+/// The patterns, then the rules, on the chain's text.
+fn classify_by_text(error: &(dyn Error + 'static)) -> Option<OomMatch> {
     let text = chain_text(error);
     if let Some(found) = match_patterns(&text) {
         return Some(found);
     }
-    let description = truncate(&text);
     let rules = rules();
     if rules.is_empty() {
         return None;
     }
-    chain()
+    chain_of(error)
         .any(|layer| rules.iter().any(|rule| rule_matches(rule, layer)))
-        .then(|| OomMatch {
+        // A rule's message has no known form: its figures are not guessed.
+        .then_some(OomMatch {
             kind: OomKind::Rule,
-            requested: requested_bytes(&description),
-            description,
+            requested: None,
+            description: truncate(&text),
         })
 }
 
@@ -367,7 +453,7 @@ pub fn classify_text(text: &str) -> Option<OomMatch> {
         .then(|| OomMatch {
             kind: OomKind::Rule,
             description: truncate(text),
-            requested: requested_bytes(text),
+            requested: None,
         })
 }
 
@@ -456,29 +542,31 @@ fn hip_out_of_memory_status(text: &str) -> bool {
         })
 }
 
-fn match_patterns(text: &str) -> Option<OomMatch> {
+/// The pattern `text` matches: the whole-message forms first, then the table in order.
+fn matched_pattern(text: &str) -> Option<OomPattern> {
     if EXACT_OOM_MESSAGES
         .iter()
         .any(|exact| text.split(": ").any(|layer| layer.trim() == *exact))
         || hip_out_of_memory_status(text)
     {
-        return Some(OomMatch {
-            kind: OomKind::Pattern(OomPattern {
-                text: "Out of Memory",
-                origin: "wgpu's `Error::OutOfMemory`, wgpu-hal's `DeviceError::OutOfMemory`, or HIP status 2 (`hipErrorOutOfMemory`)",
-            }),
-            description: truncate(text),
-            requested: requested_bytes(text),
+        return Some(OomPattern {
+            text: "Out of Memory",
+            origin: "wgpu's `Error::OutOfMemory`, wgpu-hal's `DeviceError::OutOfMemory`, or HIP status 2 (`hipErrorOutOfMemory`)",
+            figures: &[],
         });
     }
     OOM_PATTERNS
         .iter()
         .find(|pattern| text.contains(pattern.text))
-        .map(|pattern| OomMatch {
-            kind: OomKind::Pattern(*pattern),
-            description: truncate(text),
-            requested: requested_bytes(text),
-        })
+        .copied()
+}
+
+fn match_patterns(text: &str) -> Option<OomMatch> {
+    matched_pattern(text).map(|pattern| OomMatch {
+        kind: OomKind::Pattern(pattern),
+        description: truncate(text),
+        requested: read_figures(pattern.figures, text).requested,
+    })
 }
 
 fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>)> {
@@ -603,37 +691,95 @@ fn truncate(text: &str) -> String {
     format!("{}...", &text[..end])
 }
 
-/// Reads "Tried to allocate 2.22 GiB" (PyTorch) or "allocating 1024 bytes" (burn).
-fn requested_bytes(text: &str) -> Option<u64> {
-    if let Some(rest) = text.split("Tried to allocate ").nth(1) {
-        let mut words = rest.split_whitespace();
-        let number: f64 = words.next()?.parse().ok()?;
-        let unit = words.next()?.trim_end_matches(['.', ',', ';', ')']);
-        let scale = match unit {
-            "bytes" | "B" => 1.0,
-            "KiB" => 1024.0,
-            "MiB" => 1024.0 * 1024.0,
-            "GiB" => 1024.0 * 1024.0 * 1024.0,
-            "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-            _ => return None,
-        };
-        return Some((number * scale).round() as u64);
+/// The figures an out-of-memory message states, each `None` where it says nothing.
+///
+/// ```
+/// use batch_size_runtime::oom;
+///
+/// let pytorch = oom::figures(
+///     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of \
+///      80.00 GiB of which 1.00 GiB is free.",
+/// );
+/// assert_eq!(pytorch.requested, Some(2 << 30));
+/// assert_eq!((pytorch.free, pytorch.capacity), (Some(1 << 30), Some(80 << 30)));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Figures {
+    /// Bytes the failed allocation asked for.
+    pub requested: Option<u64>,
+    /// Bytes free on the device when it failed.
+    pub free: Option<u64>,
+    /// The device's total bytes.
+    pub capacity: Option<u64>,
+}
+
+/// The figures `text` states, read where the pattern it matches says ([`OomPattern::figures`]).
+/// A message that the table does not recognise as out-of-memory states none: classification
+/// and figures come from the same table.
+///
+/// ```
+/// use batch_size_runtime::oom;
+///
+/// let ours = oom::figures("out of device memory on sim:0: tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB");
+/// assert_eq!(ours.requested, Some(4 << 30));
+/// assert_eq!((ours.free, ours.capacity), (Some(1 << 30), Some(16 << 30)));
+/// assert_eq!(oom::figures("out of device memory allocating 4096 bytes").requested, Some(4096));
+/// // The same words in a message that is not out-of-memory are not read.
+/// assert_eq!(oom::figures("checkpoint: tried to allocate 4.00 GiB"), oom::Figures::default());
+/// ```
+pub fn figures(text: &str) -> Figures {
+    matched_pattern(text)
+        .map(|pattern| read_figures(pattern.figures, text))
+        .unwrap_or_default()
+}
+
+fn read_figures(markers: &[FigureAt], text: &str) -> Figures {
+    let read = |figure: Figure| {
+        markers
+            .iter()
+            .filter(|at| at.figure == figure)
+            .find_map(|at| {
+                text.split_once(at.marker)
+                    .and_then(|(_, rest)| bytes_at_start(rest))
+            })
+    };
+    Figures {
+        requested: read(Figure::Requested),
+        free: read(Figure::Free),
+        capacity: read(Figure::Capacity),
     }
-    if let Some(rest) = text.split("allocating ").nth(1) {
-        let mut words = rest.split_whitespace();
-        let number: u64 = words.next()?.parse().ok()?;
-        return words
-            .next()
-            .filter(|unit| unit.starts_with("bytes"))
-            .map(|_| number);
+}
+
+/// "2.00 GiB", "786.00 MiB", "4096 bytes", "4096": the bytes, or `None` for anything else (a
+/// negative, NaN or infinite number, a fraction without a unit, a figure past `u64`).
+fn bytes_at_start(text: &str) -> Option<u64> {
+    const PUNCTUATION: [char; 5] = [',', '.', ';', ')', '}'];
+    let mut words = text.split_whitespace();
+    let written = words.next()?.trim_end_matches(PUNCTUATION);
+    let number: f64 = written.parse().ok()?;
+    if !number.is_finite() || number < 0.0 {
+        return None;
     }
-    // cubecl's "can't allocate buffer of size: N", ONNX Runtime's "buffer of size N".
-    let rest = text.split("buffer of size").nth(1)?;
-    rest.trim_start_matches([':', ' '])
-        .split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()
+    let unit = words
+        .next()
+        .map(|unit| unit.trim_end_matches(PUNCTUATION))
+        .unwrap_or("");
+    let scale: f64 = match unit {
+        "bytes" | "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "KB" | "kB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        // A bare count is bytes (ONNX Runtime: "buffer of size 4096"); a bare fraction is not.
+        _ if written.bytes().all(|byte| byte.is_ascii_digit()) => 1.0,
+        _ => return None,
+    };
+    let bytes = number * scale;
+    (bytes < u64::MAX as f64).then_some(bytes.round() as u64)
 }
 
 #[cfg(test)]
@@ -642,15 +788,26 @@ mod tests {
 
     #[test]
     fn reads_requested_bytes_from_pytorch_and_burn() {
+        let requested = |text| figures(text).requested;
         assert_eq!(
-            requested_bytes("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0"),
+            requested("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0"),
             Some(20 << 20)
         );
         assert_eq!(
-            requested_bytes("out of device memory allocating 4096 bytes"),
+            requested("out of device memory allocating 4096 bytes"),
             Some(4096)
         );
-        assert_eq!(requested_bytes("out of memory"), None);
+        assert_eq!(requested("CUDA error: out of memory"), None);
+    }
+
+    #[test]
+    fn bad_figures_are_not_read() {
+        assert_eq!(bytes_at_start("NaN GiB"), None);
+        assert_eq!(bytes_at_start("inf GiB"), None);
+        assert_eq!(bytes_at_start("-3 GiB"), None);
+        assert_eq!(bytes_at_start("1e30 TiB"), None);
+        assert_eq!(bytes_at_start("2.5 apples"), None);
+        assert_eq!(bytes_at_start("4096 }"), Some(4096));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! What one out-of-memory attempt tells about the device: the bytes the failing allocation asked
-//! for, the bytes in use when it failed, and the device's capacity, read from the error's text
-//! (this crate's `OutOfMemory`, PyTorch, burn/cubecl, ONNX Runtime) and from the memory backend's
-//! readings around the attempt.
+//! for, the bytes in use when it failed, and the device's capacity, from the figures its error
+//! states (read by [`oom::figures`] from the one table of messages, [`oom::OOM_PATTERNS`]) and
+//! from the memory backend's readings around the attempt. Here the figures become the policy's
+//! view: in use = total - free, and figures that contradict each other are dropped.
 //!
 //! ```
 //! use batch_size_runtime::policy::Evidence;
@@ -14,6 +15,7 @@
 //! assert_eq!(figures.used_at_failure, Some(79 << 30));
 //! ```
 
+use crate::oom;
 use crate::record::{Attempt, Outcome};
 
 /// The figures of one failure; each `None` where nothing said it.
@@ -31,7 +33,7 @@ pub struct Evidence {
 }
 
 impl Evidence {
-    /// The figures an error message carries.
+    /// The figures an out-of-memory message carries (none for a message that is not one).
     ///
     /// ```
     /// use batch_size_runtime::policy::Evidence;
@@ -42,37 +44,19 @@ impl Evidence {
     /// assert_eq!(ours.used_at_failure, Some(15 << 30));
     /// let burn = Evidence::from_text("out of device memory allocating 4096 bytes");
     /// assert_eq!((burn.requested, burn.capacity), (Some(4096), None));
+    /// assert_eq!(Evidence::from_text("tried to allocate 4.00 GiB"), Evidence::default());
     /// ```
     pub fn from_text(text: &str) -> Evidence {
-        let requested = after_any(
-            text,
-            &[
-                "Tried to allocate ",
-                "tried to allocate ",
-                "allocating ",
-                "requested buffer of size ",
-            ],
-        );
-        // This crate: "with F free of T"; PyTorch: "total capacity of T of which F is free".
-        let (free, capacity) = match (
-            after_any(text, &[" with "]),
-            after_any(text, &[" free of "]),
-        ) {
-            (Some(free), Some(total)) => (Some(free), Some(total)),
-            _ => (
-                after_any(text, &[" of which "]),
-                after_any(text, &["total capacity of "]),
-            ),
-        };
-        let used_at_failure = match (free, capacity) {
+        let figures = oom::figures(text);
+        let used_at_failure = match (figures.free, figures.capacity) {
             (Some(free), Some(total)) if free <= total => Some(total - free),
             _ => None,
         };
         Evidence {
-            requested,
+            requested: figures.requested,
             used_at_failure,
             // Figures that contradict each other (free above total) are not used at all.
-            capacity: capacity.filter(|_| used_at_failure.is_some()),
+            capacity: figures.capacity.filter(|_| used_at_failure.is_some()),
             used_at_start: None,
         }
     }
@@ -141,51 +125,14 @@ impl Evidence {
     ///
     /// ```
     /// use batch_size_runtime::policy::Evidence;
-    /// let figures = Evidence::from_text("tried to allocate 1.00 KiB with 0 bytes free of 4.00 KiB");
+    /// let figures = Evidence::from_text(
+    ///     "out of device memory: tried to allocate 1.00 KiB with 0 bytes free of 4.00 KiB",
+    /// );
     /// assert_eq!(figures.needed_at_least(), Some(5 << 10));
     /// ```
     pub fn needed_at_least(&self) -> Option<u64> {
         Some(self.used_at_failure?.saturating_add(self.requested?))
     }
-}
-
-/// The byte figure after the first of `markers` found in `text`.
-fn after_any(text: &str, markers: &[&str]) -> Option<u64> {
-    markers
-        .iter()
-        .find_map(|marker| text.split_once(marker).map(|(_, rest)| rest))
-        .and_then(bytes_at_start)
-}
-
-/// "2.00 GiB", "786.00 MiB", "4096 bytes", "4096": the bytes, or `None` for anything else
-/// (a negative, NaN or infinite number, an unknown unit).
-fn bytes_at_start(text: &str) -> Option<u64> {
-    let mut words = text.split_whitespace();
-    let number: f64 = words
-        .next()?
-        .trim_end_matches([',', '.', ';', ')'])
-        .parse()
-        .ok()?;
-    if !number.is_finite() || number < 0.0 {
-        return None;
-    }
-    let unit = words
-        .next()
-        .map(|unit| unit.trim_end_matches([',', '.', ';', ')']))
-        .unwrap_or("");
-    let scale: f64 = match unit {
-        "KiB" => 1024.0,
-        "MiB" => 1024.0 * 1024.0,
-        "GiB" => 1024.0 * 1024.0 * 1024.0,
-        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        "KB" | "kB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        // A bare count is bytes (ONNX Runtime: "buffer of size 4096").
-        _ => 1.0,
-    };
-    let bytes = number * scale;
-    (bytes < u64::MAX as f64).then_some(bytes.round() as u64)
 }
 
 #[cfg(test)]
@@ -206,14 +153,11 @@ mod tests {
     }
 
     #[test]
-    fn bad_figures_are_ignored() {
-        assert_eq!(bytes_at_start("NaN GiB"), None);
-        assert_eq!(bytes_at_start("inf GiB"), None);
-        assert_eq!(bytes_at_start("-3 GiB"), None);
-        assert_eq!(bytes_at_start("1e30 TiB"), None);
+    fn contradicting_figures_are_ignored() {
         // Free above total contradicts itself: neither is used.
-        let contradiction =
-            Evidence::from_text("tried to allocate 1.00 GiB with 9.00 GiB free of 4.00 GiB");
+        let contradiction = Evidence::from_text(
+            "out of device memory: tried to allocate 1.00 GiB with 9.00 GiB free of 4.00 GiB",
+        );
         assert_eq!(contradiction.capacity, None);
         assert_eq!(contradiction.used_at_failure, None);
         assert_eq!(contradiction.requested, Some(1 << 30));

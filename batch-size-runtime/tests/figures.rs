@@ -1,0 +1,116 @@
+//! One table of out-of-memory messages for classification and for the guided policy's figures:
+//! every message the policy reads figures from is classified as out-of-memory, every pattern
+//! that states figures has them read, and both read the same bytes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use batch_size_runtime::oom::{self, OomKind, OOM_PATTERNS};
+use batch_size_runtime::policy::Evidence;
+use batch_size_runtime::OutOfMemory;
+
+/// For each pattern that states figures, messages as their frameworks print them.
+fn examples(pattern: &str) -> &'static [&'static str] {
+    match pattern {
+        "CUDA out of memory" => &["CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 228.38 MiB is free. Of the allocated memory 76.10 GiB is allocated by PyTorch"],
+        "out of device memory" => &[
+            "out of device memory on sim:0: tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB",
+            "out of device memory allocating 1073741824 bytes",
+        ],
+        "OutOfMemory { size:" => &["called `Result::unwrap()` on an `Err` value: OutOfMemory { size: 4096 }"],
+        "can't allocate buffer of size: " => &["can't allocate buffer of size: 1073741824"],
+        "HIP out of memory" => &["HIP out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 63.98 GiB of which 1.00 GiB is free."],
+        "XPU out of memory" => &["XPU out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.11 GiB of which 1.00 GiB is free."],
+        "NPU out of memory" => &["NPU out of memory. Tried to allocate 2.00 GiB (NPU 0; 32.00 GiB total capacity; 30.12 GiB already allocated)"],
+        "MPS backend out of memory" => &["MPS backend out of memory (MPS allocated: 8.00 GB, other allocations: 1.00 MB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on private pool."],
+        "Failed to allocate memory for requested buffer" => &["Failed to allocate memory for requested buffer of size 1048576"],
+        "RESOURCE_EXHAUSTED: Out of memory" => &["RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8589934592 bytes."],
+        " out of memory." => &["RuntimeError: MUSA out of memory. Tried to allocate 2.00 GiB"],
+        _ => &[],
+    }
+}
+
+/// Messages that look like they carry figures but are not out-of-memory.
+const NOT_OUT_OF_MEMORY: &[&str] = &[
+    "checkpoint: tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB",
+    "Tried to allocate 2.00 GiB for the page cache",
+    "allocating 4096 bytes for the tokenizer",
+    "failed to read a buffer of size: 4096",
+    "GPU 0 has a total capacity of 80.00 GiB of which 1.00 GiB is free",
+];
+
+#[test]
+fn every_pattern_with_figures_is_recognised_and_has_its_figures_read() {
+    for pattern in OOM_PATTERNS
+        .iter()
+        .filter(|pattern| !pattern.figures.is_empty())
+    {
+        let messages = examples(pattern.text);
+        assert!(
+            !messages.is_empty(),
+            "{:?} states figures: add an example message here",
+            pattern.text
+        );
+        for message in messages {
+            let found = oom::classify_text(message)
+                .unwrap_or_else(|| panic!("{message:?} is not recognised"));
+            assert_eq!(found.kind, OomKind::Pattern(*pattern), "{message:?}");
+            let figures = oom::figures(message);
+            assert!(figures.requested.is_some(), "{message:?}: {figures:?}");
+            // Classification and the policy read the same bytes.
+            assert_eq!(found.requested, figures.requested, "{message:?}");
+            assert_eq!(
+                Evidence::from_text(message).requested,
+                figures.requested,
+                "{message:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_message_the_policy_reads_figures_from_is_out_of_memory() {
+    let with_figures = OOM_PATTERNS
+        .iter()
+        .flat_map(|pattern| examples(pattern.text))
+        .copied();
+    for message in with_figures.chain(NOT_OUT_OF_MEMORY.iter().copied()) {
+        let evidence = Evidence::from_text(message);
+        let found = oom::classify_text(message);
+        if evidence != Evidence::default() || oom::figures(message) != Default::default() {
+            assert!(found.is_some(), "figures read from {message:?}, not OOM");
+        }
+        if found.is_none() {
+            assert_eq!(evidence, Evidence::default(), "{message:?}");
+        }
+    }
+    for message in NOT_OUT_OF_MEMORY {
+        assert!(oom::classify_text(message).is_none(), "{message:?}");
+    }
+}
+
+#[test]
+fn pytorch_and_this_crate_give_the_whole_picture() {
+    let pytorch = Evidence::from_text(examples("CUDA out of memory")[0]);
+    assert_eq!(pytorch.requested, Some(2 << 30));
+    let capacity = (79.15 * (1u64 << 30) as f64).round() as u64;
+    assert_eq!(pytorch.capacity, Some(capacity));
+    let free = (228.38 * (1u64 << 20) as f64).round() as u64;
+    assert_eq!(pytorch.used_at_failure, Some(capacity - free));
+
+    // This crate's own error, as text (a wrapper that hides its type): the figures it holds.
+    let error = OutOfMemory::new()
+        .with_requested(3 << 30)
+        .with_free(1 << 30)
+        .with_total(16 << 30)
+        .on_device("sim:0");
+    let text = anyhow::Error::new(error).context("forward pass");
+    let text = format!("{text:#}"); // "forward pass: out of device memory on sim:0: ..."
+    let figures = oom::figures(&text);
+    assert_eq!(figures.requested, Some(3 << 30));
+    assert_eq!(
+        (figures.free, figures.capacity),
+        (Some(1 << 30), Some(16 << 30))
+    );
+    assert_eq!(oom::classify_text(&text).unwrap().requested, Some(3 << 30));
+    assert_eq!(Evidence::from_text(&text).used_at_failure, Some(15 << 30));
+}
