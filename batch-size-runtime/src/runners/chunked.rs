@@ -250,7 +250,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             .last()
             .is_some_and(|last| last.outcome == Outcome::Succeeded);
         let done = succeeded && own == Decision::Accept;
-        let verdict = match agree::exchange(collective, Said::after_attempt(succeeded, &own)) {
+        let verdict = match agree::round(collective, Said::after_attempt(succeeded, &own)) {
             Ok(verdict) => verdict,
             Err(error) => return agree::disagreement(&error),
         };
@@ -278,7 +278,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
                         proposal: u64::MAX,
                         continues: false,
                     };
-                    verdict = match agree::exchange(collective, idle) {
+                    verdict = match agree::round(collective, idle) {
                         Ok(verdict) if verdict.outcome == FAILED => return Decision::Accept,
                         Ok(verdict) => verdict,
                         Err(error) => return agree::disagreement(&error),

@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
+use super::collective::{AgreementError, Collective, ReduceOp};
 use super::exchange::{ExchangeError, IdExchange};
-use super::{AgreementError, Collective, ReduceOp};
 use library::{library, NcclLibrary, RawComm, RawId, OLDEST_SUPPORTED};
 
 pub use library::{loaded_library, NCCL_LIBRARY_VARIABLE};

@@ -1,0 +1,90 @@
+//! The collective the agreement needs: an all-reduce of a few integers across ranks, and why
+//! it can fail.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The reduction of an all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// The largest value of every rank.
+    Max,
+    /// The smallest value of every rank.
+    Min,
+}
+
+/// Why the ranks could not agree.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgreementError {
+    /// Not every rank joined in time (one died, or never started).
+    #[error(
+        "rank {rank} waited {waited:?} for the other ranks to agree; {joined} of {world} joined"
+    )]
+    Timeout {
+        /// The rank that gave up.
+        rank: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// Ranks that joined.
+        joined: usize,
+        /// Ranks in all.
+        world: usize,
+    },
+    /// The collective failed or was aborted.
+    #[error("the collective failed: {0}")]
+    Failed(String),
+}
+
+/// The collective the agreement needs: an all-reduce of a few integers across ranks.
+///
+/// Implemented by `ThreadRank` (threads of one process) and, with the `nccl` feature, by
+/// `NcclRank` (one communicator over NCCL); by references, boxes and `Arc`s of either, so a
+/// search can borrow the rank it agrees through.
+pub trait Collective: Send + Sync + fmt::Debug {
+    /// This rank, from 0.
+    fn rank(&self) -> usize;
+    /// How many ranks take part.
+    fn world_size(&self) -> usize;
+    /// Replaces `values`, on every rank, with their reduction over all ranks. Every rank must
+    /// call it the same number of times with the same length.
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError>;
+}
+
+impl<C: Collective + ?Sized> Collective for &C {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        (**self).all_reduce(values, op)
+    }
+}
+
+impl<C: Collective + ?Sized> Collective for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        (**self).all_reduce(values, op)
+    }
+}
+
+impl<C: Collective + ?Sized> Collective for Arc<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        (**self).all_reduce(values, op)
+    }
+}

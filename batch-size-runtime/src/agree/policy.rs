@@ -1,0 +1,108 @@
+//! [`Agree`]: a size policy wrapper that turns this rank's decision into the one every rank
+//! takes, one round of the agreement after each attempt.
+
+use super::collective::Collective;
+use super::verdict::{
+    agreed_start, disagreement, round, tell_failure, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED,
+};
+use crate::error::StopReason;
+use crate::policy::{Decision, SizePolicy};
+use crate::record::SearchReport;
+
+/// Makes every rank's search agree with the others' (see the [module docs](super)).
+#[derive(Debug)]
+pub struct Agree<P, C> {
+    inner: P,
+    collective: C,
+    /// Why the last agreed size differs from this rank's own proposal, for the retry's log.
+    overruled: Option<String>,
+}
+
+impl<P: SizePolicy, C: Collective> Agree<P, C> {
+    /// `inner` chooses this rank's sizes; `collective` connects it with the other ranks.
+    ///
+    /// ```
+    /// use batch_size_runtime::agree::{Agree, ThreadRanks};
+    /// use batch_size_runtime::policy::Guided;
+    /// let mut ranks = ThreadRanks::new(1);
+    /// let policy = Agree::new(Guided::new(), ranks.remove(0));
+    /// # let _ = policy;
+    /// ```
+    pub fn new(inner: P, collective: C) -> Self {
+        Agree {
+            inner,
+            collective,
+            overruled: None,
+        }
+    }
+}
+
+impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
+    fn first(&mut self, starting: usize) -> Decision {
+        let proposal = match self.inner.first(starting) {
+            Decision::Try(size) => size as u64,
+            _ => 0,
+        };
+        agreed_start(&self.collective, proposal)
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let succeeded = history.last().is_some_and(|last| last.outcome.is_success());
+        let own = self.inner.after(history);
+        let said = Said::after_attempt(succeeded, &own);
+        let proposal = said.proposal;
+        let verdict = match round(&self.collective, said) {
+            Ok(verdict) => verdict,
+            Err(error) => return disagreement(&error),
+        };
+        self.overruled = (verdict.outcome != SUCCEEDED
+            && verdict.smallest_proposal != proposal
+            && verdict.smallest_proposal != 0)
+            .then(|| {
+                let own = match own {
+                    Decision::Try(size) => format!("this rank proposed {size}"),
+                    _ if succeeded => "this rank succeeded".to_owned(),
+                    _ => "this rank had no size left".to_owned(),
+                };
+                format!(
+                    "the smallest size the {} ranks proposed; {own}",
+                    self.collective.world_size()
+                )
+            });
+        match verdict.outcome {
+            FAILED => verdict.failed(),
+            _ if verdict.all_stop() => Decision::Stop(StopReason::Policy(
+                "a rank ran out of memory and has no smaller size left".to_owned(),
+            )),
+            // Every rank retries at the same size, the ones that succeeded too: the attempt
+            // is one step of the same training on every rank.
+            OUT_OF_MEMORY => Decision::Try(verdict.smallest_proposal as usize),
+            // Everyone succeeded and every policy asks for more (a tuner, chunks): go on
+            // together, at the smallest proposal.
+            _ if verdict.all_continue => Decision::Try(verdict.smallest_proposal as usize),
+            // Everyone succeeded and some policy is done: all end here, at the size that just
+            // ran on every rank (a rank that wanted more accepts it too).
+            _ => match own {
+                Decision::Try(_) => Decision::Accept,
+                other => other,
+            },
+        }
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history);
+        tell_failure(&self.collective);
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.inner.check()
+    }
+
+    fn reads_memory_after_success(&self) -> bool {
+        self.inner.reads_memory_after_success()
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.overruled.clone().or_else(|| self.inner.rationale())
+    }
+}
