@@ -47,7 +47,6 @@ use std::sync::{Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::ActivePolicy;
 use crate::memory::Release;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::SearchReport;
@@ -88,8 +87,8 @@ pub(crate) struct CacheSettings {
 }
 
 /// One search's view of the cache: its key, its entry, the device's free memory now.
-pub(crate) struct Cached<'r> {
-    inner: ActivePolicy<'r>,
+pub(crate) struct Cached<P> {
+    inner: P,
     key: String,
     file: Option<PathBuf>,
     entry: Option<CacheEntry>,
@@ -101,7 +100,7 @@ pub(crate) struct Cached<'r> {
     warned: bool,
 }
 
-impl fmt::Debug for Cached<'_> {
+impl<P: fmt::Debug> fmt::Debug for Cached<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Cached")
             .field("key", &self.key)
@@ -143,16 +142,16 @@ fn read_entry(file: &Path, key: &str) -> Result<Option<CacheEntry>, String> {
 /// Why a cached size cannot start this search: only a size the search could have tried itself is
 /// used, so that nothing read from outside steers it out of its range. A shrinking search tries
 /// `1..=starting`; a growing one (a tuner) starts at `starting`, its smallest size, and goes up.
-fn unusable(entry: &CacheEntry, starting: usize, shrinking: bool) -> Option<String> {
+fn unusable(entry: &CacheEntry, starting: usize, min: usize, shrinking: bool) -> Option<String> {
     let (low, high) = if shrinking {
-        (1, starting)
+        (min.max(1), starting)
     } else {
-        (starting.max(1), usize::MAX)
+        (starting.max(min).max(1), usize::MAX)
     };
     (!(low..=high).contains(&entry.fits)).then(|| {
         if shrinking {
             format!(
-                "its size {} is not between 1 and the search's starting size {starting}",
+                "its size {} is not between the search's `min` {low} and its starting size {starting}",
                 entry.fits
             )
         } else {
@@ -188,13 +187,15 @@ fn write_entry(file: &Path, entry: &CacheEntry) -> std::io::Result<()> {
     })()
 }
 
-impl<'r> Cached<'r> {
-    /// The cache for a search of `label` from `starting`, over the device `release` reads.
+impl<P: SizePolicy> Cached<P> {
+    /// The cache around `inner`, for a search of `label` from `starting` (no size below `min`),
+    /// over the device `release` reads.
     pub(crate) fn new(
-        inner: ActivePolicy<'r>,
+        inner: P,
         settings: CacheSettings,
         label: &'static str,
         starting: usize,
+        min: usize,
         release: &Release,
     ) -> Self {
         let memory = release.memory_backend().memory();
@@ -232,8 +233,8 @@ impl<'r> Cached<'r> {
             }),
             (None, None) => None,
         }
-        .filter(
-            |entry| match unusable(entry, starting, inner.is_shrinking()) {
+        .filter(|entry| {
+            match unusable(entry, starting, min, inner.accepts_every_success()) {
                 Some(why) => {
                     warn(
                         file.as_deref().unwrap_or(Path::new("(in this process)")),
@@ -242,8 +243,8 @@ impl<'r> Cached<'r> {
                     false
                 }
                 None => true,
-            },
-        );
+            }
+        });
         let mut free_now = memory.free();
         if entry.is_some() {
             // The cached size was measured on a device with nothing held for this search: give
@@ -313,7 +314,7 @@ impl<'r> Cached<'r> {
     }
 }
 
-impl SizePolicy for Cached<'_> {
+impl<P: SizePolicy> SizePolicy for Cached<P> {
     fn first(&mut self, starting: usize) -> Decision {
         match &self.entry {
             Some(entry) if !self.more_room(entry) => {
@@ -334,7 +335,7 @@ impl SizePolicy for Cached<'_> {
         // The cached size ran: that is the answer, whatever the policy would explore (a tuner
         // reruns in one trial).
         let cached_and_ran = success && self.from_cache && history.len() == 1;
-        let decision = if success && (self.inner.is_shrinking() || cached_and_ran) {
+        let decision = if success && (self.inner.accepts_every_success() || cached_and_ran) {
             Decision::Accept
         } else {
             self.inner.after(history)

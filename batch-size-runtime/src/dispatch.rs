@@ -25,10 +25,73 @@ use std::fmt::{self, Display};
 use std::marker::PhantomData;
 
 use crate::attempt::{AttemptError, Dynamic, InspectError, Typed};
-use crate::engine::Search;
 use crate::error::NoExecutableBatchSize;
 use crate::kept::KeptError;
-use crate::oom::{self, OomMatch};
+use crate::oom::{self, OomKind, OomMatch};
+
+/// A search's own predicate that counts more errors as out-of-memory (`when`).
+pub(crate) type When<'r> = Box<dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r>;
+
+/// What counts as out-of-memory for one search: the process-wide rules ([`oom`]), then the
+/// search's own `when`.
+#[derive(Clone, Copy)]
+pub struct OomRules<'a> {
+    when: Option<&'a When<'a>>,
+}
+
+impl fmt::Debug for OomRules<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OomRules")
+            .field("when", &self.when.is_some())
+            .finish()
+    }
+}
+
+impl<'a> OomRules<'a> {
+    pub(crate) fn new(when: Option<&'a When<'a>>) -> Self {
+        OomRules { when }
+    }
+
+    /// Whether `error` is out-of-memory, through its `source()` chain.
+    pub(crate) fn classify_error(&self, error: &(dyn Error + 'static)) -> Option<OomMatch> {
+        oom::classify_error(error).or_else(|| {
+            let when = self.when?;
+            oom::chain_of(error).any(when).then(|| OomMatch {
+                kind: OomKind::Rule,
+                description: oom::describe(error),
+                requested: None,
+            })
+        })
+    }
+
+    /// Whether a message is out-of-memory, by the same rules.
+    pub(crate) fn classify_text(&self, text: &str) -> Option<OomMatch> {
+        oom::classify_text(text).or_else(|| {
+            let when = self.when?;
+            when(&TextError(text.to_owned())).then(|| OomMatch {
+                kind: OomKind::Rule,
+                description: text.lines().next().unwrap_or_default().to_owned(),
+                requested: None,
+            })
+        })
+    }
+
+    /// Whether a panic's payload is out-of-memory, by the same rules.
+    pub(crate) fn classify_panic(&self, payload: &(dyn std::any::Any + Send)) -> Option<OomMatch> {
+        oom::classify_panic(payload).or_else(|| {
+            let text = payload
+                .downcast_ref::<&'static str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))?;
+            self.classify_text(text)
+        })
+    }
+}
+
+/// A panic's message shown to a `when` predicate as an error.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TextError(String);
 
 /// How one attempt ended, once its value is classified.
 #[derive(Debug)]
@@ -46,7 +109,7 @@ pub trait Classify<R> {
     /// The error type of `R` (or [`Infallible`] where there is none).
     type Error;
     /// Sorts an attempt's value, with the search's own `when` rules.
-    fn judge(&self, value: R, search: &Search<'_>) -> Judged<R, Self::Error>;
+    fn judge(&self, value: R, rules: &OomRules<'_>) -> Judged<R, Self::Error>;
     /// Keeps an out-of-memory error as `NoExecutableBatchSize::source()`, where it can be.
     fn keep(&self, error: Self::Error) -> Option<KeptError>;
 }
@@ -133,10 +196,10 @@ zero_sized_kind! {
 
 fn judge_error<T, E>(
     error: E,
-    search: &Search<'_>,
+    rules: &OomRules<'_>,
     view: impl Fn(&E) -> &(dyn Error + 'static),
 ) -> Judged<Result<T, E>, E> {
-    match search.classify_error(view(&error)) {
+    match rules.classify_error(view(&error)) {
         Some(found) => Judged::OutOfMemory(found, Some(error)),
         None => {
             let description = oom::describe(view(&error));
@@ -148,10 +211,10 @@ fn judge_error<T, E>(
 impl<T, E: InspectError<M>, M> Classify<Result<T, E>> for Kept<E, M> {
     type Error = E;
     #[inline]
-    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+    fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, search, InspectError::as_error),
+            Err(error) => judge_error(error, rules, InspectError::as_error),
         }
     }
     fn keep(&self, error: E) -> Option<KeptError> {
@@ -170,10 +233,10 @@ impl<T, E: AttemptError<M>, M> GiveUp<Result<T, E>> for Kept<E, M> {
 
 impl<T, E: Error + 'static> Classify<Result<T, E>> for TypedView<E> {
     type Error = E;
-    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+    fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, search, |error| error),
+            Err(error) => judge_error(error, rules, |error| error),
         }
     }
     fn keep(&self, _: E) -> Option<KeptError> {
@@ -183,10 +246,10 @@ impl<T, E: Error + 'static> Classify<Result<T, E>> for TypedView<E> {
 
 impl<T, E: AsRef<dyn Error + 'static>> Classify<Result<T, E>> for DynView<E> {
     type Error = E;
-    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+    fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, search, |error| error.as_ref()),
+            Err(error) => judge_error(error, rules, |error| error.as_ref()),
         }
     }
     fn keep(&self, _: E) -> Option<KeptError> {
@@ -196,12 +259,12 @@ impl<T, E: AsRef<dyn Error + 'static>> Classify<Result<T, E>> for DynView<E> {
 
 impl<T, E: Display> Classify<Result<T, E>> for Text<E> {
     type Error = E;
-    fn judge(&self, value: Result<T, E>, search: &Search<'_>) -> Judged<Result<T, E>, E> {
+    fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
             Err(error) => {
                 let text = error.to_string();
-                match search.classify_text(&text) {
+                match rules.classify_text(&text) {
                     Some(found) => Judged::OutOfMemory(found, Some(error)),
                     None => Judged::Failed(Err(error), text),
                 }
@@ -215,7 +278,7 @@ impl<T, E: Display> Classify<Result<T, E>> for Text<E> {
 
 impl<T, E> Classify<Result<T, E>> for Unclassifiable<E> {
     type Error = E;
-    fn judge(&self, value: Result<T, E>, _: &Search<'_>) -> Judged<Result<T, E>, E> {
+    fn judge(&self, value: Result<T, E>, _: &OomRules<'_>) -> Judged<Result<T, E>, E> {
         match value {
             Ok(value) => Judged::Succeeded(Ok(value)),
             Err(error) => Judged::Failed(Err(error), String::new()),
@@ -228,7 +291,7 @@ impl<T, E> Classify<Result<T, E>> for Unclassifiable<E> {
 
 impl<R> Classify<R> for PanicOnly<R> {
     type Error = Infallible;
-    fn judge(&self, value: R, _: &Search<'_>) -> Judged<R, Infallible> {
+    fn judge(&self, value: R, _: &OomRules<'_>) -> Judged<R, Infallible> {
         Judged::Succeeded(value)
     }
     fn keep(&self, error: Infallible) -> Option<KeptError> {

@@ -25,7 +25,7 @@ macro_rules! drive_attempts {
         let ret = $ret;
         let tag = $crate::__private::tag_of(ret);
         $crate::engine::drive(
-            $search,
+            $crate::__private::BatchSizeSearch::start($search),
             (&&&&&&&tag).batch_size_classify_kind(),
             (&&&&&&tag).batch_size_give_up_kind(),
             $crate::__private::returning(ret, $attempt),
@@ -50,7 +50,7 @@ macro_rules! drive_attempts_async {
         let ret = $ret;
         let tag = $crate::__private::tag_of(ret);
         $crate::engine::drive_async(
-            $search,
+            $crate::__private::BatchSizeSearch::start($search),
             (&&&&&&&tag).batch_size_classify_kind(),
             (&&&&&&tag).batch_size_give_up_kind(),
             $crate::__private::$returning(ret, $attempt),
@@ -90,7 +90,12 @@ pub fn returning_lending<R, F: AsyncFnMut(usize) -> R>(
 
 /// A function returning `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
 pub fn drive_panics<R>(search: BatchSizeSearch<'_>, attempt: impl FnMut(usize) -> R) -> R {
-    drive_with(search, PanicOnly::new(), PanicWithError::new(), attempt)
+    drive_with(
+        search.start(),
+        PanicOnly::new(),
+        PanicWithError::new(),
+        attempt,
+    )
 }
 
 /// [`drive_panics`] for an `async fn`.
@@ -99,7 +104,7 @@ pub async fn drive_panics_async<R, Fut: core::future::Future<Output = R>>(
     attempt: impl FnMut(usize) -> Fut,
 ) -> R {
     drive_async_with(
-        search,
+        search.start(),
         PanicOnly::new(),
         PanicWithError::new(),
         Returning(attempt),
@@ -107,14 +112,20 @@ pub async fn drive_panics_async<R, Fut: core::future::Future<Output = R>>(
     .await
 }
 
-/// The search for the attribute's `starting`, capped to what the batch-size parameter's type
-/// `P` can hold; a negative `starting` stops it before its first attempt, saying why.
+/// The search for the attribute's `starting`, its sizes capped to what the batch-size
+/// parameter's type `P` can hold (a policy's larger proposal runs as the largest that has not
+/// failed); a negative `starting` stops it before its first attempt, saying why.
 pub fn search<'r, P: BatchSizeInt>(
     label: &'static str,
     starting: Result<usize, String>,
 ) -> BatchSizeSearch<'r> {
     match starting {
-        Ok(starting) => BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label),
+        Ok(starting) => {
+            let mut search =
+                BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label);
+            search.max_size = P::MAX_BATCH_SIZE;
+            search
+        }
         Err(why) => {
             let mut search = BatchSizeSearch::new(1).with_label(label);
             search.invalidate(why);

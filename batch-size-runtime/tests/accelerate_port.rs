@@ -233,7 +233,8 @@ fn min_and_max_attempts_stop_the_search() {
         .with_min(20)
         .run_dyn(|_| Err(fake_out_of_memory()));
     let error = result.unwrap_err();
-    assert_eq!(none_fit(&error).tried(), &[100, 50, 25]);
+    // Halving steps from 25 to 12, below `min`: 20 itself is tried before the search gives up.
+    assert_eq!(none_fit(&error).tried(), &[100, 50, 25, 20]);
     assert_eq!(
         none_fit(&error).reason(),
         &StopReason::BelowMinimum { next: 12, min: 20 }

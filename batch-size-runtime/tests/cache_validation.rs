@@ -60,10 +60,16 @@ fn folder(name: &str) -> PathBuf {
 /// One search from 64 where 16 fits, with a fresh process cache, caching in `dir`: the size, the
 /// sizes tried and the cache's WARNs.
 fn search(key: &str, dir: &Path) -> (usize, Vec<usize>, usize) {
+    search_with_min(key, dir, 1)
+}
+
+/// [`search`] with `min`.
+fn search_with_min(key: &str, dir: &Path, min: usize) -> (usize, Vec<usize>, usize) {
     clear_process_cache();
     let warnings = Arc::new(AtomicUsize::new(0));
     let found = tracing::subscriber::with_default(CacheWarnings(Arc::clone(&warnings)), || {
         BatchSizeSearch::new(64)
+            .with_min(min)
             .with_cache(key)
             .with_cache_dir(dir)
             .run_dyn(|size| -> anyhow::Result<usize> {
@@ -160,4 +166,18 @@ fn a_cache_folder_that_cannot_be_used_gives_one_warn_per_search() {
         std::fs::read_to_string(&file_in_place).unwrap(),
         "a file, not a folder"
     );
+}
+
+#[test]
+fn a_cached_size_below_min_is_ignored_with_one_warn() {
+    let _one = one_at_a_time();
+    let dir = folder("below-min");
+    assert_eq!(search("below min", &dir), (16, vec![64, 32, 16], 0));
+    let file = entry_file(&dir);
+    let good = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, good.replace("\"fits\": 16", "\"fits\": 8")).unwrap();
+    // Written by a search with `min` 1; this one refuses sizes below 12.
+    let (found, tried, warnings) = search_with_min("below min", &dir, 12);
+    assert_eq!((found, warnings), (16, 1), "{tried:?}");
+    assert_eq!(tried, vec![64, 32, 16]);
 }

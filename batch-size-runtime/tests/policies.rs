@@ -97,11 +97,17 @@ fn accept_without_any_success_stops_with_nothing_to_accept() {
 
 #[test]
 fn min_and_max_attempts_apply_to_every_policy() {
+    // Below `min`, `min` itself runs once (it fits here); when it fails too, the search stops.
     let below = BatchSizeSearch::new(1)
         .with_min(10)
         .with_policy(Script::new(&[40, 5]))
         .run_dyn(fits_up_to(30));
-    assert_eq!(reason(below), StopReason::BelowMinimum { next: 5, min: 10 });
+    assert_eq!(below.unwrap(), 10);
+    let below = BatchSizeSearch::new(1)
+        .with_min(10)
+        .with_policy(Script::new(&[40, 5, 3]))
+        .run_dyn(fits_up_to(8));
+    assert_eq!(reason(below), StopReason::BelowMinimum { next: 3, min: 10 });
 
     let capped = BatchSizeSearch::new(1)
         .with_max_attempts(2)

@@ -1,94 +1,41 @@
 //! What a search is configured with beside its sizes: the policy in use (statically dispatched
 //! for the built-in ones, so that starting a search allocates nothing) and the per-search hooks.
 
-use std::error::Error;
 use std::fmt;
 
-use crate::policy::{Decision, Factor, Guided, Halve, Reduce, SizePolicy};
+use crate::dispatch::When;
+use crate::policy::{Decision, Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
-use crate::reduce::Reduction;
 
-/// The policy a search runs.
+/// The policy a search runs: one of the built-in choices, statically dispatched so that
+/// starting a search allocates nothing, or a policy of the user's (a tuner, a runner's).
 #[derive(Debug)]
 pub(crate) enum ActivePolicy<'r> {
-    Guided(Guided),
-    Halve(Halve),
-    Factor(Factor),
-    Reduce(Reduce<'r>),
+    Shrink(Reduction<'r>),
     Custom(Box<dyn SizePolicy + 'r>),
-}
-
-impl<'r> From<Reduction<'r>> for ActivePolicy<'r> {
-    fn from(reduction: Reduction<'r>) -> Self {
-        match reduction {
-            Reduction::Halve => ActivePolicy::Halve(Halve),
-            Reduction::Factor(factor) => ActivePolicy::Factor(Factor(factor)),
-            Reduction::Custom(reduce) => ActivePolicy::Reduce(Reduce::from_box(reduce)),
-        }
-    }
 }
 
 impl ActivePolicy<'_> {
     fn policy(&self) -> &dyn SizePolicy {
         match self {
-            ActivePolicy::Guided(policy) => policy,
-            ActivePolicy::Halve(policy) => policy,
-            ActivePolicy::Factor(policy) => policy,
-            ActivePolicy::Reduce(policy) => policy,
+            ActivePolicy::Shrink(policy) => policy,
             ActivePolicy::Custom(policy) => &**policy,
         }
     }
 
     fn policy_mut(&mut self) -> &mut dyn SizePolicy {
         match self {
-            ActivePolicy::Guided(policy) => policy,
-            ActivePolicy::Halve(policy) => policy,
-            ActivePolicy::Factor(policy) => policy,
-            ActivePolicy::Reduce(policy) => policy,
+            ActivePolicy::Shrink(policy) => policy,
             ActivePolicy::Custom(policy) => &mut **policy,
         }
     }
 
-    /// The shrinking policies accept every success and start at `starting`: the engine skips
-    /// asking them, which keeps the success path short.
+    /// The built-in shrinking policies accept every success and start at `starting`: the
+    /// engine skips asking them, which keeps the success path short (a match, no virtual call).
     pub(crate) fn is_shrinking(&self) -> bool {
-        matches!(
-            self,
-            ActivePolicy::Guided(_)
-                | ActivePolicy::Halve(_)
-                | ActivePolicy::Factor(_)
-                | ActivePolicy::Reduce(_)
-        )
-    }
-
-    pub(crate) fn first(&mut self, starting: usize) -> Decision {
-        if self.is_shrinking() {
-            return Decision::Try(starting);
-        }
-        self.policy_mut().first(starting)
-    }
-
-    pub(crate) fn after(&mut self, history: &SearchReport) -> Decision {
-        self.policy_mut().after(history)
-    }
-
-    pub(crate) fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.policy_mut().ended_by_failure(history)
-    }
-
-    pub(crate) fn check(&self) -> Result<(), String> {
-        self.policy().check()
-    }
-
-    pub(crate) fn reads_memory_after_success(&self) -> bool {
-        self.policy().reads_memory_after_success()
-    }
-
-    pub(crate) fn rationale(&self) -> Option<String> {
         match self {
-            ActivePolicy::Guided(policy) => policy.rationale(),
-            ActivePolicy::Custom(policy) => policy.rationale(),
-            _ => None,
+            ActivePolicy::Shrink(_) => true,
+            ActivePolicy::Custom(policy) => policy.accepts_every_success(),
         }
     }
 }
@@ -97,7 +44,11 @@ impl ActivePolicy<'_> {
 /// between ranks) wrap whichever one was chosen.
 impl SizePolicy for ActivePolicy<'_> {
     fn first(&mut self, starting: usize) -> Decision {
-        ActivePolicy::first(self, starting)
+        match self {
+            // The built-in ones start where they are told, without a call.
+            ActivePolicy::Shrink(_) => Decision::Try(starting),
+            ActivePolicy::Custom(policy) => policy.first(starting),
+        }
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {
@@ -107,27 +58,30 @@ impl SizePolicy for ActivePolicy<'_> {
         if succeeded && self.is_shrinking() {
             return Decision::Accept;
         }
-        ActivePolicy::after(self, history)
+        self.policy_mut().after(history)
     }
 
     fn ended_by_failure(&mut self, history: &SearchReport) {
-        ActivePolicy::ended_by_failure(self, history)
+        self.policy_mut().ended_by_failure(history)
     }
 
     fn check(&self) -> Result<(), String> {
-        ActivePolicy::check(self)
+        self.policy().check()
     }
 
     fn reads_memory_after_success(&self) -> bool {
-        ActivePolicy::reads_memory_after_success(self)
+        self.policy().reads_memory_after_success()
     }
 
     fn rationale(&self) -> Option<String> {
-        ActivePolicy::rationale(self)
+        self.policy().rationale()
+    }
+
+    fn accepts_every_success(&self) -> bool {
+        self.is_shrinking()
     }
 }
 
-type When<'r> = Box<dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r>;
 type Notify<'r> = Box<dyn FnMut(&Attempt) + Send + 'r>;
 type OnReport<'r> = Box<dyn FnOnce(&SearchReport) + Send + 'r>;
 

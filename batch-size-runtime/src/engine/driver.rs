@@ -7,7 +7,7 @@
 use std::fmt;
 use std::future::Future;
 
-use super::{BatchSizeSearch, Search};
+use super::Search;
 use crate::attempt::InspectableError;
 use crate::dispatch::{Classify, GiveUp, Judged};
 use crate::error::NoExecutableBatchSize;
@@ -28,7 +28,7 @@ pub(crate) enum Ended<R, E> {
 /// expands into (through `drive!`, which picks `classify` and `give_up` from the return type).
 #[inline]
 pub fn drive<R, C, G>(
-    search: BatchSizeSearch<'_>,
+    search: Search<'_>,
     classify: C,
     give_up: G,
     attempt: impl FnMut(usize) -> R,
@@ -46,7 +46,7 @@ where
 /// an async closure ([`Lending`]), whose panics are caught like a synchronous attempt's.
 #[inline]
 pub async fn drive_async<R, C, G>(
-    search: BatchSizeSearch<'_>,
+    search: Search<'_>,
     classify: C,
     give_up: G,
     attempt: impl AsyncAttempt<R>,
@@ -74,7 +74,7 @@ fn returned_or_given_up<R, E, G: GiveUp<R, Error = E, Output = R>>(
 /// The loop, for runners that act on how the search ended.
 #[inline]
 pub(crate) fn drive_ended<R, C: Classify<R>>(
-    search: BatchSizeSearch<'_>,
+    search: Search<'_>,
     classify: &C,
     keep_last_error: bool,
     mut attempt: impl FnMut(usize) -> R,
@@ -93,7 +93,7 @@ pub(crate) fn drive_ended<R, C: Classify<R>>(
 
 /// The async loop, for runners that act on how the search ended.
 pub(crate) async fn drive_ended_async<R, C: Classify<R>>(
-    search: BatchSizeSearch<'_>,
+    search: Search<'_>,
     classify: &C,
     keep_last_error: bool,
     mut attempt: impl AsyncAttempt<R>,
@@ -167,9 +167,9 @@ impl<R, C: Classify<R>> fmt::Debug for Driver<'_, '_, R, C> {
 
 impl<'r, 'c, R, C: Classify<R>> Driver<'r, 'c, R, C> {
     #[inline]
-    fn new(search: BatchSizeSearch<'r>, classify: &'c C, keep_last_error: bool) -> Self {
+    fn new(search: Search<'r>, classify: &'c C, keep_last_error: bool) -> Self {
         Driver {
-            search: search.start(),
+            search,
             classify,
             keep_last_error,
             latest_success: None,
@@ -189,7 +189,7 @@ impl<'r, 'c, R, C: Classify<R>> Driver<'r, 'c, R, C> {
     #[inline]
     fn record(&mut self, outcome: Result<R, PanicPayload>) -> Option<Ended<R, C::Error>> {
         match outcome {
-            Ok(value) => match self.classify.judge(value, &self.search) {
+            Ok(value) => match self.classify.judge(value, &self.search.rules()) {
                 Judged::Succeeded(value) => {
                     self.search.succeeded();
                     if self.search.is_accepted() {

@@ -22,16 +22,15 @@
 use std::error::Error;
 use std::path::PathBuf;
 
-use crate::agree::Collective;
+use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
-use crate::cache::CacheSettings;
+use crate::cache::{CacheSettings, Cached};
 use crate::dispatch::{Kept, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
-use crate::policy::{Factor, Guided, Reduce, SizePolicy};
+use crate::policy::{FailedAttempt, Guided, Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
-use crate::reduce::{FailedAttempt, Reduction};
 
 mod active;
 pub(crate) mod driver;
@@ -42,6 +41,7 @@ pub(crate) use active::{ActivePolicy, Hooks};
 pub use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, Ended};
 pub use search::Search;
+use search::SearchSettings;
 
 /// Finds a batch size that fits: calls an attempt with `starting`, and after each
 /// out-of-memory failure (a returned error or a panic) releases device memory and calls it
@@ -72,6 +72,8 @@ pub struct BatchSizeSearch<'r> {
     pub(crate) starting: usize,
     pub(crate) min: usize,
     pub(crate) max_attempts: Option<usize>,
+    /// The largest size the batch-size parameter's type holds (the attribute's `u8`, say).
+    pub(crate) max_size: usize,
     pub(crate) policy: ActivePolicy<'r>,
     // `None` until chosen: the default is resolved when the search starts, so that a search
     // given its own release never builds the default one.
@@ -103,7 +105,8 @@ impl<'r> BatchSizeSearch<'r> {
             starting,
             min: 1,
             max_attempts: None,
-            policy: ActivePolicy::Guided(Guided::new()),
+            max_size: usize::MAX,
+            policy: ActivePolicy::Shrink(Reduction::default()),
             release: None,
             label: "batch_size_search",
             invalid: None,
@@ -148,7 +151,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(error.tried(), &[128, 115, 103, 92, 82]);
     /// ```
     pub fn with_factor(mut self, factor: f64) -> Self {
-        self.policy = ActivePolicy::Factor(Factor(factor));
+        self.policy = ActivePolicy::Shrink(Reduction::Factor(factor));
         self
     }
 
@@ -168,7 +171,7 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         reduce: impl FnMut(&FailedAttempt<'_>) -> usize + Send + 'r,
     ) -> Self {
-        self.policy = ActivePolicy::Reduce(Reduce::new(reduce));
+        self.policy = ActivePolicy::Shrink(Reduction::Custom(Box::new(reduce)));
         self
     }
 
@@ -185,7 +188,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
     /// ```
     pub fn with_reduction(mut self, reduction: Reduction<'r>) -> Self {
-        self.policy = ActivePolicy::from(reduction);
+        self.policy = ActivePolicy::Shrink(reduction);
         self
     }
 
@@ -266,7 +269,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted.unwrap(), 102); // 128 fit; 80 % of the device is 102 samples (halving: 75)
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
-        self.policy = ActivePolicy::Guided(Guided::new().with_margin(margin));
+        self.policy = ActivePolicy::Shrink(Reduction::Guided(Guided::new().with_margin(margin)));
         self
     }
 
@@ -497,7 +500,12 @@ impl<'r> BatchSizeSearch<'r> {
         F: FnMut(usize) -> Result<T, E>,
         E: AttemptError<M>,
     {
-        drive(self, Kept::<E, M>::new(), Kept::<E, M>::new(), attempt)
+        drive(
+            self.start(),
+            Kept::<E, M>::new(),
+            Kept::<E, M>::new(),
+            attempt,
+        )
     }
 
     /// The same as [`run`](Self::run), which now takes `anyhow::Error` and
@@ -541,7 +549,7 @@ impl<'r> BatchSizeSearch<'r> {
     where
         F: FnMut(usize) -> T,
     {
-        match drive_ended(self, &PanicOnly::new(), false, attempt) {
+        match drive_ended(self.start(), &PanicOnly::new(), false, attempt) {
             Ended::Returned(value) => Ok(value),
             Ended::NoSizeFits(none_fit, _) => Err(none_fit),
         }
@@ -580,7 +588,13 @@ impl<'r> BatchSizeSearch<'r> {
         E: AttemptError<M>,
     {
         let attempt = driver::Returning(attempt);
-        drive_async(self, Kept::<E, M>::new(), Kept::<E, M>::new(), attempt).await
+        drive_async(
+            self.start(),
+            Kept::<E, M>::new(),
+            Kept::<E, M>::new(),
+            attempt,
+        )
+        .await
     }
 
     /// The same as [`run_async`](Self::run_async); kept for the code that calls it.
@@ -653,6 +667,44 @@ impl<'r> BatchSizeSearch<'r> {
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
     pub fn start(self) -> Search<'r> {
-        Search::new(self)
+        let BatchSizeSearch {
+            starting,
+            min,
+            max_attempts,
+            max_size,
+            policy,
+            release,
+            label,
+            invalid,
+            hooks,
+            first_fit_at_debug,
+            cache,
+            agreement,
+        } = self;
+        let release = release.unwrap_or_default();
+        // The cache and the agreement wrap whichever policy was chosen; the loop sees one
+        // policy and knows of neither.
+        let mut policy = match cache {
+            // Without a key the settings hold only a folder: nothing is cached.
+            Some(settings) if !settings.key.is_empty() => ActivePolicy::Custom(Box::new(
+                Cached::new(policy, settings, label, starting, min, &release),
+            )),
+            _ => policy,
+        };
+        if let Some(collective) = agreement {
+            policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
+        }
+        Search::new(SearchSettings {
+            starting,
+            min,
+            max_attempts,
+            max_size,
+            policy,
+            release,
+            label,
+            invalid,
+            hooks,
+            first_fit_at_debug,
+        })
     }
 }

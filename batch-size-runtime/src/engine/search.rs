@@ -6,16 +6,32 @@ use std::error::Error;
 use std::fmt;
 use std::time::Instant;
 
-use super::{ActivePolicy, BatchSizeSearch, Hooks};
-use crate::agree::Agree;
-use crate::cache::Cached;
+use super::{ActivePolicy, Hooks};
+use crate::dispatch::OomRules;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::kept::KeptError;
 use crate::memory::{Bytes, MemorySnapshot, Release};
-use crate::oom::{self, OomKind, OomMatch};
-use crate::policy::Decision;
+use crate::oom::{self, OomMatch};
+use crate::policy::{Decision, SizePolicy};
 use crate::record::{self, Attempt, Outcome, SearchReport};
 use crate::unwind::PanicPayload;
+
+/// What a search is started with, resolved by the builder: the policy already wrapped in the
+/// cache and the agreement between ranks where those were asked for.
+pub(crate) struct SearchSettings<'r> {
+    pub(crate) starting: usize,
+    pub(crate) min: usize,
+    pub(crate) max_attempts: Option<usize>,
+    /// The largest size the batch-size parameter's type holds.
+    pub(crate) max_size: usize,
+    pub(crate) policy: ActivePolicy<'r>,
+    pub(crate) release: Release,
+    pub(crate) label: &'static str,
+    pub(crate) invalid: Option<String>,
+    pub(crate) hooks: Option<Box<Hooks<'r>>>,
+    /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
+    pub(crate) first_fit_at_debug: bool,
+}
 
 #[derive(Debug)]
 enum Next {
@@ -64,6 +80,7 @@ pub struct Search<'r> {
     hooks: Option<Box<Hooks<'r>>>,
     min: usize,
     max_attempts: Option<usize>,
+    max_size: usize,
     label: &'static str,
     release: Release,
     next: Next,
@@ -90,31 +107,19 @@ impl fmt::Debug for Search<'_> {
 
 impl<'r> Search<'r> {
     #[inline]
-    pub(crate) fn new(config: BatchSizeSearch<'r>) -> Self {
-        let BatchSizeSearch {
+    pub(crate) fn new(settings: SearchSettings<'r>) -> Self {
+        let SearchSettings {
             starting,
             min,
             max_attempts,
-            policy,
+            max_size,
+            mut policy,
             release,
             label,
             invalid,
             hooks,
             first_fit_at_debug,
-            cache,
-            agreement,
-        } = config;
-        let release = release.unwrap_or_default();
-        let mut policy = match cache {
-            // Without a key the settings hold only a folder: nothing is cached.
-            Some(settings) if !settings.key.is_empty() => ActivePolicy::Custom(Box::new(
-                Cached::new(policy, settings, label, starting, &release),
-            )),
-            _ => policy,
-        };
-        if let Some(collective) = agreement {
-            policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
-        }
+        } = settings;
         let next = if let Some(why) = invalid {
             Next::Stop(StopReason::InvalidConfiguration(why))
         } else if starting == 0 {
@@ -124,10 +129,13 @@ impl<'r> Search<'r> {
         } else {
             match policy.first(starting) {
                 Decision::Try(0) => Next::Stop(StopReason::StartedAtZero),
-                Decision::Try(size) if size < min => {
-                    Next::Stop(StopReason::BelowMinimum { next: size, min })
+                Decision::Try(size) if size.min(max_size) < min => {
+                    Next::Stop(StopReason::BelowMinimum {
+                        next: size.min(max_size),
+                        min,
+                    })
                 }
-                Decision::Try(size) => Next::Size(size),
+                Decision::Try(size) => Next::Size(size.min(max_size)),
                 Decision::Stop(reason) => Next::Stop(reason),
                 Decision::Accept => Next::Stop(StopReason::NothingToAccept),
             }
@@ -139,6 +147,7 @@ impl<'r> Search<'r> {
             hooks,
             min,
             max_attempts,
+            max_size,
             label,
             release,
             next,
@@ -161,6 +170,16 @@ impl Search<'_> {
             Decision::Accept => Next::Stop(StopReason::NothingToAccept),
             Decision::Stop(reason) => Next::Stop(reason),
             Decision::Try(size) => {
+                // A size the batch-size parameter's type cannot hold runs as the largest it
+                // can that has not failed, so that what runs is what the report records.
+                let size = if size > self.max_size {
+                    match self.smallest_failed {
+                        Some(failed) if failed <= self.max_size => failed.saturating_sub(1),
+                        _ => self.max_size,
+                    }
+                } else {
+                    size
+                };
                 let made = self.report.len();
                 if self.max_attempts.is_some_and(|max| made >= max) {
                     Next::Stop(StopReason::MaxAttempts(made))
@@ -176,10 +195,18 @@ impl Search<'_> {
                         proposed: size,
                     })
                 } else if size < self.min {
-                    Next::Stop(StopReason::BelowMinimum {
-                        next: size,
-                        min: self.min,
-                    })
+                    // `min` itself is tried once before the search gives up below it: a
+                    // policy's step over it (halving 8 to 4 with `min = 5`) is no proof that
+                    // `min` does not fit.
+                    match self.smallest_failed {
+                        Some(failed) if failed <= self.min => {
+                            Next::Stop(StopReason::BelowMinimum {
+                                next: size,
+                                min: self.min,
+                            })
+                        }
+                        _ => Next::Size(self.min),
+                    }
                 } else {
                     Next::Size(size)
                 }
@@ -409,7 +436,7 @@ impl Search<'_> {
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
     pub fn panicked(&mut self, payload: PanicPayload) {
-        match self.classify_panic(&payload) {
+        match self.rules().classify_panic(&*payload) {
             Some(found) => self.record_out_of_memory(found, None),
             None => {
                 let attempt = self.finish_attempt(Outcome::Panicked);
@@ -423,39 +450,10 @@ impl Search<'_> {
         }
     }
 
-    /// Whether `error` is out-of-memory: the process-wide rules ([`oom::classify_error`]),
-    /// then this search's [`when`](BatchSizeSearch::when).
-    pub(crate) fn classify_error(&self, error: &(dyn Error + 'static)) -> Option<OomMatch> {
-        oom::classify_error(error).or_else(|| {
-            let when = self.hooks.as_ref()?.when.as_ref()?;
-            oom::chain_of(error).any(when).then(|| OomMatch {
-                kind: OomKind::Rule,
-                description: oom::describe(error),
-                requested: None,
-            })
-        })
-    }
-
-    /// Whether a message is out-of-memory, by the same rules.
-    pub(crate) fn classify_text(&self, text: &str) -> Option<OomMatch> {
-        oom::classify_text(text).or_else(|| {
-            let when = self.hooks.as_ref()?.when.as_ref()?;
-            when(&TextError(text.to_owned())).then(|| OomMatch {
-                kind: OomKind::Rule,
-                description: text.lines().next().unwrap_or_default().to_owned(),
-                requested: None,
-            })
-        })
-    }
-
-    fn classify_panic(&self, payload: &PanicPayload) -> Option<OomMatch> {
-        oom::classify_panic(&**payload).or_else(|| {
-            let text = payload
-                .downcast_ref::<&'static str>()
-                .copied()
-                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))?;
-            self.classify_text(text)
-        })
+    /// What counts as out-of-memory for this search: the process-wide rules, then its own
+    /// [`when`](super::BatchSizeSearch::when).
+    pub(crate) fn rules(&self) -> OomRules<'_> {
+        OomRules::new(self.hooks.as_ref().and_then(|hooks| hooks.when.as_ref()))
     }
 
     /// The attempt ran out of memory: record it, release memory, pick the next size.
@@ -586,11 +584,6 @@ impl Search<'_> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct LastOutOfMemory(String);
-
-/// A panic's message shown to a `when` predicate as an error.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct TextError(String);
 
 fn non_empty(snapshot: MemorySnapshot) -> Option<MemorySnapshot> {
     (!snapshot.is_empty()).then_some(snapshot)

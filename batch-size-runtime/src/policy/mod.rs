@@ -90,12 +90,14 @@ use crate::error::StopReason;
 use crate::record::SearchReport;
 
 mod evidence;
+mod grow_back;
 mod guided;
 mod shrink;
 
 pub use evidence::Evidence;
+pub(crate) use grow_back::GrowBack;
 pub use guided::Guided;
-pub use shrink::{Factor, Halve, Reduce};
+pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};
 
 /// What a policy wants after an attempt (or before the first).
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +139,13 @@ pub trait SizePolicy: Send + fmt::Debug {
         Ok(())
     }
 
+    /// Whether the policy ends the search at every success (a shrinking policy): the engine
+    /// then skips asking it after one, which keeps the success path short, and the cache
+    /// knows a cached size is a size to run, not a size to grow from.
+    fn accepts_every_success(&self) -> bool {
+        false
+    }
+
     /// Whether the engine should read the memory figures after a successful attempt too
     /// (a tuner fitting memory against the size needs them; a shrinking policy does not, and
     /// the success path stays free of device queries).
@@ -166,6 +175,9 @@ impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
     }
     fn reads_memory_after_success(&self) -> bool {
         (**self).reads_memory_after_success()
+    }
+    fn accepts_every_success(&self) -> bool {
+        (**self).accepts_every_success()
     }
     fn rationale(&self) -> Option<String> {
         (**self).rationale()

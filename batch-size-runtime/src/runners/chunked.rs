@@ -22,13 +22,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
 use crate::attempt::{AttemptError, InspectError};
-use crate::dispatch::{Classify, Judged, Kept};
+use crate::dispatch::{Classify, Judged, Kept, OomRules};
 use crate::engine::driver::Returning;
-use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended, Search};
+use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
 use crate::error::StopReason;
 use crate::kept::KeptError;
 use crate::memory::Release;
-use crate::policy::{Decision, Factor, Guided, SizePolicy};
+use crate::policy::{Decision, GrowBack, Guided, Reduction, SizePolicy};
 use crate::record::{Outcome, SearchReport};
 
 /// Why chunked work stopped before every item was done. `completed` items (from 0) are done
@@ -63,7 +63,7 @@ pub enum ChunkError<E> {
         /// Its cost (1 without `with_cost`).
         cost: u64,
         /// The smallest budget that failed with this item alone.
-        largest_failed: u64,
+        largest_failed: usize,
     },
     /// `run`'s closure returned a number of outputs that is not the number of items it was given.
     #[error("the closure returned {got} outputs for the {expected} items {range:?}: one output per item, in order")]
@@ -107,7 +107,7 @@ pub struct ChunkRecord {
     /// Its items.
     pub range: Range<usize>,
     /// The budget it was packed to (items, or cost with `with_cost`).
-    pub budget: u64,
+    pub budget: usize,
     /// The cost of its items.
     pub cost: u64,
     /// Whether it completed or ran out of memory.
@@ -126,11 +126,6 @@ pub struct ChunkProgress {
     pub retries: usize,
 }
 
-enum Shrink {
-    Guided(Option<f64>),
-    Factor(f64),
-}
-
 type Cost<'r> = Box<dyn Fn(usize) -> u64 + Send + Sync + 'r>;
 type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 
@@ -140,16 +135,16 @@ type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 /// - first chunk: all the items (`with_starting`);
 /// - minimum: 1 item (or cost unit), no maximum;
 /// - sizes after an out-of-memory chunk: the guided policy, `with_factor` for a fixed factor;
-/// - growing back: after 4 clean chunks, double, below the smallest size that failed
-///   (`with_grow_after`; 0 never grows);
+/// - growing back: after 4 clean chunks, double, and halfway to the smallest size that failed
+///   where doubling would reach it (`with_grow_after`; 0 never grows);
 /// - release: [`Release::cuda()`].
 pub struct Chunked<'r> {
     total: usize,
-    starting: Option<u64>,
-    min: u64,
-    max: Option<u64>,
+    starting: Option<usize>,
+    min: usize,
+    max: Option<usize>,
     release: Option<Release>,
-    shrink: Shrink,
+    shrink: Reduction<'r>,
     grow_after: usize,
     cost: Option<Cost<'r>>,
     notify: Option<Notify<'r>>,
@@ -182,9 +177,7 @@ struct Progress {
 struct ChunkPolicy<'r, P> {
     inner: P,
     run: Arc<Mutex<Run>>,
-    grow_after: usize,
-    max: Option<u64>,
-    clean: usize,
+    grow: GrowBack,
     /// The other ranks whose chunks run in step with these.
     agreement: Option<Arc<dyn Collective + 'r>>,
 }
@@ -258,7 +251,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             FAILED => verdict.failed(),
             OUT_OF_MEMORY => {
                 if succeeded {
-                    self.take_back_last_chunk();
+                    self.take_back_last_chunk(history.last().map_or(0, |last| last.batch_size));
                 }
                 match verdict.smallest_proposal {
                     0 => Decision::Stop(StopReason::Policy(
@@ -290,8 +283,8 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
     }
 
     /// This rank's last chunk succeeded but another rank's did not: it is redone.
-    fn take_back_last_chunk(&mut self) {
-        self.clean = 0;
+    fn take_back_last_chunk(&mut self, size: usize) {
+        self.grow.failed(size);
         let mut run = lock(&self.run);
         let range = run.progress.current.clone();
         if run.progress.completed == range.end {
@@ -313,7 +306,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             return Decision::Accept;
         };
         if last.outcome != Outcome::Succeeded {
-            self.clean = 0;
+            self.grow.failed(last.batch_size);
             let (items, cost) = {
                 let run = lock(&self.run);
                 (run.progress.current.len(), run.progress.current_cost)
@@ -343,29 +336,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
         if done {
             return Decision::Accept;
         }
-        self.clean += 1;
-        let size = last.batch_size;
-        if self.grow_after == 0 || self.clean < self.grow_after {
-            return Decision::Try(size);
-        }
-        self.clean = 0;
-        // deepmd's rule: double only while twice the size stays below the smallest size that
-        // failed, so that growing back fails at most once per size.
-        let doubled = size.saturating_mul(2);
-        let below_failures = history
-            .smallest_out_of_memory()
-            .is_none_or(|failed| doubled < failed);
-        let within_max = self.max.is_none_or(|max| doubled as u64 <= max);
-        if below_failures && within_max {
-            Decision::Try(doubled)
-        } else if below_failures {
-            let max = self
-                .max
-                .map_or(size, |max| usize::try_from(max).unwrap_or(usize::MAX));
-            Decision::Try(max.max(size))
-        } else {
-            Decision::Try(size)
-        }
+        Decision::Try(self.grow.succeeded(last.batch_size))
     }
 }
 
@@ -385,7 +356,7 @@ impl<'r> Chunked<'r> {
             min: 1,
             max: None,
             release: None,
-            shrink: Shrink::Guided(None),
+            shrink: Reduction::default(),
             grow_after: 4,
             cost: None,
             notify: None,
@@ -403,7 +374,7 @@ impl<'r> Chunked<'r> {
     /// assert_eq!(chunked.chunks()[0].range, 0..4);
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn with_starting(mut self, size: u64) -> Self {
+    pub fn with_starting(mut self, size: usize) -> Self {
         self.starting = Some(size);
         self
     }
@@ -417,7 +388,7 @@ impl<'r> Chunked<'r> {
     /// }).unwrap_err();
     /// assert!(matches!(error, ChunkError::NoChunkFits { completed: 0, .. }));
     /// ```
-    pub fn with_min(mut self, min: u64) -> Self {
+    pub fn with_min(mut self, min: usize) -> Self {
         self.min = min;
         self
     }
@@ -431,7 +402,7 @@ impl<'r> Chunked<'r> {
     /// assert!(chunked.chunks().iter().all(|chunk| chunk.range.len() <= 8));
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn with_max(mut self, max: u64) -> Self {
+    pub fn with_max(mut self, max: usize) -> Self {
         self.max = Some(max);
         self
     }
@@ -463,7 +434,7 @@ impl<'r> Chunked<'r> {
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
     pub fn with_factor(mut self, factor: f64) -> Self {
-        self.shrink = Shrink::Factor(factor);
+        self.shrink = Reduction::Factor(factor);
         self
     }
 
@@ -475,7 +446,7 @@ impl<'r> Chunked<'r> {
     /// # let _ = chunked;
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
-        self.shrink = Shrink::Guided(Some(margin));
+        self.shrink = Reduction::Guided(Guided::new().with_margin(margin));
         self
     }
 
@@ -670,7 +641,9 @@ impl<'r> Chunked<'r> {
             self.chunks.clear();
             return Ok(Vec::new());
         }
-        let (search, run) = self.prepare();
+        // Lent to this run's policy, and back when it ends.
+        let mut shrink = std::mem::take(&mut self.shrink);
+        let (search, run) = self.prepare(shrink.borrowed());
         // Shared with each chunk's future by reference, so that the run's future is `Send`
         // when the work's is.
         let outputs = Mutex::new(Vec::with_capacity(self.total));
@@ -690,14 +663,19 @@ impl<'r> Chunked<'r> {
                 outcome
             }
         });
-        let ended = drive_ended_async(search, &ChunkKind::<E, M>::new(), false, attempt).await;
+        let ended =
+            drive_ended_async(search.start(), &ChunkKind::<E, M>::new(), false, attempt).await;
+        self.shrink = shrink;
         self.notify = notify.into_inner().unwrap_or_else(PoisonError::into_inner);
         self.conclude(&run, ended)?;
         Ok(outputs.into_inner().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The search of one run, and the progress its policy and chunks share.
-    fn prepare(&mut self) -> (BatchSizeSearch<'r>, Arc<Mutex<Run>>) {
+    fn prepare<'s>(&mut self, inner: Reduction<'s>) -> (BatchSizeSearch<'s>, Arc<Mutex<Run>>)
+    where
+        'r: 's,
+    {
         self.chunks.clear();
         let run = Arc::new(Mutex::new(Run {
             progress: Progress {
@@ -710,32 +688,27 @@ impl<'r> Chunked<'r> {
             retries: 0,
         }));
         let whole = match &self.cost {
-            None => self.total as u64,
-            Some(cost) => (0..self.total).map(cost).fold(0u64, u64::saturating_add),
+            None => self.total,
+            Some(cost) => {
+                let whole = (0..self.total).map(cost).fold(0u64, u64::saturating_add);
+                usize::try_from(whole).unwrap_or(usize::MAX)
+            }
         };
         let starting = self.starting.unwrap_or(whole).max(1);
-        let inner = match self.shrink {
-            Shrink::Guided(margin) => ChunkInner::Guided(
-                margin.map_or_else(Guided::new, |margin| Guided::new().with_margin(margin)),
-            ),
-            Shrink::Factor(factor) => ChunkInner::Factor(Factor(factor)),
-        };
         let policy = ChunkPolicy {
             inner,
             run: Arc::clone(&run),
-            grow_after: self.grow_after,
-            max: self.max,
-            clean: 0,
+            grow: GrowBack::new(self.grow_after, self.max.unwrap_or(usize::MAX)),
             agreement: self.agreement.clone(),
         };
-        let mut search = BatchSizeSearch::new(usize::try_from(starting).unwrap_or(usize::MAX))
+        let mut search = BatchSizeSearch::new(starting)
             .with_label("chunked")
             .with_policy(policy);
         search.first_fit_at_debug = true;
         if self.min == 0 {
             search.invalidate("`min` must be at least 1, got 0".to_owned());
         } else {
-            search = search.with_min(usize::try_from(self.min).unwrap_or(usize::MAX));
+            search = search.with_min(self.min);
         }
         if let Some(release) = &self.release {
             search = search.with_release(release.clone());
@@ -755,7 +728,7 @@ impl<'r> Chunked<'r> {
         let mut run = lock(run);
         run.records.push(ChunkRecord {
             range: range.clone(),
-            budget: budget as u64,
+            budget,
             cost,
             done,
         });
@@ -839,15 +812,18 @@ impl<'r> Chunked<'r> {
             self.chunks.clear();
             return Ok(());
         }
-        let (search, run) = self.prepare();
+        // Lent to this run's policy, and back when it ends.
+        let mut shrink = std::mem::take(&mut self.shrink);
+        let (search, run) = self.prepare(shrink.borrowed());
         let mut notify = self.notify.take();
         let (cost_of, total) = (self.cost.as_ref(), self.total);
-        let ended = drive_ended(search, &ChunkKind::<E, M>::new(), false, |budget| {
+        let ended = drive_ended(search.start(), &ChunkKind::<E, M>::new(), false, |budget| {
             let (range, cost) = begin_chunk(cost_of, total, &run, budget);
             let outcome = work(range.clone());
             Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
             outcome
         });
+        self.shrink = shrink;
         self.notify = notify;
         self.conclude(&run, ended)
     }
@@ -895,11 +871,11 @@ impl<E: InspectError<M>, M> Classify<Result<(), ChunkAttempt<E>>> for ChunkKind<
     fn judge(
         &self,
         value: Result<(), ChunkAttempt<E>>,
-        search: &Search<'_>,
+        rules: &OomRules<'_>,
     ) -> Judged<Result<(), ChunkAttempt<E>>, E> {
         match value {
             Ok(()) => Judged::Succeeded(Ok(())),
-            Err(ChunkAttempt::Work(error)) => match self.0.judge(Err::<(), E>(error), search) {
+            Err(ChunkAttempt::Work(error)) => match self.0.judge(Err::<(), E>(error), rules) {
                 Judged::Succeeded(_) => Judged::Succeeded(Ok(())),
                 Judged::Failed(value, description) => {
                     Judged::Failed(value.map_err(ChunkAttempt::Work), description)
@@ -958,32 +934,4 @@ fn begin_chunk(
     run.progress.current = range.clone();
     run.progress.current_cost = spent;
     (range, spent)
-}
-
-/// The shrinking policy inside a chunked run.
-#[derive(Debug)]
-enum ChunkInner {
-    Guided(Guided),
-    Factor(Factor),
-}
-
-impl SizePolicy for ChunkInner {
-    fn check(&self) -> Result<(), String> {
-        match self {
-            ChunkInner::Guided(policy) => policy.check(),
-            ChunkInner::Factor(policy) => policy.check(),
-        }
-    }
-    fn after(&mut self, history: &SearchReport) -> Decision {
-        match self {
-            ChunkInner::Guided(policy) => policy.after(history),
-            ChunkInner::Factor(policy) => policy.after(history),
-        }
-    }
-    fn rationale(&self) -> Option<String> {
-        match self {
-            ChunkInner::Guided(policy) => policy.rationale(),
-            ChunkInner::Factor(_) => None,
-        }
-    }
 }

@@ -37,8 +37,8 @@ use crate::agree::Collective;
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 use crate::memory::Release;
+use crate::policy::{FailedAttempt, GrowBack, Guided, Reduction};
 use crate::record::SearchReport;
-use crate::reduce::FailedAttempt;
 
 /// How one optimizer step's `effective` samples are divided into micro-batches of at most
 /// `micro`: [`accumulation()`](Self::accumulation) of them, in order, the last possibly
@@ -161,13 +161,6 @@ pub struct Recovery {
     pub tried: Vec<usize>,
 }
 
-/// How the micro size shrinks after an out-of-memory step.
-enum Shrink<'r> {
-    Guided(Option<f64>),
-    Factor(f64),
-    Reduce(Box<dyn FnMut(&FailedAttempt<'_>) -> usize + Send + 'r>),
-}
-
 /// Runs optimizer steps over micro-batches that keep the effective batch exactly; a step that
 /// runs out of memory (an error or a panic) is redone in place with a smaller micro-batch, and
 /// the size is kept for the steps after it. Steps already done are never redone.
@@ -188,10 +181,10 @@ pub struct EffectiveBatch<'r> {
     micro: usize,
     min_micro: usize,
     release: Option<Release>,
-    shrink: Shrink<'r>,
-    grow_after: Option<usize>,
-    clean_steps: usize,
-    smallest_failed: Option<usize>,
+    shrink: Reduction<'r>,
+    grow: GrowBack,
+    /// The micro size the next step starts from.
+    next_micro: usize,
     steps: usize,
     recoveries: Vec<Recovery>,
     last_report: SearchReport,
@@ -224,10 +217,9 @@ impl<'r> EffectiveBatch<'r> {
             micro: effective,
             min_micro: 1,
             release: None,
-            shrink: Shrink::Guided(None),
-            grow_after: None,
-            clean_steps: 0,
-            smallest_failed: None,
+            shrink: Reduction::default(),
+            grow: GrowBack::new(0, effective),
+            next_micro: effective,
             steps: 0,
             recoveries: Vec::new(),
             last_report: SearchReport::default(),
@@ -243,6 +235,7 @@ impl<'r> EffectiveBatch<'r> {
     /// ```
     pub fn with_micro(mut self, starting: usize) -> Self {
         self.micro = starting;
+        self.next_micro = starting;
         self
     }
 
@@ -285,7 +278,7 @@ impl<'r> EffectiveBatch<'r> {
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_factor(mut self, factor: f64) -> Self {
-        self.shrink = Shrink::Factor(factor);
+        self.shrink = Reduction::Factor(factor);
         self
     }
 
@@ -305,7 +298,7 @@ impl<'r> EffectiveBatch<'r> {
         mut self,
         reduce: impl FnMut(&FailedAttempt<'_>) -> usize + Send + 'r,
     ) -> Self {
-        self.shrink = Shrink::Reduce(Box::new(reduce));
+        self.shrink = Reduction::Custom(Box::new(reduce));
         self
     }
 
@@ -317,13 +310,13 @@ impl<'r> EffectiveBatch<'r> {
     /// # let _ = runner;
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
-        self.shrink = Shrink::Guided(Some(margin));
+        self.shrink = Reduction::Guided(Guided::new().with_margin(margin));
         self
     }
 
-    /// After `steps` clean steps at a reduced micro size, tries a larger one again: double,
-    /// capped at `effective` and below the smallest size that ever ran out of memory. Off by
-    /// default.
+    /// After `steps` clean steps, tries a larger micro size again: double, capped at
+    /// `effective`, and halfway to the smallest size that ran out of memory where doubling
+    /// would reach it (the rule [`Chunked`](crate::Chunked) grows back by too). Off by default.
     ///
     /// ```
     /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
@@ -336,12 +329,12 @@ impl<'r> EffectiveBatch<'r> {
     ///     })?;
     ///     busy = false;
     /// }
-    /// // 16 failed once; after two clean steps at 8 it tried 15, the largest below 16.
-    /// assert_eq!(runner.micro(), 15);
+    /// // 16 failed once; after two clean steps at 8 it tried 12, halfway to 16, then 14.
+    /// assert_eq!(runner.micro(), 14);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_grow_after(mut self, steps: usize) -> Self {
-        self.grow_after = Some(steps);
+        self.grow = GrowBack::new(steps, self.effective);
         self
     }
 
@@ -448,24 +441,8 @@ impl<'r> EffectiveBatch<'r> {
         &self.last_report
     }
 
-    /// The micro size the next step starts from: the current one, or a larger one after
-    /// `grow_after` clean steps.
-    fn next_start(&self) -> usize {
-        let current = self.micro.min(self.effective).max(1);
-        match self.grow_after {
-            Some(after) if self.clean_steps >= after && current < self.effective => {
-                let ceiling = self
-                    .smallest_failed
-                    .map_or(self.effective, |failed| failed.saturating_sub(1))
-                    .min(self.effective);
-                current.saturating_mul(2).min(ceiling).max(current)
-            }
-            _ => current,
-        }
-    }
-
     fn search(&mut self) -> BatchSizeSearch<'_> {
-        let mut search = BatchSizeSearch::new(self.next_start())
+        let mut search = BatchSizeSearch::new(self.next_micro.min(self.effective).max(1))
             .with_label("effective_batch")
             .with_min(self.min_micro);
         search.first_fit_at_debug = true;
@@ -478,29 +455,22 @@ impl<'r> EffectiveBatch<'r> {
         if let Some(collective) = &self.agreement {
             search = search.with_agreement(&**collective);
         }
-        match &mut self.shrink {
-            Shrink::Guided(None) => search,
-            Shrink::Guided(Some(margin)) => search.with_margin(*margin),
-            Shrink::Factor(factor) => search.with_factor(*factor),
-            Shrink::Reduce(reduce) => search.with_reduce(|failed| reduce(failed)),
-        }
+        search.with_reduction(self.shrink.borrowed())
     }
 
     /// Records how a step's search went.
     fn account(&mut self, report: SearchReport) {
         let step = self.steps;
         // More than one attempt: this rank ran out of memory, or (with an agreement) another
-        // rank did and every rank redid the step.
+        // rank did and every rank redid the step. Either way the sizes before the last did not
+        // fit somewhere, and growing back stays below them.
         if report.len() > 1 {
             let tried: Vec<usize> = report
                 .attempts()
                 .map(|attempt| attempt.batch_size)
                 .collect();
-            if let Some(failed) = report.smallest_out_of_memory() {
-                self.smallest_failed = Some(
-                    self.smallest_failed
-                        .map_or(failed, |known| known.min(failed)),
-                );
+            for &failed in &tried[..tried.len() - 1] {
+                self.grow.failed(failed);
             }
             if report.out_of_memory_count() > 0 {
                 tracing::warn!(
@@ -518,16 +488,14 @@ impl<'r> EffectiveBatch<'r> {
                 );
             }
             self.recoveries.push(Recovery { step, tried });
-            self.clean_steps = 0;
-        } else {
-            self.clean_steps += 1;
         }
         if let Some(micro) = report.batch_size() {
-            if micro != self.micro && report.out_of_memory_count() == 0 {
-                // A grown size that ran: count afresh from it.
-                self.clean_steps = 0;
-            }
             self.micro = micro;
+            self.next_micro = if report.len() > 1 {
+                micro
+            } else {
+                self.grow.succeeded(micro)
+            };
             self.steps += 1;
         }
         self.last_report = report;
