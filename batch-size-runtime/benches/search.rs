@@ -5,327 +5,22 @@
 //! or took more than halving's attempts + 1. Each policy runs through the real engine
 //! (`BatchSizeSearch`), so the release, the figures and the engine's rules are the ones users get.
 //!
-//! Workloads (16 GiB device; starts 128, 256 and 512 where they are above the fit):
-//! - linear: one activation tensor of 120 MiB a sample;
-//! - fixed + linear: 9 GiB of weights and optimizer state, then 60 MiB a sample;
-//! - layered: 2 GiB of weights, then 24 layers that each keep 5 MiB a sample, so the failure
-//!   comes part-way through the step;
-//! - quadratic: 1 GiB, 30 MiB a sample and an attention matrix of 0.25 MiB × size²;
-//! - rounded: 3 GiB, then four tensors of 7.3 MiB a sample, every allocation rounded up to
-//!   2 MiB blocks;
-//! - cramped: 15 GiB fixed, then 20 MiB a sample;
-//! - noisy: 4 GiB, then 100 MiB a sample varying by up to ±3 % from one attempt to the next;
-//! - decoder: 3 GiB of weights and optimizer state, 12 layers of 20 MiB a sample, then logits of
-//!   150 MiB a sample last (34 fit): the failure comes in the layers, the largest tensor after;
-//! - attention: 2 GiB, 30 MiB a sample, then 0.3 MiB × size² (174 fit);
-//! - lazy Adam: 2 GiB of weights; a first step (activations of 80 MiB a sample, 2 GiB of
-//!   gradients), then Adam's moments (4 GiB) appear at the first optimizer step, as in PyTorch,
-//!   and a second step runs with them: a large size fails in the first step, whose figures do not
-//!   show the moments to come;
-//! - PyTorch allocator: a caching allocator in front of the device as PyTorch's: requests under
-//!   1 MiB carved from 2 MiB segments, under 10 MiB from 20 MiB segments, larger ones rounded up
-//!   to 2 MiB; freed blocks stay in the cache for the next request of their kind and go back to
-//!   the device only when a request fails (then retried) or at the release between attempts.
-//!   3 GiB of weights, 24 layers keeping 3 MiB a sample with a 1.5 MiB-a-sample temporary and a
-//!   40 KiB-a-sample buffer each, then logits of 40 MiB a sample.
+//! The workloads, on a simulated 16 GiB device, are defined in `tests/common/workloads.rs`, shared
+//! with `tests/guided_never_worse.rs`; each runs from the starts 128, 256 and 512 that are above
+//! its fit.
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use batch_size_runtime::memory::{MemorySnapshot, ReleaseError};
 use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy};
 use batch_size_runtime::{
-    BatchSizeSearch, MemoryBackend, OutOfMemory, Outcome, SearchReport, SimAllocation,
-    SimulatedDevice, Tuner,
+    BatchSizeSearch, OutOfMemory, Outcome, SearchReport, SimulatedDevice, Tuner,
 };
 
-const GIB: u64 = 1 << 30;
-const MIB: u64 = 1 << 20;
-const KIB: u64 = 1 << 10;
-const DEVICE: u64 = 16 * GIB;
+#[path = "../tests/common/workloads.rs"]
+mod workloads;
 
-#[derive(Clone, Copy, PartialEq)]
-enum Workload {
-    Linear,
-    FixedLinear,
-    Layered,
-    Quadratic,
-    Rounded,
-    Cramped,
-    Noisy,
-    Decoder,
-    Attention,
-    LazyAdam,
-    PyTorchAllocator,
-}
-
-impl Workload {
-    const ALL: [Workload; 11] = [
-        Workload::Linear,
-        Workload::FixedLinear,
-        Workload::Layered,
-        Workload::Quadratic,
-        Workload::Rounded,
-        Workload::Cramped,
-        Workload::Noisy,
-        Workload::Decoder,
-        Workload::Attention,
-        Workload::LazyAdam,
-        Workload::PyTorchAllocator,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Workload::Linear => "linear",
-            Workload::FixedLinear => "fixed + linear",
-            Workload::Layered => "layered (24)",
-            Workload::Quadratic => "quadratic",
-            Workload::Rounded => "2 MiB-rounded",
-            Workload::Cramped => "cramped",
-            Workload::Noisy => "noisy (±3 %)",
-            Workload::Decoder => "decoder (logits last)",
-            Workload::Attention => "attention (size²)",
-            Workload::LazyAdam => "lazy Adam moments",
-            Workload::PyTorchAllocator => "PyTorch allocator",
-        }
-    }
-
-    fn device(self) -> SimulatedDevice {
-        match self {
-            Workload::Rounded => SimulatedDevice::new(DEVICE)
-                .with_caching()
-                .with_block_size(2 * MIB),
-            // Memory freed within the attempt is reused at once (by the device, or by the
-            // allocator in front of it), as PyTorch's allocator does.
-            Workload::LazyAdam | Workload::PyTorchAllocator => SimulatedDevice::new(DEVICE),
-            _ => SimulatedDevice::new(DEVICE).with_caching(),
-        }
-    }
-
-    /// One attempt at `size`: every allocation it makes, kept until it returns.
-    fn step(self, device: &SimulatedDevice, size: u64, noise: f64) -> Result<(), OutOfMemory> {
-        if self == Workload::PyTorchAllocator {
-            return pytorch_step(&CachingAllocator::new(device.clone()), size);
-        }
-        let mut held: Vec<SimAllocation> = Vec::new();
-        let mut alloc = |bytes: u64| -> Result<(), OutOfMemory> {
-            held.push(device.alloc(bytes)?);
-            Ok(())
-        };
-        match self {
-            Workload::Linear => alloc(size * 120 * MIB),
-            Workload::FixedLinear => {
-                alloc(9 * GIB)?;
-                alloc(size * 60 * MIB)
-            }
-            Workload::Layered => {
-                alloc(2 * GIB)?;
-                for _ in 0..24 {
-                    alloc(size * 5 * MIB)?;
-                }
-                Ok(())
-            }
-            Workload::Quadratic => {
-                alloc(GIB)?;
-                alloc(size * 30 * MIB)?;
-                alloc(size * size * MIB / 4)
-            }
-            Workload::Rounded => {
-                alloc(3 * GIB)?;
-                for _ in 0..4 {
-                    alloc((size as f64 * 7.3 * MIB as f64) as u64)?;
-                }
-                Ok(())
-            }
-            Workload::Cramped => {
-                alloc(15 * GIB)?;
-                alloc(size * 20 * MIB)
-            }
-            Workload::Noisy => {
-                alloc(4 * GIB)?;
-                alloc((size as f64 * 100.0 * MIB as f64 * noise) as u64)
-            }
-            Workload::Decoder => {
-                alloc(3 * GIB)?;
-                for _ in 0..12 {
-                    alloc(size * 20 * MIB)?;
-                }
-                alloc(size * 150 * MIB)
-            }
-            Workload::Attention => {
-                alloc(2 * GIB)?;
-                alloc(size * 30 * MIB)?;
-                alloc(size * size * 3 * MIB / 10)
-            }
-            Workload::LazyAdam => {
-                let _weights = device.alloc(2 * GIB)?;
-                let mut moments = None;
-                for _ in 0..2 {
-                    let activations = device.alloc(size * 80 * MIB)?;
-                    let gradients = device.alloc(2 * GIB)?;
-                    drop(activations);
-                    if moments.is_none() {
-                        // Adam's exp_avg and exp_avg_sq, created at the first optimizer step.
-                        moments = Some(device.alloc(4 * GIB)?);
-                    }
-                    // zero_grad(set_to_none=True): the gradients go until the next backward.
-                    drop(gradients);
-                }
-                Ok(())
-            }
-            Workload::PyTorchAllocator => Ok(()),
-        }
-    }
-
-    /// The largest size whose step fits (noise at its nominal 1.0).
-    fn largest_fit(self) -> usize {
-        let fits = |size: usize| self.step(&self.device(), size as u64, 1.0).is_ok();
-        let (mut low, mut high) = (0usize, 1usize);
-        while fits(high) {
-            low = high;
-            high *= 2;
-        }
-        while high - low > 1 {
-            let middle = (low + high) / 2;
-            if fits(middle) {
-                low = middle;
-            } else {
-                high = middle;
-            }
-        }
-        low
-    }
-}
-
-/// The step on PyTorch's allocator: weights, 24 layers that keep an activation, use a
-/// temporary (freed at once, reused from the cache by the next layer) and keep a small buffer,
-/// then the logits.
-fn pytorch_step(allocator: &CachingAllocator, size: u64) -> Result<(), OutOfMemory> {
-    let mut held = Vec::new();
-    for _ in 0..200 {
-        held.push(allocator.alloc(15 * MIB)?); // 3 GiB of weights in 15 MiB tensors
-    }
-    for _ in 0..24 {
-        held.push(allocator.alloc(size * 3 * MIB)?);
-        let temporary = allocator.alloc(size * 3 * MIB / 2)?;
-        held.push(allocator.alloc(size * 40 * KIB)?);
-        allocator.free(temporary);
-    }
-    held.push(allocator.alloc(size * 40 * MIB)?);
-    for block in held {
-        allocator.free(block);
-    }
-    Ok(())
-}
-
-/// PyTorch's caching allocator, as far as sizes go (c10/cuda/CUDACachingAllocator.cpp):
-/// requests under 1 MiB rounded to 512 bytes inside 2 MiB segments, under 10 MiB inside 20 MiB
-/// segments, larger ones rounded up to 2 MiB in a segment of their own size; a freed block stays
-/// in its segment for later requests; when the device refuses a segment, the unused cached
-/// segments are given back and the request retried once before the out-of-memory error.
-/// Fragmentation inside a segment is not modelled (free bytes are counted, not placed).
-struct CachingAllocator {
-    device: SimulatedDevice,
-    segments: RefCell<Vec<Segment>>,
-}
-
-struct Segment {
-    memory: Option<SimAllocation>,
-    size: u64,
-    used: u64,
-    kind: u8,
-}
-
-/// A block: its segment and its bytes.
-struct Block(usize, u64);
-
-impl CachingAllocator {
-    fn new(device: SimulatedDevice) -> Self {
-        CachingAllocator {
-            device,
-            segments: RefCell::new(Vec::new()),
-        }
-    }
-
-    fn alloc(&self, bytes: u64) -> Result<Block, OutOfMemory> {
-        let (kind, rounded, segment_size) = if bytes < MIB {
-            (0, bytes.div_ceil(512) * 512, 2 * MIB)
-        } else if bytes < 10 * MIB {
-            (1, bytes.div_ceil(512) * 512, 20 * MIB)
-        } else {
-            let rounded = bytes.div_ceil(2 * MIB) * 2 * MIB;
-            (2, rounded, rounded)
-        };
-        let mut segments = self.segments.borrow_mut();
-        // Best fit among the cached segments of the same kind.
-        let found = segments
-            .iter()
-            .enumerate()
-            .filter(|(_, segment)| {
-                segment.memory.is_some()
-                    && segment.kind == kind
-                    && segment.size - segment.used >= rounded
-            })
-            .min_by_key(|(_, segment)| segment.size - segment.used)
-            .map(|(index, _)| index);
-        let index = match found {
-            Some(index) => index,
-            None => {
-                let memory = match self.device.alloc(segment_size) {
-                    Ok(memory) => memory,
-                    Err(_) => {
-                        // Give the cached, unused segments back and try once more.
-                        for segment in segments.iter_mut().filter(|segment| segment.used == 0) {
-                            segment.memory = None;
-                        }
-                        self.device.alloc(segment_size)?
-                    }
-                };
-                segments.push(Segment {
-                    memory: Some(memory),
-                    size: segment_size,
-                    used: 0,
-                    kind,
-                });
-                segments.len() - 1
-            }
-        };
-        segments[index].used += rounded;
-        Ok(Block(index, rounded))
-    }
-
-    fn free(&self, block: Block) {
-        if let Some(segment) = self.segments.borrow_mut().get_mut(block.0) {
-            segment.used = segment.used.saturating_sub(block.1);
-        }
-    }
-}
-
-/// The device without its readings: errors keep their text (bytes asked for, free, total), the
-/// release still works, the memory backend reports nothing.
-#[derive(Debug)]
-struct TextOnly(SimulatedDevice);
-
-impl MemoryBackend for TextOnly {
-    fn release(&self) -> Result<(), ReleaseError> {
-        self.0.release()
-    }
-    fn memory(&self) -> MemorySnapshot {
-        MemorySnapshot::default()
-    }
-}
-
-/// Deterministic noise in [0.97, 1.03] for the n-th attempt.
-fn noise(attempt: u64) -> f64 {
-    let mut x = attempt
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(0x2545_F491);
-    x ^= x >> 29;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 32;
-    0.97 + 0.06 * ((x % 10_000) as f64 / 10_000.0)
-}
+use workloads::{noise, TextOnly, Workload, DEVICE, MIB};
 
 /// Lightning's `BatchSizeFinder` (lightning 2.6, src/lightning/pytorch/tuner/
 /// batch_size_scaling.py, `_run_binary_scaling`): from `init_val` double while trials succeed;
@@ -602,7 +297,7 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for workload in Workload::ALL {
-        let fit = workload.largest_fit();
+        let fit = workload.largest_fit(1.0);
         for start in [128usize, 256, 512] {
             if start <= fit {
                 continue;
@@ -660,7 +355,7 @@ fn main() {
     let mut tuner_totals = [(0.0f64, f64::INFINITY, 0usize); 3];
     let mut workloads = 0usize;
     for workload in Workload::ALL {
-        let fit = workload.largest_fit();
+        let fit = workload.largest_fit(1.0);
         let with = tune(workload, true);
         let without = tune(workload, false);
         let lightning = run(workload, 2, "binsearch");
