@@ -1,29 +1,32 @@
-//! The panic filter: a panic hook put in front of the process's own while the crate expects
-//! panics (an attempt it will retry after an out-of-memory panic, an error's `Display` read
-//! for classification), so that those print nothing and every other panic reaches the hook
-//! as before.
+//! The panic filter: a panic hook in front of the process's own that keeps quiet the panics
+//! the crate expects (an out-of-memory panic inside an attempt it will retry, an error's
+//! `Display` that panics while it is read for classification) and passes every other panic to
+//! the hook that was there, as it was.
 //!
 //! Rust calls the panic hook before `catch_unwind` sees the panic, so keeping a caught panic
 //! quiet needs a hook. The hook is one per process and attempts may run on several threads at
 //! once, hence this rule:
 //!
-//! - **Counted.** Each section (an attempt, a quiet read) counts itself in. The first to begin
-//!   puts the filter in front of the hook set at that moment; the last to end puts that very
-//!   hook back. Outside sections the process's hook is exactly what it was.
-//! - **Per thread.** The filter keeps a panic quiet only on a thread inside a section, and
-//!   only as that section says: everything during a quiet read; during an attempt, what the
-//!   attempt's judge recognises (out-of-memory). Other threads' panics pass through.
-//! - **A hook set meanwhile wins.** If `std::panic::set_hook` is called while sections run,
-//!   the last section leaves that hook in place: it is never replaced. If it wraps the hook it
-//!   took (the filter), the filter passes every panic on once no section runs.
-//!
-//! Putting the filter in and taking it out is `take_hook` then `set_hook`: a panic on another
-//! thread between the two reaches Rust's default hook. That happens only when the first
-//! section begins and when the last ends, never while a section runs.
+//! - **In front once, not at every attempt.** The first attempt puts the filter in front of the
+//!   hook set at that moment, and it stays there: outside attempts it passes every panic on,
+//!   untouched. Putting a hook in and out costs `take_hook` then `set_hook`, and a panic on
+//!   another thread between the two reaches Rust's default hook instead of yours: done at every
+//!   attempt (a data loader's thread panicking while the training thread retries), your hook
+//!   would miss panics, and every attempt would pay the swap (about 70 ns, measured).
+//! - **A hook you set later wins.** `std::panic::set_hook` replaces the filter: your hook sees
+//!   every panic. The filter notices it was dropped, and the next attempt puts it in front of
+//!   your hook (a hook that wraps the one it took keeps the filter inside it, which passes
+//!   everything on outside attempts).
+//! - **Per thread.** The filter keeps a panic quiet only on a thread inside an attempt or a
+//!   quiet read, and only as that section says: everything during a quiet read; during an
+//!   attempt, what the attempt's judge recognises (out-of-memory). Other threads' panics pass.
+//! - **Reading is no side effect.** Outside any search (`oom::is_out_of_memory` called by you),
+//!   a quiet read puts a filter in front for the read alone and puts your very hook back after.
 
 use std::any::Any;
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe, PanicHookInfo};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A panic hook, as `std::panic::set_hook` takes it.
@@ -70,8 +73,43 @@ static FILTER: Mutex<Filter> = Mutex::new(Filter {
     installed: None,
 });
 
-/// The filter counted in, from the first section's start to the last one's end; dropping it
-/// counts out.
+/// Whether the resident filter (the one attempts put in front) is in the process's hook: cleared
+/// when it is dropped, which `set_hook` does when it replaces it.
+static RESIDENT: AtomicBool = AtomicBool::new(false);
+
+/// Clears [`RESIDENT`] when the resident filter is dropped.
+struct Resident;
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        RESIDENT.store(false, Ordering::Release);
+    }
+}
+
+/// Puts the resident filter in front of the process's hook, unless it is there already (one
+/// atomic load on every attempt after the first).
+pub(crate) fn stay_in_front() {
+    if RESIDENT.load(Ordering::Acquire) || std::thread::panicking() {
+        return;
+    }
+    // Serialised with the quiet reads' own filter going in and out.
+    let _filter = FILTER.lock().unwrap_or_else(PoisonError::into_inner);
+    if RESIDENT.load(Ordering::Acquire) {
+        return;
+    }
+    let previous = panic::take_hook();
+    let resident = Resident;
+    RESIDENT.store(true, Ordering::Release);
+    panic::set_hook(Box::new(move |info| {
+        let _alive = &resident;
+        if !keeps_quiet(info) {
+            previous(info);
+        }
+    }));
+}
+
+/// A quiet read's filter counted in, from the first read's start to the last one's end, where
+/// the resident filter is not there; dropping it counts out.
 ///
 /// A section begun on a panicking thread (a quiet read inside a hook) is not counted: the hook
 /// cannot be changed there, and the section it runs in is already counted.
@@ -208,19 +246,19 @@ impl Drop for Marked {
 /// printing it: cudarc's errors call into libcuda when formatted and panic where it is absent,
 /// and classification must never panic because of what an error's text does.
 pub(crate) fn quietly<R>(read: impl FnOnce() -> R) -> Option<R> {
-    let _in_use = InUse::begin();
+    // Inside a search the resident filter is there; otherwise one goes in for this read.
+    let _in_use = (!RESIDENT.load(Ordering::Acquire)).then(InUse::begin);
     let _marked = Marked::mark(|quiet| quiet.reading += 1);
     panic::catch_unwind(AssertUnwindSafe(read)).ok()
 }
 
 /// Runs `attempt` on this thread, catching its panic, and keeping quiet a panic `judge`
-/// recognises. The filter must be in use (`in_use`), for this attempt or a longer span (a
-/// future's polls).
+/// recognises.
 pub(crate) fn catch_judged<R>(
-    _in_use: &InUse,
     judge: Judge,
     attempt: impl FnOnce() -> R,
 ) -> Result<R, Box<dyn Any + Send + 'static>> {
+    stay_in_front();
     let _marked = Marked::mark(|quiet| quiet.attempt = Some(judge));
     panic::catch_unwind(AssertUnwindSafe(attempt))
 }

@@ -123,7 +123,7 @@ pub fn search<'r, P: BatchSizeInt>(
         Ok(starting) => {
             let mut search =
                 BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label);
-            search.max_size = P::MAX_BATCH_SIZE;
+            search.settings.max_size = P::MAX_BATCH_SIZE;
             search
         }
         Err(why) => {
@@ -175,7 +175,7 @@ pub fn with_effective<'r>(
     let mut search = search;
     match effective {
         Ok(0) => search.invalidate("`effective` must be at least 1, got 0".to_owned()),
-        Ok(effective) => search.starting = search.starting.min(*effective),
+        Ok(effective) => search.settings.starting = search.settings.starting.min(*effective),
         Err(why) => search.invalidate(why.replace("`starting`", "`effective`")),
     }
     search

@@ -1,11 +1,11 @@
 //! Catching an attempt's panic, sync or async, and keeping a recovered out-of-memory panic from
 //! looking like a crash.
 //!
-//! Rust prints a panic's message from the panic hook, before `catch_unwind` sees it. While an
-//! attempt runs, the [panic filter](crate::panic_filter) stands in front of the hook and skips
-//! the message of a panic that is out-of-memory (it is logged at DEBUG instead, and the retry
-//! at WARN); every other panic still reaches the hook. Once no attempt runs, the hook is the
-//! one that was there before (see the filter's docs for attempts on several threads).
+//! Rust prints a panic's message from the panic hook, before `catch_unwind` sees it. The
+//! [panic filter](crate::panic_filter), put in front of the hook by the first attempt, skips the
+//! message of an out-of-memory panic inside an attempt (it is logged at DEBUG instead, and the
+//! retry at WARN); every other panic reaches the hook as before, and a hook set later replaces
+//! the filter (see the filter's docs for the rule).
 
 use std::any::Any;
 use std::future::Future;
@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use crate::oom;
-use crate::panic_filter::{self, InUse};
+use crate::panic_filter;
 
 /// A caught panic's payload.
 pub type PanicPayload = Box<dyn Any + Send + 'static>;
@@ -72,8 +72,7 @@ fn quiet_out_of_memory(payload: &(dyn Any + Send)) -> Option<String> {
 /// half-updated by the next attempt: that is why everything holding device memory belongs
 /// inside it (hence `AssertUnwindSafe`).
 pub fn catch_attempt<R>(attempt: impl FnOnce() -> R) -> Result<R, PanicPayload> {
-    let in_use = InUse::begin();
-    panic_filter::catch_judged(&in_use, quiet_out_of_memory, attempt)
+    panic_filter::catch_judged(quiet_out_of_memory, attempt)
 }
 
 /// A future that catches a panic raised while it is polled.
@@ -107,9 +106,6 @@ pub struct CatchUnwind<F> {
     // Boxed so that polling needs no pin projection (and no `unsafe`); one allocation per
     // attempt is nothing next to an attempt's work.
     future: Pin<Box<F>>,
-    /// The panic filter, in use from the first poll until the future is ready or dropped:
-    /// putting it in and out at every poll would cost a hook swap each time.
-    filter: Option<InUse>,
 }
 
 impl<F: Future> CatchUnwind<F> {
@@ -126,7 +122,6 @@ impl<F: Future> CatchUnwind<F> {
     pub fn new(future: F) -> Self {
         CatchUnwind {
             future: Box::pin(future),
-            filter: None,
         }
     }
 }
@@ -135,15 +130,8 @@ impl<F: Future> Future for CatchUnwind<F> {
     type Output = Result<F::Output, PanicPayload>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let in_use = this.filter.get_or_insert_with(InUse::begin);
-        let future = this.future.as_mut();
-        let polled = panic_filter::catch_judged(in_use, quiet_out_of_memory, || future.poll(cx));
-        if !matches!(polled, Ok(Poll::Pending)) {
-            // Ready: the attempt is over, and the filter may go.
-            this.filter = None;
-        }
-        match polled {
+        let future = self.future.as_mut();
+        match panic_filter::catch_judged(quiet_out_of_memory, || future.poll(cx)) {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
             Err(payload) => Poll::Ready(Err(payload)),

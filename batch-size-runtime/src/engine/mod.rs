@@ -41,7 +41,7 @@ pub(crate) use active::{ActivePolicy, Hooks};
 pub use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, Ended};
 pub use search::Search;
-use search::SearchSettings;
+pub(crate) use search::SearchSettings;
 
 /// Finds a batch size that fits: calls an attempt with `starting`, and after each
 /// out-of-memory failure (a returned error or a panic) releases device memory and calls it
@@ -69,21 +69,8 @@ use search::SearchSettings;
 #[derive(Debug)]
 #[must_use = "a search does nothing until it is run"]
 pub struct BatchSizeSearch<'r> {
-    pub(crate) starting: usize,
-    pub(crate) min: usize,
-    pub(crate) max_attempts: Option<usize>,
-    /// The largest size the batch-size parameter's type holds (the attribute's `u8`, say).
-    pub(crate) max_size: usize,
-    pub(crate) policy: ActivePolicy<'r>,
-    // `None` until chosen: the default is resolved when the search starts, so that a search
-    // given its own release never builds the default one.
-    pub(crate) release: Option<Release>,
-    pub(crate) label: &'static str,
-    pub(crate) invalid: Option<String>,
-    // Boxed and absent until one is set: the common search carries one pointer, not three.
-    pub(crate) hooks: Option<Box<Hooks<'r>>>,
-    /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
-    pub(crate) first_fit_at_debug: bool,
+    /// What the loop is started with.
+    pub(crate) settings: SearchSettings<'r>,
     pub(crate) cache: Option<CacheSettings>,
     /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
     pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
@@ -102,16 +89,18 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     pub fn new(starting: usize) -> Self {
         BatchSizeSearch {
-            starting,
-            min: 1,
-            max_attempts: None,
-            max_size: usize::MAX,
-            policy: ActivePolicy::Shrink(Reduction::default()),
-            release: None,
-            label: "batch_size_search",
-            invalid: None,
-            hooks: None,
-            first_fit_at_debug: false,
+            settings: SearchSettings {
+                starting,
+                min: 1,
+                max_attempts: None,
+                max_size: usize::MAX,
+                policy: ActivePolicy::Shrink(Reduction::default()),
+                release: None,
+                label: "batch_size_search",
+                invalid: None,
+                hooks: None,
+                first_fit_at_debug: false,
+            },
             cache: None,
             agreement: None,
         }
@@ -132,7 +121,7 @@ impl<'r> BatchSizeSearch<'r> {
         if min == 0 {
             self.invalidate("`min` must be at least 1, got 0".to_owned());
         }
-        self.min = min.max(1);
+        self.settings.min = min.max(1);
         self
     }
 
@@ -151,7 +140,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(error.tried(), &[128, 115, 103, 92, 82]);
     /// ```
     pub fn with_factor(mut self, factor: f64) -> Self {
-        self.policy = ActivePolicy::Shrink(Reduction::Factor(factor));
+        self.settings.policy = ActivePolicy::Shrink(Reduction::Factor(factor));
         self
     }
 
@@ -171,7 +160,7 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         reduce: impl FnMut(&FailedAttempt<'_>) -> usize + Send + 'r,
     ) -> Self {
-        self.policy = ActivePolicy::Shrink(Reduction::Custom(Box::new(reduce)));
+        self.settings.policy = ActivePolicy::Shrink(Reduction::Custom(Box::new(reduce)));
         self
     }
 
@@ -188,7 +177,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
     /// ```
     pub fn with_reduction(mut self, reduction: Reduction<'r>) -> Self {
-        self.policy = ActivePolicy::Shrink(reduction);
+        self.settings.policy = ActivePolicy::Shrink(reduction);
         self
     }
 
@@ -207,7 +196,7 @@ impl<'r> BatchSizeSearch<'r> {
         if max_attempts == 0 {
             self.invalidate("`max_attempts` must be at least 1, got 0".to_owned());
         }
-        self.max_attempts = Some(max_attempts.max(1));
+        self.settings.max_attempts = Some(max_attempts.max(1));
         self
     }
 
@@ -226,7 +215,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(device.release_count(), 1); // once, after 64 ran out of memory
     /// ```
     pub fn with_release(mut self, release: impl Into<Release>) -> Self {
-        self.release = Some(release.into());
+        self.settings.release = Some(release.into());
         self
     }
 
@@ -239,7 +228,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(search.call(|batch_size| batch_size).unwrap(), 8);
     /// ```
     pub fn with_label(mut self, label: &'static str) -> Self {
-        self.label = label;
+        self.settings.label = label;
         self
     }
 
@@ -247,7 +236,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// [`StopReason::InvalidConfiguration`] (a negative `starting` or `min`, a `min` of 0).
     pub(crate) fn invalidate(&mut self, why: String) {
         // The first problem found is the one reported.
-        self.invalid.get_or_insert(why);
+        self.settings.invalid.get_or_insert(why);
     }
 
     /// The margin of the default guided policy ([`Guided`]): the share of the device kept free
@@ -269,7 +258,8 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted.unwrap(), 102); // 128 fit; 80 % of the device is 102 samples (halving: 75)
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
-        self.policy = ActivePolicy::Shrink(Reduction::Guided(Guided::new().with_margin(margin)));
+        self.settings.policy =
+            ActivePolicy::Shrink(Reduction::Guided(Guided::new().with_margin(margin)));
         self
     }
 
@@ -341,7 +331,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted.unwrap(), 72); // 128, 96, 72
     /// ```
     pub fn with_policy(mut self, policy: impl SizePolicy + 'r) -> Self {
-        self.policy = ActivePolicy::Custom(Box::new(policy));
+        self.settings.policy = ActivePolicy::Custom(Box::new(policy));
         self
     }
 
@@ -399,7 +389,7 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         predicate: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r,
     ) -> Self {
-        self.hooks.get_or_insert_with(Box::default).when = Some(Box::new(predicate));
+        self.settings.hooks.get_or_insert_with(Box::default).when = Some(Box::new(predicate));
         self
     }
 
@@ -419,7 +409,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(seen, [(64, false), (32, false), (16, true)]);
     /// ```
     pub fn notify(mut self, callback: impl FnMut(&Attempt) + Send + 'r) -> Self {
-        self.hooks.get_or_insert_with(Box::default).notify = Some(Box::new(callback));
+        self.settings.hooks.get_or_insert_with(Box::default).notify = Some(Box::new(callback));
         self
     }
 
@@ -442,7 +432,10 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(received.recv().unwrap().len(), 3);
     /// ```
     pub fn on_report(mut self, callback: impl FnOnce(&SearchReport) + Send + 'r) -> Self {
-        self.hooks.get_or_insert_with(Box::default).on_report = Some(Box::new(callback));
+        self.settings
+            .hooks
+            .get_or_insert_with(Box::default)
+            .on_report = Some(Box::new(callback));
         self
     }
 
@@ -668,43 +661,32 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     pub fn start(self) -> Search<'r> {
         let BatchSizeSearch {
-            starting,
-            min,
-            max_attempts,
-            max_size,
-            policy,
-            release,
-            label,
-            invalid,
-            hooks,
-            first_fit_at_debug,
+            mut settings,
             cache,
             agreement,
         } = self;
-        let release = release.unwrap_or_default();
         // The cache and the agreement wrap whichever policy was chosen; the loop sees one
-        // policy and knows of neither.
-        let mut policy = match cache {
-            // Without a key the settings hold only a folder: nothing is cached.
-            Some(settings) if !settings.key.is_empty() => ActivePolicy::Custom(Box::new(
-                Cached::new(policy, settings, label, starting, min, &release),
-            )),
-            _ => policy,
-        };
-        if let Some(collective) = agreement {
-            policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
+        // policy and knows of neither. Without a key the cache's settings hold only a folder:
+        // nothing is cached.
+        if let Some(cache) = cache.filter(|cache| !cache.key.is_empty()) {
+            let release = settings.release.get_or_insert_with(Release::default);
+            let inner =
+                std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
+            let cached = Cached::new(
+                inner,
+                cache,
+                settings.label,
+                settings.starting,
+                settings.min,
+                release,
+            );
+            settings.policy = ActivePolicy::Custom(Box::new(cached));
         }
-        Search::new(SearchSettings {
-            starting,
-            min,
-            max_attempts,
-            max_size,
-            policy,
-            release,
-            label,
-            invalid,
-            hooks,
-            first_fit_at_debug,
-        })
+        if let Some(collective) = agreement {
+            let inner =
+                std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
+            settings.policy = ActivePolicy::Custom(Box::new(Agree::new(inner, collective)));
+        }
+        Search::new(settings)
     }
 }

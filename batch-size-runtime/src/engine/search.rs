@@ -16,8 +16,9 @@ use crate::policy::{Decision, SizePolicy};
 use crate::record::{self, Attempt, Outcome, SearchReport};
 use crate::unwind::PanicPayload;
 
-/// What a search is started with, resolved by the builder: the policy already wrapped in the
+/// What a search is started with: the builder's settings, the policy already wrapped in the
 /// cache and the agreement between ranks where those were asked for.
+#[derive(Debug)]
 pub(crate) struct SearchSettings<'r> {
     pub(crate) starting: usize,
     pub(crate) min: usize,
@@ -25,9 +26,12 @@ pub(crate) struct SearchSettings<'r> {
     /// The largest size the batch-size parameter's type holds.
     pub(crate) max_size: usize,
     pub(crate) policy: ActivePolicy<'r>,
-    pub(crate) release: Release,
+    /// `None` until chosen: the default is resolved when the search starts, so that a search
+    /// given its own release never builds the default one.
+    pub(crate) release: Option<Release>,
     pub(crate) label: &'static str,
     pub(crate) invalid: Option<String>,
+    /// Boxed and absent until one is set: the common search carries one pointer, not three.
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) first_fit_at_debug: bool,
@@ -120,6 +124,7 @@ impl<'r> Search<'r> {
             hooks,
             first_fit_at_debug,
         } = settings;
+        let release = release.unwrap_or_default();
         let next = if let Some(why) = invalid {
             Next::Stop(StopReason::InvalidConfiguration(why))
         } else if starting == 0 {

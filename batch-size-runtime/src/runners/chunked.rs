@@ -704,7 +704,7 @@ impl<'r> Chunked<'r> {
         let mut search = BatchSizeSearch::new(starting)
             .with_label("chunked")
             .with_policy(policy);
-        search.first_fit_at_debug = true;
+        search.settings.first_fit_at_debug = true;
         if self.min == 0 {
             search.invalidate("`min` must be at least 1, got 0".to_owned());
         } else {

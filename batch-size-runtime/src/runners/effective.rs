@@ -168,7 +168,7 @@ pub struct Recovery {
 /// # Default
 /// - micro size: `effective` (one micro-batch) until a step runs out of memory;
 /// - minimum micro size: 1;
-/// - sizes: the guided policy ([`Guided`](crate::policy::Guided)), `with_factor` and
+/// - sizes: the guided policy ([`Guided`]), `with_factor` and
 ///   `with_reduce` as in the attribute;
 /// - growing back: off (`with_grow_after(steps)`);
 /// - release: [`Release::cuda()`].
@@ -445,7 +445,7 @@ impl<'r> EffectiveBatch<'r> {
         let mut search = BatchSizeSearch::new(self.next_micro.min(self.effective).max(1))
             .with_label("effective_batch")
             .with_min(self.min_micro);
-        search.first_fit_at_debug = true;
+        search.settings.first_fit_at_debug = true;
         if self.effective == 0 {
             search.invalidate("`effective` must be at least 1, got 0".to_owned());
         }
