@@ -68,7 +68,8 @@
 /// # Arguments
 /// - `starting = EXPR` (required): the first size tried, any integer expression, evaluated at
 ///   each call; it may use the function's other parameters.
-/// - `min = EXPR` (default 1): the search stops instead of trying a smaller size.
+/// - `min = EXPR` (default 1): no smaller size is tried; a policy's step below it runs `min`
+///   itself once before the search gives up.
 /// - `factor = FLOAT` (0 < f < 1) or `reduce = EXPR` (a `FnMut(&FailedAttempt) -> usize`), not
 ///   both. Default: the guided policy ([`policy::Guided`]), which halves where the error gives no figures.
 /// - `margin = FLOAT`: the guided policy's margin, 0 ≤ margin < 1 (default 0.05).
@@ -80,6 +81,16 @@
 /// - `notify = EXPR`: a `FnMut(&Attempt)` called as each attempt ends ([`BatchSizeSearch::notify`]).
 /// - `on_report = EXPR`: a `FnOnce(&SearchReport)` called when the search ends, with this call's
 ///   report, whatever thread an `async fn` ends on ([`BatchSizeSearch::on_report`]).
+/// - `effective = EXPR`: with a [`BatchPlan`] first parameter, the effective batch that each
+///   attempt's micro-batches add up to (gradient accumulation); `starting` is then the first
+///   micro size ([`EffectiveBatch`] for a training loop of many steps).
+/// - `cache = EXPR`: a key (`Into<String>`): the size that fit is remembered and the next call
+///   starts there ([`BatchSizeSearch::with_cache`], [`cache`]).
+/// - `cache_dir = EXPR`: the folder for the cache's files (with `cache`; without it, a compile
+///   error) ([`BatchSizeSearch::with_cache_dir`]).
+/// - `agree = EXPR`: a rank ([`agree::ThreadRank`], `agree::nccl::NcclRank`, any
+///   [`agree::Collective`]): every rank of the job settles on the same size
+///   ([`BatchSizeSearch::with_agreement`]).
 /// - `crate = PATH`: where the runtime is, when renamed or re-exported.
 ///
 /// # Parameters and return type

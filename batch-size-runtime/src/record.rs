@@ -252,6 +252,20 @@ impl SearchReport {
         self.earlier.iter().chain(self.last.as_ref())
     }
 
+    /// The sizes tried, in order (what [`NoExecutableBatchSize::tried`](crate::NoExecutableBatchSize::tried)
+    /// says when no size fits).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
+    /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
+    /// # });
+    /// assert_eq!(last_report().unwrap().tried(), [64, 32, 16]);
+    /// ```
+    pub fn tried(&self) -> Vec<usize> {
+        self.attempts().map(|attempt| attempt.batch_size).collect()
+    }
+
     /// How many attempts were made.
     ///
     /// ```

@@ -169,7 +169,7 @@ impl<'r> Search<'r> {
 impl Search<'_> {
     /// The engine's rules over what the policy decided.
     #[inline]
-    fn apply(&self, decision: Decision) -> Next {
+    fn within_the_rules(&self, decision: Decision) -> Next {
         match decision {
             Decision::Accept if self.succeeded_once => Next::Accepted,
             Decision::Accept => Next::Stop(StopReason::NothingToAccept),
@@ -357,7 +357,7 @@ impl Search<'_> {
         } else {
             let decision = self.policy.after(&self.report);
             self.rationale = self.policy.rationale();
-            self.apply(decision)
+            self.within_the_rules(decision)
         };
         match &self.next {
             Next::Accepted => {
@@ -508,7 +508,7 @@ impl Search<'_> {
         // The policy sees the failure with the memory the release made free.
         let decision = self.policy.after(&self.report);
         self.rationale = self.policy.rationale();
-        self.next = self.apply(decision);
+        self.next = self.within_the_rules(decision);
         self.log_retry(failed_size, number, &found.description);
         self.notify_last();
         self.last_error = Some(error.unwrap_or_else(|| {

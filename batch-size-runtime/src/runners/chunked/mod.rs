@@ -18,18 +18,24 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
-use crate::attempt::{AttemptError, InspectError};
-use crate::dispatch::{Classify, Judged, Kept, OomRules};
+use crate::agree::Collective;
+use crate::attempt::AttemptError;
 use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
 use crate::error::StopReason;
-use crate::kept::KeptError;
 use crate::memory::Release;
-use crate::policy::{Decision, GrowBack, Guided, Reduction, SizePolicy};
-use crate::record::{Outcome, SearchReport};
+use crate::policy::{GrowBack, Guided, Reduction};
+
+mod attempt;
+mod policy;
+mod progress;
+
+use attempt::{keep_outputs, ChunkAttempt, ChunkKind};
+use policy::ChunkPolicy;
+use progress::{lock, lock_any, Progress, Run};
+pub use progress::{ChunkProgress, ChunkRecord};
 
 /// Why chunked work stopped before every item was done. `completed` items (from 0) are done
 /// in every case: resume from there.
@@ -100,32 +106,6 @@ impl<E> ChunkError<E> {
     }
 }
 
-/// One chunk that ran, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ChunkRecord {
-    /// Its items.
-    pub range: Range<usize>,
-    /// The budget it was packed to (items, or cost with `with_cost`).
-    pub budget: usize,
-    /// The cost of its items.
-    pub cost: u64,
-    /// Whether it completed or ran out of memory.
-    pub done: bool,
-}
-
-/// Progress shown to `notify`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ChunkProgress {
-    /// Items done.
-    pub completed: usize,
-    /// Items in all.
-    pub total: usize,
-    /// Chunks that ran out of memory so far.
-    pub retries: usize,
-}
-
 type Cost<'r> = Box<dyn Fn(usize) -> u64 + Send + Sync + 'r>;
 type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 
@@ -158,185 +138,6 @@ impl fmt::Debug for Chunked<'_> {
             .field("total", &self.total)
             .field("chunks", &self.chunks.len())
             .finish_non_exhaustive()
-    }
-}
-
-/// What the chunks share with the policy: where the work is.
-#[derive(Debug, Default)]
-struct Progress {
-    completed: usize,
-    total: usize,
-    /// The chunk being run, and its cost.
-    current: Range<usize>,
-    current_cost: u64,
-}
-
-/// The policy of one chunked run: the next chunk after each success, a smaller one after an
-/// out-of-memory chunk (from the inner policy), growing back after clean chunks.
-#[derive(Debug)]
-struct ChunkPolicy<'r, P> {
-    inner: P,
-    run: Arc<Mutex<Run>>,
-    grow: GrowBack,
-    /// The other ranks whose chunks run in step with these.
-    agreement: Option<Arc<dyn Collective + 'r>>,
-}
-
-/// What one run's chunks and its policy share.
-#[derive(Debug)]
-struct Run {
-    progress: Progress,
-    records: Vec<ChunkRecord>,
-    retries: usize,
-}
-
-/// The run, whatever a panic elsewhere left in the lock.
-fn lock(run: &Mutex<Run>) -> MutexGuard<'_, Run> {
-    lock_any(run)
-}
-
-impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
-    fn check(&self) -> Result<(), String> {
-        self.inner.check()
-    }
-
-    fn first(&mut self, starting: usize) -> Decision {
-        let Some(collective) = self.agreement.clone() else {
-            return Decision::Try(starting);
-        };
-        // Every rank starts its first chunk at the smallest starting size of all.
-        agree::agreed_start(&*collective, starting as u64)
-    }
-
-    fn after(&mut self, history: &SearchReport) -> Decision {
-        let own = self.decide(history);
-        match self.agreement.clone() {
-            None => own,
-            Some(collective) => self.agree(&*collective, history, own),
-        }
-    }
-
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.inner.ended_by_failure(history);
-        if let Some(collective) = self.agreement.clone() {
-            agree::tell_failure(&*collective);
-        }
-    }
-
-    fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
-    }
-}
-
-impl<P: SizePolicy> ChunkPolicy<'_, P> {
-    /// With other ranks: every chunk ends with their verdict. A chunk that ran out of memory
-    /// on any rank is redone smaller on every rank (a rank where it succeeded takes its
-    /// progress back), so that ranks whose chunks communicate (tensor parallelism) stay in
-    /// step; a rank that is done answers the others until they are done too.
-    fn agree(
-        &mut self,
-        collective: &dyn Collective,
-        history: &SearchReport,
-        own: Decision,
-    ) -> Decision {
-        let succeeded = history
-            .last()
-            .is_some_and(|last| last.outcome == Outcome::Succeeded);
-        let done = succeeded && own == Decision::Accept;
-        let verdict = match agree::round(collective, Said::after_attempt(succeeded, &own)) {
-            Ok(verdict) => verdict,
-            Err(error) => return agree::disagreement(&error),
-        };
-        match verdict.outcome {
-            FAILED => verdict.failed(),
-            OUT_OF_MEMORY => {
-                if succeeded {
-                    self.take_back_last_chunk(history.last().map_or(0, |last| last.batch_size));
-                }
-                match verdict.smallest_proposal {
-                    0 => Decision::Stop(StopReason::Policy(
-                        "a rank ran out of memory on a chunk of one item".to_owned(),
-                    )),
-                    size => Decision::Try(size as usize),
-                }
-            }
-            _ if !done => Decision::Try(verdict.smallest_proposal as usize),
-            _ => {
-                // Done here: answer the others' verdicts until every rank is done, or until
-                // they all stop (one ran out of memory with no smaller chunk left).
-                let mut verdict = verdict;
-                while verdict.any_continue && !verdict.all_stop() {
-                    let idle = Said {
-                        outcome: SUCCEEDED,
-                        proposal: u64::MAX,
-                        continues: false,
-                    };
-                    verdict = match agree::round(collective, idle) {
-                        Ok(verdict) if verdict.outcome == FAILED => return Decision::Accept,
-                        Ok(verdict) => verdict,
-                        Err(error) => return agree::disagreement(&error),
-                    };
-                }
-                Decision::Accept
-            }
-        }
-    }
-
-    /// This rank's last chunk succeeded but another rank's did not: it is redone.
-    fn take_back_last_chunk(&mut self, size: usize) {
-        self.grow.failed(size);
-        let mut run = lock(&self.run);
-        let range = run.progress.current.clone();
-        if run.progress.completed == range.end {
-            run.progress.completed = range.start;
-        }
-        if let Some(record) = run.records.last_mut() {
-            record.done = false;
-        }
-        run.retries += 1;
-        tracing::info!(
-            items = ?range,
-            "chunk of items {range:?} is redone with the other ranks: one ran out of memory"
-        );
-    }
-
-    /// This rank's own decision after a chunk.
-    fn decide(&mut self, history: &SearchReport) -> Decision {
-        let Some(last) = history.last() else {
-            return Decision::Accept;
-        };
-        if last.outcome != Outcome::Succeeded {
-            self.grow.failed(last.batch_size);
-            let (items, cost) = {
-                let run = lock(&self.run);
-                (run.progress.current.len(), run.progress.current_cost)
-            };
-            if items <= 1 {
-                // Every budget packs this one item: no smaller chunk exists.
-                return Decision::Stop(StopReason::Policy(
-                    "a chunk of one item ran out of memory".to_owned(),
-                ));
-            }
-            // A budget that packs the same items again would fail again: below their cost.
-            let below = usize::try_from(cost.saturating_sub(1)).unwrap_or(usize::MAX);
-            return match self.inner.after(history) {
-                Decision::Try(budget) => Decision::Try(budget.min(below).max(1)),
-                // Two budgets that packed the same items look like memory that does not depend
-                // on the size; for chunks it is the items' own: halve instead.
-                Decision::Stop(StopReason::Policy(_)) => {
-                    Decision::Try((last.batch_size / 2).min(below).max(1))
-                }
-                other => other,
-            };
-        }
-        let done = {
-            let run = lock(&self.run);
-            run.progress.completed >= run.progress.total
-        };
-        if done {
-            return Decision::Accept;
-        }
-        Decision::Try(self.grow.succeeded(last.batch_size))
     }
 }
 
@@ -491,7 +292,7 @@ impl<'r> Chunked<'r> {
     /// that ran out of memory on any rank is redone smaller on every rank, from its start (a
     /// rank where it completed takes it back: `run` drops its outputs, `for_each` runs it
     /// again), so every rank runs the same chunks. A rank that is done answers the others
-    /// until they are done. See [`agree`].
+    /// until they are done. See [`agree`](crate::agree).
     ///
     /// ```
     /// use std::thread;
@@ -827,76 +628,6 @@ impl<'r> Chunked<'r> {
         self.notify = notify;
         self.conclude(&run, ended)
     }
-}
-
-/// How one chunk's call ended, when it did not succeed.
-#[derive(Debug)]
-enum ChunkAttempt<E> {
-    /// The closure's own error.
-    Work(E),
-    /// `run`'s closure returned a number of outputs that is not its number of items.
-    WrongOutputCount { range: Range<usize>, got: usize },
-}
-
-/// Appends a chunk's outputs where its items are (a chunk taken back, because another rank
-/// could not finish it, is redone from its start), or says that their number is wrong.
-fn keep_outputs<T, E>(
-    outputs: &mut Vec<T>,
-    range: Range<usize>,
-    values: Vec<T>,
-) -> Result<(), ChunkAttempt<E>> {
-    if values.len() != range.len() {
-        return Err(ChunkAttempt::WrongOutputCount {
-            range,
-            got: values.len(),
-        });
-    }
-    outputs.truncate(range.start);
-    outputs.extend(values);
-    Ok(())
-}
-
-/// Classifies a chunk's call: the closure's error as every runner does ([`Kept`]); a wrong
-/// number of outputs ends the run as a failure.
-struct ChunkKind<E, M>(Kept<E, M>);
-
-impl<E, M> ChunkKind<E, M> {
-    fn new() -> Self {
-        ChunkKind(Kept::new())
-    }
-}
-
-impl<E: InspectError<M>, M> Classify<Result<(), ChunkAttempt<E>>> for ChunkKind<E, M> {
-    type Error = E;
-    fn judge(
-        &self,
-        value: Result<(), ChunkAttempt<E>>,
-        rules: &OomRules<'_>,
-    ) -> Judged<Result<(), ChunkAttempt<E>>, E> {
-        match value {
-            Ok(()) => Judged::Succeeded(Ok(())),
-            Err(ChunkAttempt::Work(error)) => match self.0.judge(Err::<(), E>(error), rules) {
-                Judged::Succeeded(_) => Judged::Succeeded(Ok(())),
-                Judged::Failed(value, description) => {
-                    Judged::Failed(value.map_err(ChunkAttempt::Work), description)
-                }
-                Judged::OutOfMemory(found, error) => Judged::OutOfMemory(found, error),
-            },
-            Err(wrong @ ChunkAttempt::WrongOutputCount { .. }) => {
-                Judged::Failed(Err(wrong), "wrong number of outputs".to_owned())
-            }
-        }
-    }
-    fn keep(&self, error: E) -> Option<KeptError> {
-        Some(error.into_kept())
-    }
-}
-
-/// A lock, whatever a panic elsewhere left in it.
-fn lock_any<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The items of the chunk at `offset` for `budget`: at least one, then while the cost fits.

@@ -1,0 +1,166 @@
+//! The policy of one chunked run: the next chunk after each success, a smaller one after an
+//! out-of-memory chunk, growing back after clean chunks, and (with other ranks) chunks in step.
+
+use std::sync::{Arc, Mutex};
+
+use super::progress::{lock, Run};
+use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
+use crate::error::StopReason;
+use crate::policy::{Decision, GrowBack, SizePolicy};
+use crate::record::{Outcome, SearchReport};
+
+/// The policy of one chunked run: the next chunk after each success, a smaller one after an
+/// out-of-memory chunk (from the inner policy), growing back after clean chunks.
+#[derive(Debug)]
+pub(super) struct ChunkPolicy<'r, P> {
+    pub(super) inner: P,
+    pub(super) run: Arc<Mutex<Run>>,
+    pub(super) grow: GrowBack,
+    /// The other ranks whose chunks run in step with these.
+    pub(super) agreement: Option<Arc<dyn Collective + 'r>>,
+}
+
+impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
+    fn check(&self) -> Result<(), String> {
+        self.inner.check()
+    }
+
+    fn first(&mut self, starting: usize) -> Decision {
+        let Some(collective) = self.agreement.clone() else {
+            return Decision::Try(starting);
+        };
+        // Every rank starts its first chunk at the smallest starting size of all.
+        agree::agreed_start(&*collective, starting as u64)
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let own = self.decide(history);
+        match self.agreement.clone() {
+            None => own,
+            Some(collective) => self.agree(&*collective, history, own),
+        }
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history);
+        if let Some(collective) = self.agreement.clone() {
+            agree::tell_failure(&*collective);
+        }
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.inner.rationale()
+    }
+}
+
+impl<P: SizePolicy> ChunkPolicy<'_, P> {
+    /// With other ranks: every chunk ends with their verdict. A chunk that ran out of memory
+    /// on any rank is redone smaller on every rank (a rank where it succeeded takes its
+    /// progress back), so that ranks whose chunks communicate (tensor parallelism) stay in
+    /// step; a rank that is done answers the others until they are done too.
+    fn agree(
+        &mut self,
+        collective: &dyn Collective,
+        history: &SearchReport,
+        own: Decision,
+    ) -> Decision {
+        let succeeded = history
+            .last()
+            .is_some_and(|last| last.outcome == Outcome::Succeeded);
+        let done = succeeded && own == Decision::Accept;
+        let verdict = match agree::round(collective, Said::after_attempt(succeeded, &own)) {
+            Ok(verdict) => verdict,
+            Err(error) => return agree::disagreement(&error),
+        };
+        match verdict.outcome {
+            FAILED => verdict.failed(),
+            OUT_OF_MEMORY => {
+                if succeeded {
+                    self.take_back_last_chunk(history.last().map_or(0, |last| last.batch_size));
+                }
+                match verdict.smallest_proposal {
+                    0 => Decision::Stop(StopReason::Policy(
+                        "a rank ran out of memory on a chunk of one item".to_owned(),
+                    )),
+                    size => Decision::Try(size as usize),
+                }
+            }
+            _ if !done => Decision::Try(verdict.smallest_proposal as usize),
+            _ => {
+                // Done here: answer the others' verdicts until every rank is done, or until
+                // they all stop (one ran out of memory with no smaller chunk left).
+                let mut verdict = verdict;
+                while verdict.any_continue && !verdict.all_stop() {
+                    let idle = Said {
+                        outcome: SUCCEEDED,
+                        proposal: u64::MAX,
+                        continues: false,
+                    };
+                    verdict = match agree::round(collective, idle) {
+                        Ok(verdict) if verdict.outcome == FAILED => return Decision::Accept,
+                        Ok(verdict) => verdict,
+                        Err(error) => return agree::disagreement(&error),
+                    };
+                }
+                Decision::Accept
+            }
+        }
+    }
+
+    /// This rank's last chunk succeeded but another rank's did not: it is redone.
+    fn take_back_last_chunk(&mut self, size: usize) {
+        self.grow.failed(size);
+        let mut run = lock(&self.run);
+        let range = run.progress.current.clone();
+        if run.progress.completed == range.end {
+            run.progress.completed = range.start;
+        }
+        if let Some(record) = run.records.last_mut() {
+            record.done = false;
+        }
+        run.retries += 1;
+        tracing::info!(
+            items = ?range,
+            "chunk of items {range:?} is redone with the other ranks: one ran out of memory"
+        );
+    }
+
+    /// This rank's own decision after a chunk.
+    fn decide(&mut self, history: &SearchReport) -> Decision {
+        let Some(last) = history.last() else {
+            return Decision::Accept;
+        };
+        if last.outcome != Outcome::Succeeded {
+            self.grow.failed(last.batch_size);
+            let (items, cost) = {
+                let run = lock(&self.run);
+                (run.progress.current.len(), run.progress.current_cost)
+            };
+            if items <= 1 {
+                // Every budget packs this one item: no smaller chunk exists.
+                return Decision::Stop(StopReason::Policy(
+                    "a chunk of one item ran out of memory".to_owned(),
+                ));
+            }
+            // A budget that packs the same items again would fail again: below their cost.
+            let below = usize::try_from(cost.saturating_sub(1)).unwrap_or(usize::MAX);
+            return match self.inner.after(history) {
+                Decision::Try(budget) => Decision::Try(budget.min(below).max(1)),
+                // Two budgets that packed the same items look like memory that does not depend
+                // on the size; for chunks it is the items' own: halve instead.
+                Decision::Stop(StopReason::Policy(_)) => {
+                    Decision::Try((last.batch_size / 2).min(below).max(1))
+                }
+                other => other,
+            };
+        }
+        let done = {
+            let run = lock(&self.run);
+            run.progress.completed >= run.progress.total
+        };
+        if done {
+            return Decision::Accept;
+        }
+        Decision::Try(self.grow.succeeded(last.batch_size))
+    }
+}
