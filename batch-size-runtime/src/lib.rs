@@ -217,6 +217,7 @@ pub use batch_size_macro::find_executable_batch_size;
 
 pub mod agree;
 pub mod attempt;
+pub mod attribute;
 pub mod cache;
 mod dispatch;
 pub mod engine;

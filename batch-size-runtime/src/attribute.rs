@@ -1,0 +1,147 @@
+//! What `#[find_executable_batch_size]` asks of the types and arguments you write: a batch size
+//! of a primitive integer type ([`BatchSizeInt`]) and parameters that each attempt can have
+//! afresh ([`ClonePerAttempt`] for the owned ones). A compile error names these traits when a
+//! type does not fit; the functions here (hidden) are what the generated code calls, so that
+//! such an error points at your argument.
+
+use crate::engine::BatchSizeSearch;
+
+/// The search for the attribute's `starting`, its sizes capped to what the batch-size
+/// parameter's type `P` can hold (a policy's larger proposal runs as the largest that has not
+/// failed); a negative `starting` stops it before its first attempt, saying why.
+#[doc(hidden)]
+pub fn search<'r, P: BatchSizeInt>(
+    label: &'static str,
+    starting: Result<usize, String>,
+) -> BatchSizeSearch<'r> {
+    match starting {
+        Ok(starting) => {
+            let mut search =
+                BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label);
+            search.settings.max_size = P::MAX_BATCH_SIZE;
+            search
+        }
+        Err(why) => {
+            let mut search = BatchSizeSearch::new(1).with_label(label);
+            search.invalidate(why);
+            search
+        }
+    }
+}
+
+/// `starting` of any integer type, checked where it is written.
+#[doc(hidden)]
+pub fn starting_of<S: BatchSizeInt>(starting: S) -> Result<usize, String> {
+    starting.to_batch_size("starting")
+}
+
+/// `min = EXPR` of any integer type; 0 or below is an invalid configuration.
+#[doc(hidden)]
+pub fn with_min<'r, M: BatchSizeInt>(search: BatchSizeSearch<'r>, min: M) -> BatchSizeSearch<'r> {
+    match min.to_batch_size("min") {
+        Ok(min) => search.with_min(min),
+        Err(why) => {
+            let mut search = search;
+            search.invalidate(why);
+            search
+        }
+    }
+}
+
+/// `max_attempts = EXPR` of any integer type; 0 or below is an invalid configuration.
+#[doc(hidden)]
+pub fn with_max_attempts<'r, M: BatchSizeInt>(
+    search: BatchSizeSearch<'r>,
+    max_attempts: M,
+) -> BatchSizeSearch<'r> {
+    match max_attempts.to_batch_size("max_attempts") {
+        Ok(max_attempts) => search.with_max_attempts(max_attempts),
+        Err(why) => {
+            let mut search = search;
+            search.invalidate(why);
+            search
+        }
+    }
+}
+
+/// `effective = EXPR`: the search's sizes are micro sizes, at most `effective`; an `effective`
+/// of 0 or below stops it before its first attempt.
+#[doc(hidden)]
+pub fn with_effective<'r>(
+    search: BatchSizeSearch<'r>,
+    effective: &Result<usize, String>,
+) -> BatchSizeSearch<'r> {
+    let mut search = search;
+    match effective {
+        Ok(0) => search.invalidate("`effective` must be at least 1, got 0".to_owned()),
+        Ok(effective) => search.settings.starting = search.settings.starting.min(*effective),
+        Err(why) => search.invalidate(why.replace("`starting`", "`effective`")),
+    }
+    search
+}
+
+/// The attempt's plan: `effective` samples in micro-batches of `micro`.
+#[doc(hidden)]
+pub fn plan(effective: &Result<usize, String>, micro: usize) -> crate::BatchPlan {
+    crate::BatchPlan::new(effective.as_ref().map_or(0, |effective| *effective), micro)
+}
+
+/// The attempt's batch size in the parameter's own type.
+#[doc(hidden)]
+pub fn batch_size_as<P: BatchSizeInt>(size: usize) -> P {
+    P::from_batch_size(size)
+}
+
+/// An owned parameter is cloned for every attempt.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is passed by value to a `#[find_executable_batch_size]` function, so it is cloned for every attempt, but it does not implement `Clone`",
+    label = "this parameter is cloned for each attempt",
+    note = "take it by reference (`&{Self}` or `&mut {Self}`), or implement `Clone` for it"
+)]
+pub trait ClonePerAttempt: Sized {
+    /// The copy for one attempt.
+    fn clone_for_attempt(&self) -> Self;
+}
+
+impl<T: Clone> ClonePerAttempt for T {
+    fn clone_for_attempt(&self) -> Self {
+        self.clone()
+    }
+}
+
+/// A primitive integer that can be a batch size.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a batch size",
+    label = "expected a primitive integer type (`usize`, `u32`, `i64`, ...)"
+)]
+pub trait BatchSizeInt: Copy {
+    /// The largest batch size this type holds.
+    const MAX_BATCH_SIZE: usize;
+    /// The size as `usize`, or why it cannot be one (`what` names the argument).
+    fn to_batch_size(self, what: &str) -> Result<usize, String>;
+    /// The size in this type (sizes never exceed `MAX_BATCH_SIZE`).
+    fn from_batch_size(size: usize) -> Self;
+}
+
+macro_rules! batch_size_int {
+    ($($int:ty),*) => {$(
+        impl BatchSizeInt for $int {
+            const MAX_BATCH_SIZE: usize = if (<$int>::MAX as u128) > (usize::MAX as u128) {
+                usize::MAX
+            } else {
+                <$int>::MAX as usize
+            };
+            fn to_batch_size(self, what: &str) -> Result<usize, String> {
+                usize::try_from(self).map_err(|_| {
+                    format!("`{what}` must be a non-negative batch size, got {self}")
+                })
+            }
+            fn from_batch_size(size: usize) -> Self {
+                // The search never goes above `MAX_BATCH_SIZE`, so this does not saturate.
+                <$int>::try_from(size).unwrap_or(<$int>::MAX)
+            }
+        }
+    )*};
+}
+
+batch_size_int!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
