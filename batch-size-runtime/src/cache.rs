@@ -354,6 +354,10 @@ impl<P: SizePolicy> SizePolicy for Cached<P> {
         self.inner.reads_memory_after_success()
     }
 
+    fn each_success_is_new_work(&self) -> bool {
+        self.inner.each_success_is_new_work()
+    }
+
     fn ended_by_failure(&mut self, history: &SearchReport) {
         self.inner.ended_by_failure(history);
     }

@@ -149,12 +149,51 @@ impl fmt::Display for Attempt {
 /// assert_eq!(sizes, [64, 32, 16]);
 /// assert_eq!(report.to_string().lines().count(), 3); // one line per attempt
 /// ```
+///
+/// # A long search
+/// A search that goes on after its successes (the chunks of a [`Chunked`](crate::Chunked) run,
+/// hundreds of thousands of them) keeps a bounded record: the first
+/// [`KEPT_FIRST`](Self::KEPT_FIRST) attempts, every attempt that did not succeed, and the last
+/// [`KEPT_LAST_SUCCESSES`](Self::KEPT_LAST_SUCCESSES) successes; the successes in between are
+/// counted ([`elided`](Self::elided)), not kept. [`len`](Self::len), the counts and the
+/// smallest failure and largest success cover every attempt; [`attempts`](Self::attempts)
+/// yields the kept ones, each with its own `number`.
+///
+/// ```
+/// use batch_size_runtime::{last_report, Chunked, SearchReport};
+///
+/// let mut chunks = Chunked::new(100_000).with_starting(10).with_grow_after(0);
+/// chunks.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+/// let report = last_report().unwrap();
+/// assert_eq!(report.len(), 10_000);
+/// let kept = SearchReport::KEPT_FIRST + SearchReport::KEPT_LAST_SUCCESSES;
+/// assert!(report.attempts().count() <= kept + 2 * SearchReport::KEPT_LAST_SUCCESSES);
+/// assert_eq!(report.attempts().count() + report.elided(), 10_000);
+/// assert_eq!(report.attempts().last().unwrap().number, 10_000);
+/// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SearchReport {
     // The final attempt is kept apart so that a search whose first attempt succeeds records
     // itself without allocating.
     earlier: Vec<Attempt>,
     last: Option<Attempt>,
+    /// What is known of every attempt, kept or not: exact whatever the record leaves out.
+    totals: Totals,
+}
+
+/// Counts over every attempt of a search, kept up to date as attempts are recorded, so that no
+/// question about the whole search scans it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Totals {
+    attempts: usize,
+    out_of_memory: usize,
+    smallest_out_of_memory: Option<usize>,
+    largest_success: Option<usize>,
+    /// Successes left out of the record.
+    elided: usize,
+    /// The record's length at which the successes in its tail are next thinned out.
+    thin_at: usize,
 }
 
 impl Outcome {
@@ -208,10 +247,7 @@ impl SearchReport {
     /// assert_eq!(report.smallest_out_of_memory(), Some(32));
     /// ```
     pub fn smallest_out_of_memory(&self) -> Option<usize> {
-        self.attempts()
-            .filter(|attempt| attempt.outcome.is_out_of_memory())
-            .map(|attempt| attempt.batch_size)
-            .min()
+        self.totals.smallest_out_of_memory
     }
 
     /// The largest size that succeeded in this search, if any did.
@@ -225,19 +261,59 @@ impl SearchReport {
     /// assert_eq!(report.largest_success(), Some(16));
     /// ```
     pub fn largest_success(&self) -> Option<usize> {
-        self.attempts()
-            .filter(|attempt| attempt.outcome.is_success())
-            .map(|attempt| attempt.batch_size)
-            .max()
+        self.totals.largest_success
+    }
+
+    /// Attempts a long search keeps from its start.
+    pub const KEPT_FIRST: usize = 256;
+    /// Successes a long search keeps from its end (besides every attempt that did not succeed).
+    pub const KEPT_LAST_SUCCESSES: usize = 64;
+
+    /// Successful attempts a long search left out of its record (see [the type](Self)); 0 for
+    /// any search of up to [`KEPT_FIRST`](Self::KEPT_FIRST) attempts.
+    pub fn elided(&self) -> usize {
+        self.totals.elided
     }
 
     pub(crate) fn push(&mut self, attempt: Attempt) {
+        let totals = &mut self.totals;
+        totals.attempts += 1;
+        match attempt.outcome {
+            Outcome::Succeeded => {
+                totals.largest_success = Some(
+                    totals
+                        .largest_success
+                        .map_or(attempt.batch_size, |largest| {
+                            largest.max(attempt.batch_size)
+                        }),
+                );
+            }
+            Outcome::OutOfMemory { .. } => {
+                totals.out_of_memory += 1;
+                totals.smallest_out_of_memory = Some(
+                    totals
+                        .smallest_out_of_memory
+                        .map_or(attempt.batch_size, |smallest| {
+                            smallest.min(attempt.batch_size)
+                        }),
+                );
+            }
+            Outcome::Failed { .. } | Outcome::Panicked => {}
+        }
         if let Some(previous) = self.last.replace(attempt) {
             self.earlier.push(previous);
+            self.thin_out();
         }
     }
 
-    /// The attempts, in order.
+    /// Leaves old successes out of a long record (see [the type](Self)).
+    fn thin_out(&mut self) {
+        self.totals.elided += thin_out(&mut self.earlier, &mut self.totals.thin_at, |attempt| {
+            attempt.outcome.is_success()
+        });
+    }
+
+    /// The attempts, in order (for a long search, the ones it keeps: see [the type](Self)).
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
@@ -253,7 +329,7 @@ impl SearchReport {
     }
 
     /// The sizes tried, in order (what [`NoExecutableBatchSize::tried`](crate::NoExecutableBatchSize::tried)
-    /// says when no size fits).
+    /// says when no size fits); for a long search, those of the attempts it keeps.
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
@@ -277,7 +353,7 @@ impl SearchReport {
     /// assert_eq!(report.len(), 3);
     /// ```
     pub fn len(&self) -> usize {
-        self.earlier.len() + usize::from(self.last.is_some())
+        self.totals.attempts
     }
 
     /// Whether no attempt was made.
@@ -318,9 +394,7 @@ impl SearchReport {
     /// assert_eq!(report.out_of_memory_count(), 2);
     /// ```
     pub fn out_of_memory_count(&self) -> usize {
-        self.attempts()
-            .filter(|attempt| matches!(attempt.outcome, Outcome::OutOfMemory { .. }))
-            .count()
+        self.totals.out_of_memory
     }
 
     pub(crate) fn last_oom_description(&self) -> Option<&str> {
@@ -333,6 +407,41 @@ impl SearchReport {
     }
 }
 
+/// Bounds a long record (a search's attempts, a chunked run's chunks): once its tail, after the
+/// first [`SearchReport::KEPT_FIRST`] entries, holds twice
+/// [`SearchReport::KEPT_LAST_SUCCESSES`] routine entries (successes), all but the last of those
+/// are left out; every other entry (a failure) stays. Amortised, a constant cost an entry, and
+/// memory that does not grow with the routine ones. Returns how many it left out.
+pub(crate) fn thin_out<T>(
+    record: &mut Vec<T>,
+    thin_at: &mut usize,
+    routine: impl Fn(&T) -> bool,
+) -> usize {
+    let (first, last) = (SearchReport::KEPT_FIRST, SearchReport::KEPT_LAST_SUCCESSES);
+    if record.len() < (first + 2 * last).max(*thin_at) {
+        return 0;
+    }
+    let in_tail = record
+        .iter()
+        .skip(first)
+        .filter(|entry| routine(entry))
+        .count();
+    let mut to_leave_out = in_tail.saturating_sub(last);
+    let before = record.len();
+    let mut index = 0;
+    record.retain(|entry| {
+        index += 1;
+        let leave_out = index > first && to_leave_out > 0 && routine(entry);
+        if leave_out {
+            to_leave_out -= 1;
+        }
+        !leave_out
+    });
+    // The next thinning waits for as many routine entries again.
+    *thin_at = record.len() + 2 * last;
+    before - record.len()
+}
+
 impl fmt::Display for SearchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (index, attempt) in self.attempts().enumerate() {
@@ -340,6 +449,13 @@ impl fmt::Display for SearchReport {
                 f.write_str("\n")?;
             }
             write!(f, "{attempt}")?;
+        }
+        if self.totals.elided > 0 {
+            write!(
+                f,
+                "\n({} successful attempts in between not kept)",
+                self.totals.elided
+            )?;
         }
         Ok(())
     }

@@ -102,6 +102,10 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
         self.inner.reads_memory_after_success()
     }
 
+    fn each_success_is_new_work(&self) -> bool {
+        self.inner.each_success_is_new_work()
+    }
+
     fn rationale(&self) -> Option<String> {
         self.overruled.clone().or_else(|| self.inner.rationale())
     }

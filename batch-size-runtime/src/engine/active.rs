@@ -80,6 +80,10 @@ impl SizePolicy for ActivePolicy<'_> {
     fn accepts_every_success(&self) -> bool {
         self.is_shrinking()
     }
+
+    fn each_success_is_new_work(&self) -> bool {
+        self.policy().each_success_is_new_work()
+    }
 }
 
 type Notify<'r> = Box<dyn FnMut(&Attempt) + Send + 'r>;

@@ -355,6 +355,9 @@ impl Search<'_> {
         self.next = if self.policy.is_shrinking() {
             Next::Accepted
         } else {
+            if self.policy.each_success_is_new_work() {
+                self.smallest_failed = None;
+            }
             let decision = self.policy.after(&self.report);
             self.rationale = self.policy.rationale();
             self.within_the_rules(decision)

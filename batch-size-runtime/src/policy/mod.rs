@@ -146,6 +146,15 @@ pub trait SizePolicy: Send + fmt::Debug {
         false
     }
 
+    /// Whether the attempt after a success runs other work (the next chunk) rather than the
+    /// same work at another size (a tuner's trial). The engine's rule "never a size at or above
+    /// one that ran out of memory" then counts the failures since the last success only: in a
+    /// long run, a transient out-of-memory (a spike, fragmentation) must not lower the ceiling
+    /// for good, chunk after chunk, until no size is left.
+    fn each_success_is_new_work(&self) -> bool {
+        false
+    }
+
     /// Whether the engine should read the memory figures after a successful attempt too
     /// (a tuner fitting memory against the size needs them; a shrinking policy does not, and
     /// the success path stays free of device queries).
@@ -178,6 +187,9 @@ impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
     }
     fn accepts_every_success(&self) -> bool {
         (**self).accepts_every_success()
+    }
+    fn each_success_is_new_work(&self) -> bool {
+        (**self).each_success_is_new_work()
     }
     fn rationale(&self) -> Option<String> {
         (**self).rationale()

@@ -27,6 +27,7 @@ use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
 use crate::error::StopReason;
 use crate::memory::Release;
 use crate::policy::{GrowBack, Guided, Reduction};
+use crate::record;
 
 mod attempt;
 mod policy;
@@ -129,6 +130,7 @@ pub struct Chunked<'r> {
     cost: Option<Cost<'r>>,
     notify: Option<Notify<'r>>,
     chunks: Vec<ChunkRecord>,
+    chunk_count: usize,
     agreement: Option<Arc<dyn Collective + 'r>>,
 }
 
@@ -162,6 +164,7 @@ impl<'r> Chunked<'r> {
             cost: None,
             notify: None,
             chunks: Vec::new(),
+            chunk_count: 0,
             agreement: None,
         }
     }
@@ -339,7 +342,10 @@ impl<'r> Chunked<'r> {
         self
     }
 
-    /// Every chunk that ran, in order, with its range, budget, cost and whether it completed.
+    /// The chunks of the last run, in order, with their range, budget, cost and whether they
+    /// completed. A long run keeps a bounded record, as [`SearchReport`](crate::SearchReport)
+    /// does: the first 256 chunks, every chunk that did not complete, and the last 64 that did
+    /// ([`chunk_count`](Self::chunk_count) counts them all).
     ///
     /// ```
     /// # use batch_size_runtime::{Chunked, OutOfMemory};
@@ -354,6 +360,20 @@ impl<'r> Chunked<'r> {
     /// ```
     pub fn chunks(&self) -> &[ChunkRecord] {
         &self.chunks
+    }
+
+    /// How many chunks the last run ran, done or not, kept in [`chunks`](Self::chunks) or not.
+    ///
+    /// ```
+    /// # use batch_size_runtime::Chunked;
+    /// let mut chunked = Chunked::new(100_000).with_starting(10).with_grow_after(0);
+    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(chunked.chunk_count(), 10_000);
+    /// assert!(chunked.chunks().len() < 1_000); // the first ones, every failure, the last ones
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn chunk_count(&self) -> usize {
+        self.chunk_count
     }
 
     /// Runs `work` over every item, chunk by chunk, and returns its outputs concatenated in item
@@ -440,6 +460,7 @@ impl<'r> Chunked<'r> {
     {
         if self.total == 0 {
             self.chunks.clear();
+            self.chunk_count = 0;
             return Ok(Vec::new());
         }
         // Lent to this run's policy, and back when it ends.
@@ -478,6 +499,7 @@ impl<'r> Chunked<'r> {
         'r: 's,
     {
         self.chunks.clear();
+        self.chunk_count = 0;
         let run = Arc::new(Mutex::new(Run {
             progress: Progress {
                 completed: 0,
@@ -486,6 +508,8 @@ impl<'r> Chunked<'r> {
                 current_cost: 0,
             },
             records: Vec::new(),
+            chunks_run: 0,
+            thin_at: 0,
             retries: 0,
         }));
         let whole = match &self.cost {
@@ -533,6 +557,11 @@ impl<'r> Chunked<'r> {
             cost,
             done,
         });
+        run.chunks_run += 1;
+        let Run {
+            records, thin_at, ..
+        } = &mut *run;
+        record::thin_out(records, thin_at, |chunk| chunk.done);
         if done {
             run.progress.completed = range.end;
             let progress = ChunkProgress {
@@ -564,6 +593,7 @@ impl<'r> Chunked<'r> {
         let completed = {
             let mut run = lock(run);
             self.chunks = std::mem::take(&mut run.records);
+            self.chunk_count = run.chunks_run;
             run.progress.completed
         };
         let none_fit = match ended {
@@ -611,6 +641,7 @@ impl<'r> Chunked<'r> {
     {
         if self.total == 0 {
             self.chunks.clear();
+            self.chunk_count = 0;
             return Ok(());
         }
         // Lent to this run's policy, and back when it ends.

@@ -51,6 +51,13 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
     fn rationale(&self) -> Option<String> {
         self.inner.rationale()
     }
+
+    /// Each chunk after a success holds other items: a chunk that ran out of memory earlier
+    /// says nothing for good about the size of the next ones (growing back decides how soon
+    /// such a size is tried again).
+    fn each_success_is_new_work(&self) -> bool {
+        true
+    }
 }
 
 impl<P: SizePolicy> ChunkPolicy<'_, P> {

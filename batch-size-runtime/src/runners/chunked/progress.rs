@@ -44,7 +44,12 @@ pub(super) struct Progress {
 #[derive(Debug)]
 pub(super) struct Run {
     pub(super) progress: Progress,
+    /// Bounded for a long run: see [`Chunked::chunks`](super::Chunked::chunks).
     pub(super) records: Vec<ChunkRecord>,
+    /// Chunks run, kept or not.
+    pub(super) chunks_run: usize,
+    /// When the records' done chunks are next thinned out.
+    pub(super) thin_at: usize,
     pub(super) retries: usize,
 }
 
