@@ -315,22 +315,26 @@ impl<'r> EffectiveBatch<'r> {
     }
 
     /// After `steps` clean steps, tries a larger micro size again: double, capped at
-    /// `effective`, and halfway to the smallest size that ran out of memory where doubling
-    /// would reach it (the rule [`Chunked`](crate::Chunked) grows back by too). Off by default.
+    /// `effective`, while twice the size stays below the smallest size that ran out of memory;
+    /// that size itself is tried again once it has held growth back for 16 steps (32, 64, ...
+    /// while it keeps failing): the rule [`Chunked`](crate::Chunked) grows back by too. Off by
+    /// default.
     ///
     /// ```
     /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
     /// let mut busy = true; // another process holds memory at first
-    /// let mut runner = EffectiveBatch::new(64).with_micro(16).with_grow_after(2);
-    /// for _ in 0..6 {
+    /// let mut runner = EffectiveBatch::new(64).with_micro(32).with_grow_after(2);
+    /// for _ in 0..24 {
     ///     runner.step(|plan| -> anyhow::Result<()> {
     ///         if busy && plan.micro() > 8 { Err(OutOfMemory::new())? }
     ///         Ok(())
     ///     })?;
     ///     busy = false;
     /// }
-    /// // 16 failed once; after two clean steps at 8 it tried 12, halfway to 16, then 14.
-    /// assert_eq!(runner.micro(), 14);
+    /// // 32 and 16 failed in the first step. Twice 8 is not below 16, so the steps stay at 8
+    /// // until 16 has held growth back for 16 steps; then 16 is tried once more, fits (the
+    /// // memory is back), and growing goes on: 32, then 64, the whole batch at once.
+    /// assert_eq!(runner.micro(), 64);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_grow_after(mut self, steps: usize) -> Self {
