@@ -275,6 +275,7 @@ impl SearchReport {
         self.totals.elided
     }
 
+    #[inline(always)]
     pub(crate) fn push(&mut self, attempt: Attempt) {
         let totals = &mut self.totals;
         totals.attempts += 1;
@@ -300,10 +301,22 @@ impl SearchReport {
             }
             Outcome::Failed { .. } | Outcome::Panicked => {}
         }
-        if let Some(previous) = self.last.replace(attempt) {
-            self.earlier.push(previous);
-            self.thin_out();
+        match &mut self.last {
+            // The first attempt goes in place: the common search of one attempt copies nothing.
+            None => self.last = Some(attempt),
+            Some(last) => {
+                let previous = std::mem::replace(last, attempt);
+                self.keep_earlier(previous);
+            }
         }
+    }
+
+    /// Keeps an attempt that is no longer the last (out of line: the first attempt's path does
+    /// not need it).
+    #[inline(never)]
+    fn keep_earlier(&mut self, previous: Attempt) {
+        self.earlier.push(previous);
+        self.thin_out();
     }
 
     /// Leaves old successes out of a long record (see [the type](Self)).
@@ -465,6 +478,8 @@ thread_local! {
     static LAST_REPORT: RefCell<Option<SearchReport>> = const { RefCell::new(None) };
 }
 
+/// Puts `report` where [`last_report`] reads it.
+#[inline]
 pub(crate) fn store_last_report(report: SearchReport) {
     LAST_REPORT.with(|last| *last.borrow_mut() = Some(report));
 }

@@ -74,12 +74,12 @@ fn returned_or_given_up<R, E, G: GiveUp<R, Error = E, Output = R>>(
 /// The loop, for runners that act on how the search ended.
 #[inline]
 pub(crate) fn drive_ended<R, C: Classify<R>>(
-    search: Search<'_>,
+    mut search: Search<'_>,
     classify: &C,
     keep_last_error: bool,
     mut attempt: impl FnMut(usize) -> R,
 ) -> Ended<R, C::Error> {
-    let mut driver = Driver::new(search, classify, keep_last_error);
+    let mut driver = Driver::new(&mut search, classify, keep_last_error);
     loop {
         let batch_size = match driver.begin() {
             Ok(batch_size) => batch_size,
@@ -93,12 +93,12 @@ pub(crate) fn drive_ended<R, C: Classify<R>>(
 
 /// The async loop, for runners that act on how the search ended.
 pub(crate) async fn drive_ended_async<R, C: Classify<R>>(
-    search: Search<'_>,
+    mut search: Search<'_>,
     classify: &C,
     keep_last_error: bool,
     mut attempt: impl AsyncAttempt<R>,
 ) -> Ended<R, C::Error> {
-    let mut driver = Driver::new(search, classify, keep_last_error);
+    let mut driver = Driver::new(&mut search, classify, keep_last_error);
     loop {
         let batch_size = match driver.begin() {
             Ok(batch_size) => batch_size,
@@ -146,8 +146,10 @@ impl<R, F: AsyncFnMut(usize) -> R> AsyncAttempt<R> for Lending<F> {
 }
 
 /// One search over attempts that return `R`, between attempts.
-struct Driver<'r, 'c, R, C: Classify<R>> {
-    search: Search<'r>,
+/// It borrows the search rather than holding it: the search is large, and moving it into the
+/// driver would copy it on every call, the success path included.
+struct Driver<'s, 'r, 'c, R, C: Classify<R>> {
+    search: &'s mut Search<'r>,
     classify: &'c C,
     keep_last_error: bool,
     /// The latest success's value, while a policy that continues after a success runs on; it
@@ -157,7 +159,7 @@ struct Driver<'r, 'c, R, C: Classify<R>> {
     last_error: Option<C::Error>,
 }
 
-impl<R, C: Classify<R>> fmt::Debug for Driver<'_, '_, R, C> {
+impl<R, C: Classify<R>> fmt::Debug for Driver<'_, '_, '_, R, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Driver")
             .field("search", &self.search)
@@ -165,9 +167,9 @@ impl<R, C: Classify<R>> fmt::Debug for Driver<'_, '_, R, C> {
     }
 }
 
-impl<'r, 'c, R, C: Classify<R>> Driver<'r, 'c, R, C> {
+impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
     #[inline]
-    fn new(search: Search<'r>, classify: &'c C, keep_last_error: bool) -> Self {
+    fn new(search: &'s mut Search<'r>, classify: &'c C, keep_last_error: bool) -> Self {
         Driver {
             search,
             classify,

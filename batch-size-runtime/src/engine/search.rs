@@ -303,6 +303,7 @@ impl Search<'_> {
         record::store_last_report(std::mem::take(&mut self.report));
     }
 
+    #[inline]
     fn finish_attempt(&mut self, outcome: Outcome) -> Attempt {
         let running = self.running.take();
         let (batch_size, duration, memory_at_start) = match running {
