@@ -17,6 +17,10 @@ use std::time::Instant;
 use batch_size_runtime::agree::ThreadRanks;
 use batch_size_runtime::{Chunked, EffectiveBatch, SimulatedDevice};
 
+#[path = "../tests/common/block_on.rs"]
+mod block_on;
+use block_on::block_on;
+
 const CASE: &str = "CHUNKED_SCALE_CASE";
 
 fn main() {
@@ -168,16 +172,5 @@ fn run_case(case: &str) {
             report(case, units * 8, count, started.elapsed().as_secs_f64());
         }
         _ => {}
-    }
-}
-
-/// Polls a future to completion on this thread (the chunks never wait on anything).
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    loop {
-        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
-            return value;
-        }
     }
 }

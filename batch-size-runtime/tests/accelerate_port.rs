@@ -5,10 +5,14 @@
 use std::error::Error;
 
 use batch_size_runtime::policy::Halve;
+
+#[path = "common/block_on.rs"]
+mod block_on;
 use batch_size_runtime::{
     last_report, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Outcome, SimulatedDevice,
     StopReason,
 };
+use block_on::block_on;
 
 /// Accelerate's `raise_fake_out_of_memory`.
 fn fake_out_of_memory() -> anyhow::Error {
@@ -387,17 +391,6 @@ fn async_attempts_are_retried_and_their_panics_classified() {
     let future =
         BatchSizeSearch::new(16).run_async(|_| async { Err::<(), _>(TrainError::Oops(Oops)) });
     assert!(matches!(block_on(future), Err(TrainError::Oops(Oops))));
-}
-
-/// A minimal executor: the futures here never wait on anything.
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    loop {
-        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
-            return value;
-        }
-    }
 }
 
 #[test]

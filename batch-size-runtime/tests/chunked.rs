@@ -6,6 +6,10 @@
 use batch_size_runtime::{ChunkError, Chunked, SimulatedDevice};
 use proptest::prelude::*;
 
+#[path = "common/block_on.rs"]
+mod block_on;
+use block_on::block_on;
+
 const UNIT: u64 = 1 << 20; // 1 MiB of activations a unit of cost
 
 /// The outputs, every completed chunk's items, and the runner.
@@ -236,16 +240,6 @@ proptest! {
         }
         prop_assert_eq!(next, costs.len());
         prop_assert_eq!(chunked.chunks().iter().filter(|chunk| chunk.done).count(), chunks.len());
-    }
-}
-
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    loop {
-        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
-            break value;
-        }
     }
 }
 
