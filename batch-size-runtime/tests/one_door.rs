@@ -8,6 +8,10 @@
 
 use std::error::Error as _;
 
+#[path = "common/block_on.rs"]
+mod block_on;
+use block_on::block_on;
+
 use batch_size_runtime::{
     last_report, BatchPlan, BatchSizeSearch, ChunkError, Chunked, EffectiveBatch,
     NoExecutableBatchSize, OutOfMemory, Tuner,
@@ -256,4 +260,58 @@ fn a_panic_that_is_not_out_of_memory_comes_back_with_its_payload_from_every_runn
             "{door}"
         );
     }
+}
+
+#[test]
+fn the_async_doors_and_step_then_take_the_users_enum_too() {
+    // `BatchSizeSearch::run_async`.
+    let fitted = block_on(BatchSizeSearch::new(64).run_async(|size| async move {
+        if size > 20 {
+            return Err(TrainError::from(OutOfMemory::new()));
+        }
+        Ok(size)
+    }));
+    assert_eq!(fitted.unwrap(), 16);
+    let failed = block_on(
+        BatchSizeSearch::new(64)
+            .run_async(|size| async move { Err::<usize, _>(TrainError::Data(size)) }),
+    );
+    assert!(matches!(failed, Err(TrainError::Data(64))), "{failed:?}");
+
+    // `Chunked::run_async`.
+    let mut chunked = Chunked::new(50).with_starting(32);
+    let outputs = block_on(chunked.run_async(|items| async move {
+        if items.len() > 10 {
+            return Err(TrainError::from(OutOfMemory::new()));
+        }
+        Ok(items.collect::<Vec<_>>())
+    }));
+    assert_eq!(outputs.unwrap(), (0..50).collect::<Vec<_>>());
+    let none =
+        block_on(Chunked::new(4).with_starting(2).run_async(|_| async move {
+            Err::<Vec<usize>, _>(TrainError::from(OutOfMemory::new()))
+        }));
+    assert!(
+        matches!(none, Err(ChunkError::ItemTooLarge { item: 0, .. })),
+        "{none:?}"
+    );
+
+    // `EffectiveBatch::step_then`: the accumulation is redone in place, the apply runs once.
+    let mut runner = EffectiveBatch::new(32);
+    let mut applied = 0;
+    let loss = runner.step_then(
+        |plan| {
+            if plan.micro() > 8 {
+                return Err(TrainError::from(OutOfMemory::new()));
+            }
+            Ok(plan.micro_batches().count())
+        },
+        |_plan, micro_batches| {
+            applied += 1;
+            Ok(micro_batches)
+        },
+    );
+    assert_eq!((loss.unwrap(), applied), (4, 1));
+    let failed = runner.step_then(|_| Err::<usize, _>(TrainError::Data(3)), |_, n| Ok(n));
+    assert!(matches!(failed, Err(TrainError::Data(3))), "{failed:?}");
 }

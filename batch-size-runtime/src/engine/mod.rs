@@ -2,8 +2,8 @@
 //! try again, until an attempt succeeds or no size is left.
 //!
 //! [`BatchSizeSearch`] is the builder users call directly; [`Search`] is the state machine it
-//! runs: one loop for every policy ([`SizePolicy`]), sync and async,
-//! which the attribute's generated code also calls.
+//! runs: one loop for every policy ([`SizePolicy`]), sync and async, entered by every runner
+//! and by the attribute's generated code through the same `drive`.
 //!
 //! ```
 //! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};

@@ -1,6 +1,6 @@
 //! The one search loop's state: which size comes next, the record of every attempt, and the
-//! rules every policy is held to. [`Driver`](super::Driver) runs it for the builder's `run*`
-//! methods and for the attribute's generated code; it is public for loops of your own.
+//! rules every policy is held to. The engine's `drive` runs it for every runner and for the
+//! attribute's generated code; it is public for loops of your own.
 
 use std::error::Error;
 use std::fmt;
