@@ -337,7 +337,7 @@ fn rewrite(
             let (drive, lending) = match (is_async, mut_receiver) {
                 (false, _) => (quote! { drive_attempts }, None),
                 (true, false) => (quote! { drive_attempts_async }, None),
-                (true, true) => (quote! { drive_attempts_async }, Some(quote! { lending })),
+                (true, true) => (quote! { drive_attempts_async }, Some(quote! { @lending })),
             };
             // The macro's name over the return type, where an error type that cannot be
             // classified is reported; the path keeps its own spans (a wrong `crate = ...`).

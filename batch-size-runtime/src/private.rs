@@ -41,12 +41,13 @@ macro_rules! drive_attempts {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! drive_attempts_async {
+    // `&mut self`: an async closure, which lends it to each attempt. First, so that `@lending`
+    // is never read as the start of the return type's expression.
+    (@lending $ret:expr, $search:expr, $attempt:expr $(,)?) => {
+        $crate::drive_attempts_async!(@returning returning_lending, $ret, $search, $attempt)
+    };
     ($ret:expr, $search:expr, $attempt:expr $(,)?) => {
         $crate::drive_attempts_async!(@returning returning_async, $ret, $search, $attempt)
-    };
-    // `&mut self`: an async closure, which lends it to each attempt.
-    (lending $ret:expr, $search:expr, $attempt:expr $(,)?) => {
-        $crate::drive_attempts_async!(@returning returning_lending, $ret, $search, $attempt)
     };
     (@returning $returning:ident, $ret:expr, $search:expr, $attempt:expr) => {{
         #[allow(unused_imports)]

@@ -70,6 +70,23 @@ impl Trainer {
         }
         Ok(batch_size)
     }
+
+    // `&mut self`: each attempt borrows it in turn (through an async closure).
+    #[find_executable_batch_size(starting = 16)]
+    async fn fit_counting(&mut self, batch_size: usize, seen: &mut Vec<usize>) -> anyhow::Result<usize> {
+        seen.push(batch_size);
+        YieldOnce(false).await;
+        if batch_size > self.limit {
+            self.limit += 0;
+            return Err(OutOfMemory::new().into());
+        }
+        Ok(batch_size)
+    }
+}
+
+/// A future that is `Send` when its attempts are: spawnable on a multi-threaded executor.
+fn assert_send<F: Future + Send>(future: F) -> F {
+    future
 }
 
 fn main() {
@@ -79,4 +96,12 @@ fn main() {
     assert_eq!(block_on(train_panicking(&mut log)), 8);
     assert_eq!(log, [64, 32, 16, 8]);
     assert_eq!(block_on(Trainer { limit: 3 }.fit()).unwrap(), 2);
+    let mut trainer = Trainer { limit: 5 };
+    let mut seen = Vec::new();
+    assert_eq!(block_on(trainer.fit_counting(&mut seen)).unwrap(), 4);
+    assert_eq!(seen, [16, 8, 4]);
+    // `&mut` parameters are lent to each attempt without making the future lose `Send`.
+    let mut log = Vec::new();
+    assert_eq!(block_on(assert_send(train_panicking(&mut log))), 8);
+    assert_eq!(block_on(assert_send(train(20))).unwrap(), 16);
 }
