@@ -315,11 +315,13 @@ fn rewrite(
         let before = split.rebind.iter().map(|rebinding| &rebinding.before);
         let in_closure = split.rebind.iter().map(|rebinding| &rebinding.in_closure);
         let in_future = split.rebind.iter().map(|rebinding| &rebinding.in_future);
+        // The batch size (or plan) is made in the closure, from what it borrows (`effective`),
+        // and moved into the attempt's future.
         let attempt = quote! {
             move |#size| {
+                let #batch_pat: #batch_ty = #batch_size_as;
                 #(#in_closure)*
                 async move {
-                    let #batch_pat: #batch_ty = #batch_size_as;
                     #(#in_future)*
                     #(#block)*
                 }

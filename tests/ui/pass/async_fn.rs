@@ -84,6 +84,39 @@ impl Trainer {
     }
 }
 
+/// `impl Trait` in the return type: only a panic can be out-of-memory.
+#[find_executable_batch_size(starting = 8)]
+async fn shown(batch_size: usize) -> impl std::fmt::Display {
+    YieldOnce(false).await;
+    if batch_size > 2 {
+        panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+    }
+    batch_size
+}
+
+/// Generic, with a where clause and an owned parameter cloned for each attempt.
+#[find_executable_batch_size(starting = start)]
+async fn generic<T>(batch_size: u32, start: u32, items: Vec<T>) -> Result<usize, std::io::Error>
+where
+    T: Clone + Send,
+{
+    YieldOnce(false).await;
+    if batch_size as usize > items.len() {
+        return Err(std::io::Error::from(std::io::ErrorKind::OutOfMemory));
+    }
+    Ok(batch_size as usize)
+}
+
+/// With `effective`: each attempt gets a plan of micro-batches.
+#[find_executable_batch_size(starting = 32, effective = 64)]
+async fn accumulate(plan: batch_size_runtime::BatchPlan) -> anyhow::Result<usize> {
+    YieldOnce(false).await;
+    if plan.micro() > 8 {
+        return Err(OutOfMemory::new().into());
+    }
+    Ok(plan.accumulation())
+}
+
 /// A future that is `Send` when its attempts are: spawnable on a multi-threaded executor.
 fn assert_send<F: Future + Send>(future: F) -> F {
     future
@@ -104,4 +137,7 @@ fn main() {
     let mut log = Vec::new();
     assert_eq!(block_on(assert_send(train_panicking(&mut log))), 8);
     assert_eq!(block_on(assert_send(train(20))).unwrap(), 16);
+    assert_eq!(block_on(shown()).to_string(), "2");
+    assert_eq!(block_on(generic(16, vec!['a'; 5])).unwrap(), 4);
+    assert_eq!(block_on(accumulate()).unwrap(), 8);
 }
