@@ -262,7 +262,9 @@ fn rank_0_ignores_a_stranger_and_still_serves_the_ranks() {
     outsider.write_all(&greeting).unwrap();
     let mut answer = Vec::new();
     outsider.read_to_end(&mut answer).unwrap();
-    assert!(answer.is_empty(), "{answer:?}");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("BSIDXno\n"), "{answer:?}");
+    assert!(answer.contains("rank 7 is not one of 1 to 1"), "{answer:?}");
     let got = IdExchange::tcp("127.0.0.1", port, 1, 2)
         .with_timeout(Duration::from_secs(5))
         .exchange(|| Ok::<_, std::io::Error>(id(0)))

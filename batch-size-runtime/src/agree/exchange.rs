@@ -33,15 +33,54 @@
 //! `BATCH_SIZE_EXCHANGE_PORT` chooses another. With a file: a path on storage every machine
 //! mounts, fresh for each job (put the job's id in it): rank 0 replaces the file atomically,
 //! and a rank that started early could read an old one.
+//!
+//! # Security
+//! Whoever has the Id can join the communicator, so only the job's own ranks should get it.
+//! Over TCP, set a job token: [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE) (read by
+//! [`from_env`](IdExchange::from_env)) or [`with_token`](IdExchange::with_token), the same secret
+//! on every rank. Rank 0 and each rank then prove to each other that they know it, without
+//! sending it: each side sends a fresh random nonce, and answers with an HMAC-SHA-256 of both
+//! nonces and the rank under the token; a rank checks rank 0's answer before it trusts anything,
+//! and the Id travels masked and tagged under the same key. A peer that fails (another token, no
+//! token, an answer recorded from an earlier connection, a process posing as rank 0) is dropped
+//! with a WARN naming its address, and the exchange goes on.
+//!
+//! Without a token, the exchange works as before: on one machine (`MASTER_ADDR` a loopback
+//! address) rank 0 listens on loopback only; on any other address it logs one WARN, since any
+//! process that reaches the port can then take the Id or a rank's place.
+//!
+//! The token can come from the launcher's run id, which every rank of a job shares: torchrun
+//! sets `TORCHELASTIC_RUN_ID` to `--rdzv-id` (its default, `none`, is no secret; give each job a
+//! random one, say `--rdzv-id=$(openssl rand -hex 16)`, and keep in mind that a command line is
+//! visible to the machine's other users):
+//!
+//! ```no_run
+//! use batch_size_runtime::agree::IdExchange;
+//! let run_id = std::env::var("TORCHELASTIC_RUN_ID")?;
+//! let exchange = IdExchange::from_env()?.with_token(format!("batch-size {run_id}"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! No peer can stall the others: rank 0 serves each connection on its own thread, gives each
+//! [`CONNECTION_PATIENCE`] at most, and holds [`MAX_HELD_CONNECTIONS`] at once (a new one
+//! closes the one held longest).
+//!
+//! With a file, rank 0 creates it readable and writable by its owner only (0600 on unix), but
+//! the folder must not be writable by others: whoever can write there can replace the Id.
 
+use std::collections::BTreeMap;
 use std::error::Error;
 use std::fmt;
 use std::fs;
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::{self, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use super::handshake::{self, Failure};
+use super::token::{self, JobToken, Keyed};
 
 /// The size of a communicator's unique Id (`ncclUniqueId`).
 pub const ID_BYTES: usize = 128;
@@ -51,7 +90,27 @@ pub const EXCHANGE_PORT_VARIABLE: &str = "BATCH_SIZE_EXCHANGE_PORT";
 
 /// What a client sends first, and rank 0 answers with: a peer that is not this exchange (the
 /// launcher's own store, another service) is told apart at once.
-const MAGIC: &[u8; 8] = b"BSIDXv1\n";
+pub(crate) const MAGIC: &[u8; 8] = b"BSIDXv1\n";
+
+/// What a rank with a job token sends first, and rank 0 answers its challenge with.
+pub(crate) const MAGIC_TOKEN: &[u8; 8] = b"BSIDXt1\n";
+
+/// What rank 0 answers a rank it will not serve with, before a line saying why.
+pub(crate) const REFUSED: &[u8; 8] = b"BSIDXno\n";
+
+/// The longest reason for a refusal that is read.
+pub(crate) const MAX_REASON_BYTES: u64 = 512;
+
+/// The variable that holds the job token (see [the module's Security section](self#security)).
+pub const TOKEN_VARIABLE: &str = "BATCH_SIZE_EXCHANGE_TOKEN";
+
+/// How long rank 0 waits for one peer to greet it and answer its challenge, and a rank for rank
+/// 0 to answer one try. Rank 0 serves peers concurrently, so a silent one costs the others
+/// nothing.
+pub const CONNECTION_PATIENCE: Duration = Duration::from_secs(5);
+
+/// How many connections rank 0 holds at once; one more closes the one held longest.
+pub const MAX_HELD_CONNECTIONS: usize = 64;
 
 /// Why the Id could not be shared.
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +169,23 @@ pub enum ExchangeError {
         /// What was wrong.
         why: String,
     },
+    /// Rank 0 refused this rank and said why (another configuration: a token on one side only,
+    /// a rank outside the job).
+    #[error("rank 0 at {peer} refused this rank: {why}")]
+    Refused {
+        /// Rank 0's address.
+        peer: String,
+        /// Rank 0's reason, and what to check.
+        why: String,
+    },
+    /// The peer did not prove that it knows the job token (until the timeout, with a token).
+    #[error("{peer} {why}")]
+    Unauthenticated {
+        /// The peer's address.
+        peer: String,
+        /// What failed, and what to check.
+        why: String,
+    },
     /// Rank 0 could not create the Id.
     #[error("rank 0 could not create the communicator's Id: {0}")]
     Create(#[source] Box<dyn Error + Send + Sync + 'static>),
@@ -131,6 +207,7 @@ pub struct IdExchange {
     world_size: usize,
     local_rank: usize,
     timeout: Duration,
+    token: Option<JobToken>,
 }
 
 impl IdExchange {
@@ -158,12 +235,15 @@ impl IdExchange {
             world_size,
             local_rank: rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            token: None,
         }
     }
 
-    /// Rank 0 listens on `port` on every interface (`0.0.0.0`) and hands the Id to the
-    /// `world_size - 1` others, which connect to `host:port` (rank 0's address, reachable from
-    /// every rank), retrying until the timeout since rank 0 may start after them.
+    /// Rank 0 listens on `port` and hands the Id to the `world_size - 1` others, which connect
+    /// to `host:port` (rank 0's address, reachable from every rank), retrying until the timeout
+    /// since rank 0 may start after them. Rank 0 listens on loopback when `host` is a loopback
+    /// address (one machine), else on every interface (`0.0.0.0`): then set a job token with
+    /// [`with_token`](Self::with_token) (see [Security](self#security)).
     ///
     /// ```
     /// use std::thread;
@@ -187,6 +267,7 @@ impl IdExchange {
             world_size,
             local_rank: rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            token: None,
         }
     }
 
@@ -195,6 +276,9 @@ impl IdExchange {
     /// port: `BATCH_SIZE_EXCHANGE_PORT` if set; else `MASTER_PORT + 1` under `torchrun`
     /// (whose agent serves its store on `MASTER_PORT`, `TORCHELASTIC_USE_AGENT_STORE=True`);
     /// else `MASTER_PORT`.
+    ///
+    /// The job token: [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE) when it is set and not
+    /// empty (see [Security](self#security)).
     ///
     /// A missing or unparsable variable is an [`ExchangeError`] that names it, its value and
     /// what to set; a `RANK` not below `WORLD_SIZE` is [`ExchangeError::InvalidRank`].
@@ -279,6 +363,9 @@ impl IdExchange {
             world_size,
             local_rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            token: lookup(TOKEN_VARIABLE)
+                .filter(|value| !value.is_empty())
+                .map(JobToken::new),
         };
         exchange.check()?;
         Ok(exchange)
@@ -302,6 +389,39 @@ impl IdExchange {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// A secret every rank of the job shares (the same bytes on every rank): over TCP, rank 0
+    /// and each rank prove to each other that they know it before the Id is handed over, and a
+    /// peer that does not is dropped (see [Security](self#security)). It replaces the one
+    /// [`from_env`](Self::from_env) read from [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE).
+    /// The file exchange does not use it. `Debug` does not show it.
+    ///
+    /// # Default
+    /// No token: any process that reaches rank 0's port can take part.
+    ///
+    /// ```
+    /// use std::thread;
+    /// use batch_size_runtime::agree::IdExchange;
+    ///
+    /// let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    /// let rank = |rank| IdExchange::tcp("127.0.0.1", port, rank, 2).with_token("job 4711 secret");
+    /// let other = rank(1);
+    /// let other = thread::spawn(move || other.exchange(|| Ok::<_, std::io::Error>([0; 128])));
+    /// let id = rank(0).exchange(|| Ok::<_, std::io::Error>([5; 128]))?;
+    /// assert_eq!(other.join().unwrap()?, id);
+    /// assert!(rank(0).has_token() && !format!("{:?}", rank(0)).contains("4711"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_token(mut self, token: impl AsRef<[u8]>) -> Self {
+        self.token = Some(JobToken::new(token));
+        self
+    }
+
+    /// Whether a job token is set ([`with_token`](Self::with_token), or
+    /// [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE) for [`from_env`](Self::from_env)).
+    pub fn has_token(&self) -> bool {
+        self.token.is_some()
     }
 
     /// This rank, from 0: rank 0 creates the Id.
@@ -355,7 +475,7 @@ impl IdExchange {
             if self.world_size > 1 {
                 match &self.way {
                     Way::File(path) => write_file(path, &id)?,
-                    Way::Tcp { port, .. } => self.serve(*port, &id)?,
+                    Way::Tcp { host, port } => self.serve(host, *port, &id)?,
                 }
             }
             tracing::info!(ranks = self.world_size, way = %self, "communicator Id shared");
@@ -401,72 +521,152 @@ impl IdExchange {
         }
     }
 
-    /// Rank 0: hands the Id to every other rank, then closes the port.
-    fn serve(&self, port: u16, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
-        let listener =
-            TcpListener::bind(("0.0.0.0", port)).map_err(|source| ExchangeError::Io {
-                what: format!(
-                    "listening on port {port} to share the Id (a port in use: set \
+    /// Rank 0: hands the Id to every other rank, then closes the port. Each connection is
+    /// served on its own thread with its own short deadline, so that a silent or slow peer
+    /// costs the ranks nothing; at most [`MAX_HELD_CONNECTIONS`] are held at once.
+    fn serve(&self, host: &str, port: u16, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
+        let address = listen_address(host);
+        let listener = TcpListener::bind((address, port)).map_err(|source| ExchangeError::Io {
+            what: format!(
+                "listening on {address}:{port} to share the Id (a port in use: set \
                  {EXCHANGE_PORT_VARIABLE} to a free one, the same for every rank)"
-                ),
-                source,
-            })?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|source| ExchangeError::Io {
-                what: "configuring the Id's socket".to_owned(),
-                source,
-            })?;
+            ),
+            source,
+        })?;
+        if self.token.is_none() && !address.is_loopback() {
+            tracing::warn!(
+                %address,
+                port,
+                "rank 0 shares the communicator's Id with no job token on a port other machines \
+                 may reach: any process that reaches it can take part (take the Id, or a rank's \
+                 place). Set {TOKEN_VARIABLE} to the same secret on every rank, e.g. derived from \
+                 the launcher's run id, or call IdExchange::with_token"
+            );
+        }
+        let configure = |source| ExchangeError::Io {
+            what: "configuring the Id's socket".to_owned(),
+            source,
+        };
+        listener.set_nonblocking(true).map_err(configure)?;
+        let key = match &self.token {
+            Some(token) => Some(token.keyed().map_err(configure)?),
+            None => None,
+        };
+        let serving = Arc::new(Serving {
+            id: *id,
+            world_size: self.world_size,
+            key,
+        });
         tracing::debug!(
             port,
             ranks = self.world_size - 1,
+            token = self.token.is_some(),
             "waiting for the ranks to fetch the Id"
         );
         let deadline = Instant::now() + self.timeout;
+        let (report, reports) = mpsc::channel();
+        // The connections being served, oldest first, to close when too many are held or when
+        // the exchange is over.
+        let mut held: BTreeMap<u64, TcpStream> = BTreeMap::new();
+        let mut accepted = 0u64;
         let mut served = vec![false; self.world_size];
         served[0] = true;
-        while served.iter().any(|done| !done) {
-            match listener.accept() {
-                Ok((stream, peer)) => match hand_over(stream, id, self.world_size, deadline) {
+        let outcome = loop {
+            while let Ok(Served {
+                connection,
+                peer,
+                outcome,
+            }) = reports.try_recv()
+            {
+                held.remove(&connection);
+                match outcome {
                     Ok(rank) if !served[rank] => {
                         served[rank] = true;
                         tracing::debug!(rank, %peer, "communicator Id handed over");
                     }
                     Ok(rank) => tracing::warn!(rank, %peer, "rank asked for the Id twice"),
-                    Err(why) => {
-                        tracing::warn!(%peer, "not a rank of this job asking for the Id: {why}")
+                    Err(why) => tracing::warn!(%peer, "dropped a peer asking for the Id: {why}"),
+                }
+            }
+            if served.iter().all(|done| *done) {
+                break Ok(());
+            }
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    if held.len() >= MAX_HELD_CONNECTIONS {
+                        if let Some((_, oldest)) = held.pop_first() {
+                            let _ = oldest.shutdown(Shutdown::Both);
+                            tracing::warn!(
+                                held = MAX_HELD_CONNECTIONS,
+                                "too many connections to the Id exchange at once: closed the \
+                                 one held longest"
+                            );
+                        }
                     }
-                },
+                    let connection = accepted;
+                    accepted += 1;
+                    match spawn_hand_over(stream, peer, connection, &serving, &report) {
+                        Ok(stream) => {
+                            held.insert(connection, stream);
+                        }
+                        Err(error) => tracing::warn!(%peer, "serving a peer: {error}"),
+                    }
+                    continue; // others may be waiting in the backlog
+                }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                    thread::sleep(Duration::from_millis(5))
+                    thread::sleep(Duration::from_millis(2))
                 }
                 Err(error) => tracing::warn!("accepting a rank: {error}"),
             }
-            if Instant::now() >= deadline && served.iter().any(|done| !done) {
+            if Instant::now() >= deadline {
                 let missing: Vec<String> = served
                     .iter()
                     .enumerate()
                     .filter(|(_, done)| !**done)
                     .map(|(rank, _)| rank.to_string())
                     .collect();
-                return Err(self.timeout_error(format!(
+                break Err(self.timeout_error(format!(
                     "ranks {} to fetch the Id on port {port}: are they running, with the same \
-                     MASTER_ADDR and port?",
-                    missing.join(", ")
+                     MASTER_ADDR and port{}?",
+                    missing.join(", "),
+                    if self.token.is_some() {
+                        " and the same job token"
+                    } else {
+                        ""
+                    }
                 )));
             }
+        };
+        // Whoever is still connected (a stranger, a rank asking twice) is done with.
+        for stream in held.values() {
+            let _ = stream.shutdown(Shutdown::Both);
         }
-        Ok(())
+        outcome
     }
 
-    /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id.
+    /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id. With a
+    /// token, every failure of the peer (one that does not prove it knows the token, a
+    /// refusal) is a WARN and another try until the timeout: a process posing as rank 0 cannot
+    /// end the exchange.
     fn fetch(&self, host: &str, port: u16) -> Result<[u8; ID_BYTES], ExchangeError> {
         let deadline = Instant::now() + self.timeout;
         let peer = format!("{host}:{port}");
+        let key = match &self.token {
+            Some(token) => Some(token.keyed().map_err(|source| ExchangeError::Io {
+                what: "preparing the job token".to_owned(),
+                source,
+            })?),
+            None => None,
+        };
         let mut last_error = None;
+        let mut last_refusal = None;
+        let mut pause = Duration::from_millis(20);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                if let Some(refusal) = last_refusal {
+                    return Err(refusal);
+                }
                 let why = last_error.map(|error: io::Error| format!(" (last: {error})"));
                 return Err(self.timeout_error(format!(
                     "rank 0 at {peer} to hand over the Id{}: is rank 0 running, and is \
@@ -475,12 +675,96 @@ impl IdExchange {
                 )));
             }
             match connect(host, port, left.min(Duration::from_secs(2))) {
-                Ok(stream) => return receive(stream, self.rank, left, &peer),
+                Ok(stream) => {
+                    let patience = left.min(CONNECTION_PATIENCE);
+                    match handshake::receive(stream, self.rank, key.as_ref(), patience, &peer) {
+                        Ok(id) => return Ok(id),
+                        Err(Failure::Io(error)) => last_error = Some(error),
+                        Err(Failure::Peer(error)) if key.is_none() => return Err(error),
+                        Err(Failure::Peer(error)) => {
+                            tracing::warn!(
+                                rank = self.rank,
+                                %peer,
+                                "{error}; dropped it, trying again until the timeout"
+                            );
+                            last_refusal = Some(error);
+                            // A peer that answers wrong answers at once: no need to ask it
+                            // fifty times a second.
+                            pause = (pause * 2)
+                                .clamp(Duration::from_millis(100), Duration::from_secs(1));
+                        }
+                        Err(Failure::Local(error)) => return Err(error),
+                    }
+                }
                 Err(error) => last_error = Some(error),
             }
-            thread::sleep(Duration::from_millis(20));
+            thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
         }
     }
+}
+
+/// Where rank 0 listens: loopback when `host` is only loopback addresses (one machine), so
+/// nothing outside the machine can reach it; else every interface.
+fn listen_address(host: &str) -> IpAddr {
+    let every = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    let Ok(addresses) = (host, 0).to_socket_addrs() else {
+        return every;
+    };
+    let addresses: Vec<SocketAddr> = addresses.collect();
+    if addresses.is_empty() || !addresses.iter().all(|address| address.ip().is_loopback()) {
+        return every;
+    }
+    addresses
+        .iter()
+        .map(SocketAddr::ip)
+        .find(IpAddr::is_ipv4)
+        .unwrap_or(addresses[0].ip())
+}
+
+/// What every connection's thread needs.
+struct Serving {
+    id: [u8; ID_BYTES],
+    world_size: usize,
+    key: Option<Keyed>,
+}
+
+/// A connection's thread's report to rank 0: the rank it served, or why it dropped the peer.
+struct Served {
+    connection: u64,
+    peer: SocketAddr,
+    outcome: Result<usize, String>,
+}
+
+/// Serves one connection on a thread of its own; returns a handle to close it early with.
+fn spawn_hand_over(
+    stream: TcpStream,
+    peer: SocketAddr,
+    connection: u64,
+    serving: &Arc<Serving>,
+    report: &mpsc::Sender<Served>,
+) -> io::Result<TcpStream> {
+    let handle = stream.try_clone()?;
+    let serving = Arc::clone(serving);
+    let report = report.clone();
+    thread::Builder::new()
+        .name("batch-size-id-exchange".to_owned())
+        .stack_size(256 << 10)
+        .spawn(move || {
+            let outcome = handshake::hand_over(
+                stream,
+                &serving.id,
+                serving.world_size,
+                serving.key.as_ref(),
+                CONNECTION_PATIENCE,
+            );
+            // Rank 0 may be gone (timed out): nobody to tell.
+            let _ = report.send(Served {
+                connection,
+                peer,
+                outcome,
+            });
+        })?;
+    Ok(handle)
 }
 
 impl fmt::Display for IdExchange {
@@ -503,97 +787,9 @@ fn connect(host: &str, port: u16, timeout: Duration) -> io::Result<TcpStream> {
     Err(last)
 }
 
-/// Rank 0's side of one connection: checks the greeting, sends the Id; returns the rank.
-fn hand_over(
-    mut stream: TcpStream,
-    id: &[u8; ID_BYTES],
-    world_size: usize,
-    deadline: Instant,
-) -> io::Result<usize> {
-    // A peer that connects and stays silent holds rank 0 (which serves one connection at a
-    // time) for a few seconds at most, and never past its deadline.
-    let patience = deadline
-        .saturating_duration_since(Instant::now())
-        .clamp(Duration::from_millis(1), Duration::from_secs(5));
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(patience))?;
-    stream.set_write_timeout(Some(patience))?;
-    let mut greeting = [0u8; 12];
-    stream.read_exact(&mut greeting)?;
-    if &greeting[..8] != MAGIC {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "wrong greeting"));
-    }
-    let rank = u32::from_le_bytes([greeting[8], greeting[9], greeting[10], greeting[11]]) as usize;
-    if rank == 0 || rank >= world_size {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("rank {rank} is not one of 1 to {}", world_size - 1),
-        ));
-    }
-    let mut answer = Vec::with_capacity(MAGIC.len() + ID_BYTES);
-    answer.extend_from_slice(MAGIC);
-    answer.extend_from_slice(id);
-    stream.write_all(&answer)?;
-    let _ = stream.shutdown(Shutdown::Write);
-    Ok(rank)
-}
-
-/// A rank's side: greets, reads the answer.
-fn receive(
-    mut stream: TcpStream,
-    rank: usize,
-    timeout: Duration,
-    peer: &str,
-) -> Result<[u8; ID_BYTES], ExchangeError> {
-    let io_error = |source| ExchangeError::Io {
-        what: format!("fetching the Id from rank 0 at {peer}"),
-        source,
-    };
-    let timeout = Some(timeout.max(Duration::from_millis(1)));
-    stream.set_read_timeout(timeout).map_err(io_error)?;
-    stream.set_write_timeout(timeout).map_err(io_error)?;
-    let rank = u32::try_from(rank).map_err(|_| ExchangeError::Malformed {
-        from: peer.to_owned(),
-        why: format!("rank {rank} is too large"),
-    })?;
-    let mut greeting = Vec::with_capacity(12);
-    greeting.extend_from_slice(MAGIC);
-    greeting.extend_from_slice(&rank.to_le_bytes());
-    stream.write_all(&greeting).map_err(io_error)?;
-    // The greeting is checked as soon as it is in: another service that answers something and
-    // keeps the connection open is told apart at once, not at the timeout.
-    let malformed = |why: &str| ExchangeError::Malformed {
-        from: peer.to_owned(),
-        why: why.to_owned(),
-    };
-    let read =
-        |stream: &mut TcpStream, buffer: &mut [u8], short: &str| match stream.read_exact(buffer) {
-            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => Err(malformed(short)),
-            other => other.map_err(io_error),
-        };
-    let mut magic = [0u8; MAGIC.len()];
-    read(
-        &mut stream,
-        &mut magic,
-        "it closed the connection without answering (is this rank in the job, below WORLD_SIZE?)",
-    )?;
-    if &magic != MAGIC {
-        return Err(malformed(
-            "it answered something else (is MASTER_PORT another service's, such as torchrun's \
-             store? set BATCH_SIZE_EXCHANGE_PORT to a free port, the same for every rank)",
-        ));
-    }
-    let mut id = [0u8; ID_BYTES];
-    read(
-        &mut stream,
-        &mut id,
-        "it closed the connection before the whole Id",
-    )?;
-    Ok(id)
-}
-
-/// Writes the Id as hex to a temporary file beside `path`, then renames it into place, so that
-/// a reader sees the whole Id or nothing.
+/// Writes the Id as hex to a temporary file beside `path`, created new and readable by its
+/// owner only (0600 on unix), then renames it into place, so that a reader sees the whole Id or
+/// nothing, and no other user sees it at all.
 fn write_file(path: &Path, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
     let mut text = String::with_capacity(2 * ID_BYTES + 1);
     for byte in id {
@@ -604,7 +800,6 @@ fn write_file(path: &Path, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_else(|| "nccl-id".to_owned());
-    let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     let io_error = |source| ExchangeError::Io {
         what: format!(
             "writing the Id to {} (is the folder there and writable by rank 0?)",
@@ -612,8 +807,23 @@ fn write_file(path: &Path, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
         ),
         source,
     };
-    fs::write(&temporary, text).map_err(io_error)?;
-    fs::rename(&temporary, path).map_err(|source| {
+    // A name no one can guess, created new: nothing that waits at that name (a file another
+    // user left, a link) is written through.
+    let unique = token::nonce().map_err(io_error)?;
+    let unique: String = unique[..8]
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect();
+    let temporary = path.with_file_name(format!(".{name}.{}.{unique}.tmp", std::process::id()));
+    let mut options = fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let written = options
+        .open(&temporary)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .and_then(|()| fs::rename(&temporary, path));
+    written.map_err(|source| {
         let _ = fs::remove_file(&temporary);
         io_error(source)
     })

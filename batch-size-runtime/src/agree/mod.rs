@@ -55,9 +55,11 @@ pub mod nccl;
 // One concept a file: the trait, the in-process ranks, the policy wrapper, one round of the
 // protocol, the safe point inside an attempt; the Id exchange and NCCL above.
 mod collective;
+mod handshake;
 mod policy;
 mod safe_point;
 mod threads;
+mod token;
 mod verdict;
 
 pub use collective::{AgreementError, Collective, ReduceOp};

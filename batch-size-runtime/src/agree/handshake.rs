@@ -1,0 +1,303 @@
+//! One connection of the TCP Id exchange, both sides: rank 0's [`hand_over`] and a rank's
+//! [`receive`].
+//!
+//! Without a token: the rank sends `BSIDXv1\n` and its rank (4 bytes, little-endian); rank 0
+//! answers `BSIDXv1\n` and the Id. With a token, a challenge and response in both directions:
+//!
+//! ```text
+//! rank   -> rank 0: BSIDXt1\n, rank, rank's nonce
+//! rank 0 -> rank  : BSIDXt1\n, rank 0's nonce, rank 0's proof      (the rank checks it)
+//! rank   -> rank 0: the rank's proof                               (rank 0 checks it)
+//! rank 0 -> rank  : BSIDXv1\n, the Id masked, its tag               (the rank checks the tag)
+//! ```
+//!
+//! Rank 0 answers a rank it will not serve with `BSIDXno\n` and a line saying why.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::time::Duration;
+
+use super::exchange::{
+    ExchangeError, ID_BYTES, MAGIC, MAGIC_TOKEN, MAX_REASON_BYTES, REFUSED, TOKEN_VARIABLE,
+};
+use super::token::{self, Keyed, Session, NONCE_BYTES, PROOF_BYTES, SEALED_BYTES};
+
+/// Why a try of a rank failed.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The connection failed, or closed with no answer: try again.
+    Io(io::Error),
+    /// The peer answered wrong or refused: an error at once without a token; with one, a WARN
+    /// and another try (a process posing as rank 0 must not end the exchange).
+    Peer(ExchangeError),
+    /// This rank cannot go on (no random numbers): an error at once.
+    Local(ExchangeError),
+}
+
+/// Rank 0's side of one connection: checks the greeting (and with a token, proves itself and
+/// checks the peer's proof), sends the Id; returns the rank, or why the peer was dropped.
+pub(crate) fn hand_over(
+    mut stream: TcpStream,
+    id: &[u8; ID_BYTES],
+    world_size: usize,
+    key: Option<&Keyed>,
+    patience: Duration,
+) -> Result<usize, String> {
+    let io = |error: io::Error| match error.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            format!("it did not finish the exchange within {patience:?}")
+        }
+        io::ErrorKind::UnexpectedEof => "it closed the connection half-way".to_owned(),
+        _ => error.to_string(),
+    };
+    let patience = Some(patience.max(Duration::from_millis(1)));
+    stream.set_nonblocking(false).map_err(io)?;
+    stream.set_read_timeout(patience).map_err(io)?;
+    stream.set_write_timeout(patience).map_err(io)?;
+    let mut magic = [0u8; MAGIC.len()];
+    stream.read_exact(&mut magic).map_err(io)?;
+    let with_token = match &magic {
+        MAGIC => false,
+        MAGIC_TOKEN => true,
+        _ => return Err("not a rank of this job: wrong greeting".to_owned()),
+    };
+    let mut rank = [0u8; 4];
+    stream.read_exact(&mut rank).map_err(io)?;
+    let rank_number = u32::from_le_bytes(rank);
+    let rank = rank_number as usize;
+    if rank == 0 || rank >= world_size {
+        let why = format!(
+            "rank {rank} is not one of 1 to {}: is RANK below WORLD_SIZE, and WORLD_SIZE the \
+             same on every rank?",
+            world_size - 1
+        );
+        refuse(&mut stream, &why);
+        return Err(why);
+    }
+    let key = match (with_token, key) {
+        (false, None) => {
+            let mut answer = Vec::with_capacity(MAGIC.len() + ID_BYTES);
+            answer.extend_from_slice(MAGIC);
+            answer.extend_from_slice(id);
+            stream.write_all(&answer).map_err(io)?;
+            let _ = stream.shutdown(Shutdown::Write);
+            return Ok(rank);
+        }
+        (false, Some(_)) => {
+            refuse(
+                &mut stream,
+                &format!(
+                    "rank 0 requires the job token, and this rank has none: set \
+                     {TOKEN_VARIABLE} to the same secret on every rank"
+                ),
+            );
+            return Err(format!("rank {rank} came without the job token"));
+        }
+        (true, None) => {
+            refuse(
+                &mut stream,
+                &format!(
+                    "rank 0 has no job token, and this rank has one: set {TOKEN_VARIABLE} to \
+                     the same secret on every rank, rank 0 included"
+                ),
+            );
+            return Err(format!(
+                "rank {rank} came with a job token, and rank 0 has none: set {TOKEN_VARIABLE} \
+                 here too"
+            ));
+        }
+        (true, Some(key)) => key,
+    };
+    let mut rank_nonce = [0u8; NONCE_BYTES];
+    stream.read_exact(&mut rank_nonce).map_err(io)?;
+    let session = Session {
+        rank: rank_number,
+        rank_nonce,
+        rank_0_nonce: token::nonce().map_err(|error| error.to_string())?,
+    };
+    let mut challenge = Vec::with_capacity(MAGIC_TOKEN.len() + NONCE_BYTES + PROOF_BYTES);
+    challenge.extend_from_slice(MAGIC_TOKEN);
+    challenge.extend_from_slice(&session.rank_0_nonce);
+    challenge.extend_from_slice(&key.rank_0_proof(&session));
+    stream.write_all(&challenge).map_err(io)?;
+    let mut proof = [0u8; PROOF_BYTES];
+    stream.read_exact(&mut proof).map_err(|error| {
+        if error.kind() == io::ErrorKind::UnexpectedEof {
+            format!(
+                "rank {rank} closed the connection instead of proving that it knows the job \
+                 token (it may hold another one: is {TOKEN_VARIABLE} the same on every rank?)"
+            )
+        } else {
+            io(error)
+        }
+    })?;
+    if !key.is_rank_proof(&session, &proof) {
+        refuse(
+            &mut stream,
+            &format!(
+                "this rank's proof does not match rank 0's job token: is {TOKEN_VARIABLE} the \
+                 same on every rank?"
+            ),
+        );
+        return Err(format!(
+            "the peer claiming rank {rank} did not prove that it knows the job token (another \
+             token, or an answer replayed from another connection)"
+        ));
+    }
+    let mut answer = Vec::with_capacity(MAGIC.len() + SEALED_BYTES);
+    answer.extend_from_slice(MAGIC);
+    answer.extend_from_slice(&key.seal(&session, id));
+    stream.write_all(&answer).map_err(io)?;
+    let _ = stream.shutdown(Shutdown::Write);
+    Ok(rank)
+}
+
+/// Tells the peer why it gets nothing, as far as it listens.
+fn refuse(stream: &mut TcpStream, why: &str) {
+    let mut answer = Vec::with_capacity(REFUSED.len() + why.len() + 1);
+    answer.extend_from_slice(REFUSED);
+    answer.extend_from_slice(why.as_bytes());
+    answer.push(b'\n');
+    let _ = stream.write_all(&answer);
+    let _ = stream.shutdown(Shutdown::Write);
+}
+
+/// A rank's side of one connection: greets (and with a token, checks rank 0's proof and proves
+/// itself), reads the Id.
+pub(crate) fn receive(
+    mut stream: TcpStream,
+    rank: usize,
+    key: Option<&Keyed>,
+    patience: Duration,
+    peer: &str,
+) -> Result<[u8; ID_BYTES], Failure> {
+    let patience = Some(patience.max(Duration::from_millis(1)));
+    stream.set_read_timeout(patience).map_err(Failure::Io)?;
+    stream.set_write_timeout(patience).map_err(Failure::Io)?;
+    let rank = u32::try_from(rank).map_err(|_| {
+        Failure::Local(ExchangeError::Malformed {
+            from: peer.to_owned(),
+            why: format!("rank {rank} is too large"),
+        })
+    })?;
+    let malformed = |why: &str| {
+        Failure::Peer(ExchangeError::Malformed {
+            from: peer.to_owned(),
+            why: why.to_owned(),
+        })
+    };
+    let unauthenticated = |why: String| {
+        Failure::Peer(ExchangeError::Unauthenticated {
+            peer: peer.to_owned(),
+            why,
+        })
+    };
+    let Some(key) = key else {
+        let mut greeting = Vec::with_capacity(MAGIC.len() + 4);
+        greeting.extend_from_slice(MAGIC);
+        greeting.extend_from_slice(&rank.to_le_bytes());
+        stream.write_all(&greeting).map_err(Failure::Io)?;
+        // The greeting is checked as soon as it is in: another service that answers something
+        // and keeps the connection open is told apart at once, not at the timeout.
+        expect(&mut stream, MAGIC, peer)?;
+        let mut id = [0u8; ID_BYTES];
+        read(&mut stream, &mut id, || {
+            malformed("it closed the connection before the whole Id")
+        })?;
+        return Ok(id);
+    };
+    let session_nonce = token::nonce().map_err(|source| {
+        Failure::Local(ExchangeError::Io {
+            what: "drawing a nonce for the job token's challenge".to_owned(),
+            source,
+        })
+    })?;
+    let mut greeting = Vec::with_capacity(MAGIC_TOKEN.len() + 4 + NONCE_BYTES);
+    greeting.extend_from_slice(MAGIC_TOKEN);
+    greeting.extend_from_slice(&rank.to_le_bytes());
+    greeting.extend_from_slice(&session_nonce);
+    stream.write_all(&greeting).map_err(Failure::Io)?;
+    expect(&mut stream, MAGIC_TOKEN, peer)?;
+    let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
+    read(&mut stream, &mut challenge, || {
+        malformed("it closed the connection before the whole challenge")
+    })?;
+    let mut session = Session {
+        rank,
+        rank_nonce: session_nonce,
+        rank_0_nonce: [0; NONCE_BYTES],
+    };
+    session
+        .rank_0_nonce
+        .copy_from_slice(&challenge[..NONCE_BYTES]);
+    if !key.is_rank_0_proof(&session, &challenge[NONCE_BYTES..]) {
+        return Err(unauthenticated(format!(
+            "did not prove that it knows the job token: either {TOKEN_VARIABLE} differs between \
+             this rank and rank 0 (it must be the same secret on every rank), or a process \
+             other than rank 0 answers on this port"
+        )));
+    }
+    stream
+        .write_all(&key.rank_proof(&session))
+        .map_err(Failure::Io)?;
+    expect(&mut stream, MAGIC, peer)?;
+    let mut sealed = [0u8; SEALED_BYTES];
+    read(&mut stream, &mut sealed, || {
+        malformed("it closed the connection before the whole Id")
+    })?;
+    key.open(&session, &sealed).ok_or_else(|| {
+        unauthenticated(
+            "sent an Id whose tag does not match the job token (changed on the way?)".to_owned(),
+        )
+    })
+}
+
+/// Reads `buffer` whole; an end of stream is `short()`.
+fn read(
+    stream: &mut TcpStream,
+    buffer: &mut [u8],
+    short: impl FnOnce() -> Failure,
+) -> Result<(), Failure> {
+    match stream.read_exact(buffer) {
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => Err(short()),
+        other => other.map_err(Failure::Io),
+    }
+}
+
+/// Reads the next 8 bytes, which must be `magic`; a refusal comes back with rank 0's reason.
+fn expect(stream: &mut TcpStream, magic: &[u8; 8], peer: &str) -> Result<(), Failure> {
+    let mut got = [0u8; 8];
+    match stream.read_exact(&mut got) {
+        Ok(()) => {}
+        // Rank 0 closes connections it cannot hold (too many at once): another try may do.
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(Failure::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "it closed the connection without answering",
+            )))
+        }
+        Err(error) => return Err(Failure::Io(error)),
+    }
+    if &got == magic {
+        return Ok(());
+    }
+    if &got == REFUSED {
+        let mut reason = Vec::new();
+        let _ = stream.take(MAX_REASON_BYTES).read_to_end(&mut reason);
+        // The peer's words go into logs and errors: no control characters.
+        let why: String = String::from_utf8_lossy(&reason)
+            .chars()
+            .filter(|character| !character.is_control())
+            .collect();
+        return Err(Failure::Peer(ExchangeError::Refused {
+            peer: peer.to_owned(),
+            why,
+        }));
+    }
+    Err(Failure::Peer(ExchangeError::Malformed {
+        from: peer.to_owned(),
+        why: "it answered something else (is MASTER_PORT another service's, such as torchrun's \
+              store? set BATCH_SIZE_EXCHANGE_PORT to a free port, the same for every rank)"
+            .to_owned(),
+    }))
+}
