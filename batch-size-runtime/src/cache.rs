@@ -59,12 +59,28 @@ pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";
 pub struct CacheEntry {
     /// The whole key (also the check that the file is this entry's).
     pub key: String,
-    /// The size that fit last.
+    /// The size that fit last: the size a search returned (a tuner's, with its margin).
     pub fits: usize,
+    /// The largest size that ran, when it was above `fits` (a tuner's, before its margin);
+    /// absent in entries written before it was kept.
+    #[serde(default)]
+    pub largest_fit: Option<usize>,
     /// The smallest size that ran out of memory, if one did.
     pub failed_at: Option<usize>,
     /// Free bytes on the device when the entry was written (0 where unknown).
     pub free_when_written: u64,
+}
+
+thread_local! {
+    /// The last search on this thread that ran its cached size and returned it: the largest size
+    /// its entry kept (for a tuner's `largest_fit()`).
+    static LAST_HIT: std::cell::Cell<Option<Option<usize>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Takes what the last cache hit on this thread left: `Some(largest_fit)` of its entry, `None`
+/// when no search has returned a cached size since the last call.
+pub(crate) fn take_last_hit() -> Option<Option<usize>> {
+    LAST_HIT.with(std::cell::Cell::take)
 }
 
 static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
@@ -278,19 +294,26 @@ impl<P: SizePolicy> Cached<P> {
         let Some(fits) = history.batch_size() else {
             return;
         };
-        let earlier_failure = self
-            .entry
-            .as_ref()
-            .filter(|entry| !self.more_room(entry))
-            .and_then(|entry| entry.failed_at);
+        let earlier = self.entry.as_ref().filter(|entry| !self.more_room(entry));
+        let earlier_failure = earlier.and_then(|entry| entry.failed_at);
         let failed_at = match (history.smallest_out_of_memory(), earlier_failure) {
             (Some(now), Some(before)) => Some(now.min(before)),
             (now, before) => now.or(before),
         }
         .filter(|&failed| failed > fits);
+        // A rerun from the cache runs `fits` only: the largest that ran when the entry was
+        // written stays, unless something at or below it failed since.
+        let earlier_largest = earlier
+            .and_then(|entry| entry.largest_fit)
+            .filter(|&largest| failed_at.is_none_or(|failed| largest < failed));
+        let largest_fit = history
+            .largest_success()
+            .max(earlier_largest)
+            .filter(|&largest| largest > fits);
         let entry = CacheEntry {
             key: self.key.clone(),
             fits,
+            largest_fit,
             failed_at,
             free_when_written: self.free_now,
         };
@@ -342,6 +365,10 @@ impl<P: SizePolicy> SizePolicy for Cached<P> {
         };
         if decision == Decision::Accept {
             self.remember(history);
+            if cached_and_ran {
+                let largest_fit = self.entry.as_ref().and_then(|entry| entry.largest_fit);
+                LAST_HIT.with(|hit| hit.set(Some(largest_fit)));
+            }
         }
         decision
     }

@@ -82,6 +82,17 @@ pub enum StopReason {
     /// with an error that is not out-of-memory, or the ranks could not reach each other
     /// ([`agree`](crate::agree)).
     Agreement(String),
+    /// A tuner's trials showed the same peak memory at sizes far apart (the larger at least 16
+    /// times the smaller): the trial ignores its size or runs no step, and every size would
+    /// "fit" (Lightning #21903 and #13851).
+    MemoryDoesNotGrow {
+        /// The smaller size.
+        smaller: usize,
+        /// The larger size, whose peak was no higher.
+        larger: usize,
+        /// The peak bytes at the larger size.
+        peak: u64,
+    },
 }
 
 impl fmt::Display for StopReason {
@@ -102,6 +113,14 @@ impl fmt::Display for StopReason {
                 f.write_str("the policy accepted before any attempt succeeded")
             }
             StopReason::Policy(why) | StopReason::Agreement(why) => f.write_str(why),
+            StopReason::MemoryDoesNotGrow {
+                smaller,
+                larger,
+                peak,
+            } => write!(
+                f,
+                "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {peak} bytes at {larger}, no more than at {smaller})"
+            ),
         }
     }
 }

@@ -246,7 +246,7 @@ pub use plan::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
 pub use policy::{Decision, SizePolicy};
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use reduce::{FailedAttempt, Reduction};
-pub use runners::tuner::{Tuned, Tuner};
+pub use runners::tuner::{Choice, Tuned, Tuner};
 pub use runners::{chunked, effective as plan};
 pub use simulated::{SimAllocation, SimulatedDevice};
 pub use unwind::{set_quiet_oom_panics, CatchUnwind};

@@ -1,20 +1,38 @@
 //! A tuner that finds the largest batch size in a few short trials before training: probe
 //! small sizes, fit memory against the size from their peaks, jump close to the predicted limit,
-//! confirm, and bisect only what is left; then keep a margin, and run that size too.
+//! confirm, and bisect only what is left; then keep a margin, and run that size too. It times
+//! every trial, so that it can also name the fastest size (samples per second), and return it
+//! instead of the largest.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 use crate::memory::Release;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
+use crate::StopReason;
 
 /// Finds the largest batch size whose trial runs, in few trials.
 ///
-/// Each trial is a call of your closure with a size: run a few training steps **on the longest
-/// inputs** (the memory of a batch grows with its sequences: lhotse and OpenNMT probe the
-/// longest batch first), and return as an attempt would. Out-of-memory errors and panics are
-/// recognised as everywhere in this crate; memory is released between trials.
+/// Each trial is a call of your closure with a size: run a few training steps **at that size,
+/// on the longest inputs** (the memory of a batch grows with its sequences: lhotse and OpenNMT
+/// probe the longest batch first), and return as an attempt would. Out-of-memory errors and
+/// panics are recognised as everywhere in this crate; memory is released between trials.
 ///
+/// # What a trial must do
+/// Allocate what a real step at that size allocates: a trial that ignores its size, or runs no
+/// step (Lightning #21903 and #13851: trials that ran zero batches all "succeeded"), fits at
+/// every size, and the size found then runs out of memory in training. Where the release backend
+/// reads the device's peak memory, the tuner checks it: the same peak at two sizes at least 16
+/// times apart stops it with [`StopReason::MemoryDoesNotGrow`] ("the trial's memory does not
+/// grow with the batch size: does it run a step at the size it is given?"). Without figures
+/// ([`Release::none()`], errors that carry none) nothing can check it: make sure the trial
+/// builds its batch from the size it is given and runs at least one forward and backward pass.
+///
+/// # How it searches
 /// With memory figures (the release backend reads the device, or the errors carry them), it
 /// probes two small sizes, fits memory = fixed + per-sample × size to their peaks, jumps to the
 /// predicted limit, and bisects only between the largest size that ran and the smallest that
@@ -23,9 +41,18 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// size's trial is run too. It never returns a size larger than one whose trial succeeded, and
 /// never tries one above `with_max`.
 ///
+/// # Throughput
+/// Every successful trial is timed ([`with_clock`](Self::with_clock); by default the wall
+/// clock), and [`Tuned::throughput`] gives samples per second per size. With
+/// [`Choice::Fastest`] the tuner then runs sizes of powers of two below the margin's size,
+/// downwards, until the throughput drops by more than the tolerance (Ludwig's
+/// `batch_size_tuner.py` scores sizes the same way, upwards), and returns the smallest size
+/// within the tolerance of the best. With the default [`Choice::Largest`] no trial is added:
+/// [`Tuned::fastest`] is judged over the sizes the search ran.
+///
 /// # Default
 /// `min` 1, no `max`, `margin` 0.05 (as Lightning's), `max_trials` 25, release
-/// [`Release::cuda()`], no cache.
+/// [`Release::cuda()`], no cache, [`Choice::Largest`], tolerance 0.02, the wall clock.
 ///
 /// ```
 /// use batch_size_runtime::{SimulatedDevice, Tuner};
@@ -43,7 +70,6 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// assert!(tuned.report().len() <= 6);                      // Lightning's binsearch: 13 trials
 /// # Ok::<(), anyhow::Error>(())
 /// ```
-#[derive(Debug)]
 #[must_use = "a tuner does nothing until it is run"]
 pub struct Tuner {
     min: usize,
@@ -52,18 +78,62 @@ pub struct Tuner {
     max_trials: usize,
     release: Option<Release>,
     cache: Option<(String, Option<std::path::PathBuf>)>,
+    choice: Choice,
+    tolerance: f64,
+    clock: Option<Clock>,
+}
+
+type Clock = Box<dyn FnMut() -> Duration + Send>;
+
+impl std::fmt::Debug for Tuner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tuner")
+            .field("min", &self.min)
+            .field("max", &self.max)
+            .field("margin", &self.margin)
+            .field("max_trials", &self.max_trials)
+            .field("release", &self.release)
+            .field("cache", &self.cache)
+            .field("choice", &self.choice)
+            .field("tolerance", &self.tolerance)
+            .field("clock", &self.clock.as_ref().map(|_| "custom"))
+            .finish()
+    }
+}
+
+/// Which size a [`Tuner`] returns as [`Tuned::batch_size`].
+///
+/// ```
+/// use batch_size_runtime::{Choice, Tuner};
+/// let tuner = Tuner::new().choose(Choice::Fastest);
+/// # let _ = tuner;
+/// assert_eq!(Choice::default(), Choice::Largest);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Choice {
+    /// The largest size that fit, less the margin (Lightning's, Accelerate's answer).
+    #[default]
+    Largest,
+    /// The smallest size within the tolerance of the best samples per second measured, at or
+    /// below the largest less the margin: past a point a larger batch is no faster.
+    Fastest,
 }
 
 /// What a [`Tuner`] found.
 #[derive(Debug, Clone)]
 pub struct Tuned {
     batch_size: usize,
+    largest: usize,
     largest_fit: usize,
+    fastest: usize,
+    throughput: Vec<(usize, f64)>,
     report: SearchReport,
 }
 
 impl Tuned {
-    /// The size to train with: the largest that fit, less the margin (its trial ran too).
+    /// The size to train with: by default the largest that fit, less the margin (its trial ran
+    /// too); with [`Choice::Fastest`], [`fastest()`](Self::fastest).
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -75,7 +145,21 @@ impl Tuned {
         self.batch_size
     }
 
-    /// The largest size whose trial succeeded.
+    /// The largest size that fit, less the margin, whichever [`Choice`] was made. On a rerun from
+    /// the cache, computed from the largest size that fit when the entry was written.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Choice, Tuner};
+    /// let tuned = Tuner::new().with_max(64).choose(Choice::Fastest).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(tuned.largest(), 60);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn largest(&self) -> usize {
+        self.largest
+    }
+
+    /// The largest size whose trial succeeded; on a rerun from the cache, the largest that
+    /// succeeded when the entry was written.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -85,6 +169,59 @@ impl Tuned {
     /// ```
     pub fn largest_fit(&self) -> usize {
         self.largest_fit
+    }
+
+    /// Samples per second measured at each size, by size: the size over the trial's time (the
+    /// quickest trial where a size ran twice). Sizes whose trial failed, or took no measurable
+    /// time, are absent.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use batch_size_runtime::Tuner;
+    /// let mut now = Duration::ZERO;
+    /// let tuned = Tuner::new()
+    ///     .with_max(8)
+    ///     .with_margin(0.0)
+    ///     .with_clock(move || { now += Duration::from_millis(50); now }) // 50 ms a trial
+    ///     .run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(tuned.throughput()[0], (1, 20.0)); // 1 sample in 50 ms
+    /// assert_eq!(tuned.throughput().last(), Some(&(8, 160.0)));
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn throughput(&self) -> &[(usize, f64)] {
+        &self.throughput
+    }
+
+    /// The smallest size, at or below [`largest()`](Self::largest), whose samples per second
+    /// are within the tolerance (default 2 %) of the best measured there; `largest()` when
+    /// nothing was measured. It is judged over the sizes that ran: with [`Choice::Largest`]
+    /// these are only the search's own trials, with [`Choice::Fastest`] powers of two below
+    /// the largest were run for it.
+    ///
+    /// ```
+    /// # use std::sync::{Arc, atomic::{AtomicU64, Ordering}};
+    /// # use std::time::Duration;
+    /// use batch_size_runtime::{Choice, OutOfMemory, Tuner};
+    ///
+    /// // A step takes 1 ms up to 64 samples, then longer in proportion: 64 000 samples/s at most.
+    /// let micros = Arc::new(AtomicU64::new(0));
+    /// let clock = Arc::clone(&micros);
+    /// let tuned = Tuner::new()
+    ///     .choose(Choice::Fastest)
+    ///     .with_release(batch_size_runtime::Release::none())
+    ///     .with_clock(move || Duration::from_micros(clock.load(Ordering::Relaxed)))
+    ///     .run(|size| -> anyhow::Result<()> {
+    ///         if size > 200 { Err(OutOfMemory::new())? }
+    ///         micros.fetch_add(1000 * size.max(64) as u64 / 64, Ordering::Relaxed);
+    ///         Ok(())
+    ///     })?;
+    /// assert_eq!(tuned.fastest(), 64);
+    /// assert_eq!(tuned.batch_size(), 64);
+    /// assert_eq!(tuned.largest_fit(), 200);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn fastest(&self) -> usize {
+        self.fastest
     }
 
     /// Every trial, in order.
@@ -108,7 +245,6 @@ impl Default for Tuner {
         Tuner::new()
     }
 }
-
 impl Tuner {
     /// A tuner with the defaults.
     ///
@@ -125,6 +261,9 @@ impl Tuner {
             max_trials: 25,
             release: None,
             cache: None,
+            choice: Choice::Largest,
+            tolerance: 0.02,
+            clock: None,
         }
     }
 
@@ -229,35 +368,95 @@ impl Tuner {
         self
     }
 
+    /// Which size [`Tuned::batch_size`] is: [`Choice::Largest`] (the default) or
+    /// [`Choice::Fastest`], which runs a few more trials to measure sizes below the largest.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{Choice, Tuner};
+    /// // Every size takes the same time: the largest is the fastest.
+    /// let tuned = Tuner::new().with_max(100).choose(Choice::Fastest).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(tuned.batch_size(), tuned.largest());
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn choose(mut self, choice: Choice) -> Self {
+        self.choice = choice;
+        self
+    }
+
+    /// How far below the best samples per second a size may be and still count as fastest
+    /// (0 ≤ tolerance < 1; default 0.02).
+    ///
+    /// ```
+    /// # use batch_size_runtime::Tuner;
+    /// let tuner = Tuner::new().with_tolerance(0.05);
+    /// # let _ = tuner;
+    /// ```
+    pub fn with_tolerance(mut self, tolerance: f64) -> Self {
+        self.tolerance = tolerance;
+        self
+    }
+
+    /// What times the trials: the time since any fixed instant, read before and after each
+    /// trial (default: [`Instant`]). A simulated clock makes throughput testable; a clock that
+    /// synchronizes the device first makes it exact where the device runs asynchronously.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use batch_size_runtime::Tuner;
+    /// let mut now = Duration::ZERO;
+    /// let tuned = Tuner::new()
+    ///     .with_max(4)
+    ///     .with_clock(move || { now += Duration::from_secs(1); now })
+    ///     .run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(tuned.throughput()[0], (1, 1.0)); // one sample a second
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'static) -> Self {
+        self.clock = Some(Box::new(clock));
+        self
+    }
+
     /// Runs the trials. Takes the error types every runner takes ([`AttemptError`] and
     /// `From<NoExecutableBatchSize>`): a trial that fails with an error that is not
     /// out-of-memory ends the tuning and the error comes back unchanged; a panic that is not
-    /// out-of-memory resumes; when not even `min` fits, `E::from(NoExecutableBatchSize)`.
+    /// out-of-memory resumes; when not even `min` fits, or the trial's memory does not grow
+    /// with its size, `E::from(NoExecutableBatchSize)`.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
     /// let error = Tuner::new().run(|_| -> anyhow::Result<()> { anyhow::bail!("no data") }).unwrap_err();
     /// assert_eq!(error.to_string(), "no data"); // your error, not a string in another one
     /// ```
-    pub fn run<T, E, M>(self, trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
+    pub fn run<T, E, M>(self, mut trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
     where
         E: AttemptError<M>,
     {
-        let margin = self.margin;
+        let (margin, tolerance, min) = (self.margin, self.tolerance, self.min.max(1));
+        let shared = Arc::new(Shared::default());
         let policy = TunerPolicy {
-            min: self.min.max(1),
+            min,
             max: self.max,
             margin,
             max_trials: self.max_trials,
             phase: Phase::Probing,
+            choice: self.choice,
+            tolerance,
+            kept: 0,
+            below: 0,
+            shared: Arc::clone(&shared),
         };
-        let mut search = BatchSizeSearch::new(self.min.max(1))
+        let mut search = BatchSizeSearch::new(min)
             .with_label("tuner")
             .with_min(self.min)
             .with_policy(policy);
         if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
             search.invalidate(format!(
                 "`margin` must be at least 0 and below 1, got {margin}"
+            ));
+        }
+        if !(tolerance.is_finite() && (0.0..1.0).contains(&tolerance)) {
+            search.invalidate(format!(
+                "`tolerance` must be at least 0 and below 1, got {tolerance}"
             ));
         }
         if self.max_trials == 0 {
@@ -267,20 +466,112 @@ impl Tuner {
             search = search.with_release(release);
         }
         if let Some((key, dir)) = self.cache {
+            // The fastest size is another answer than the largest: another entry.
+            let key = match self.choice {
+                Choice::Largest => key,
+                Choice::Fastest => format!("{key} | fastest"),
+            };
             search = search.with_cache(key);
             if let Some(dir) = dir {
                 search = search.with_cache_dir(dir);
             }
         }
-        let (result, report) = search.run_with_report(trial);
+        let mut clock = self.clock.unwrap_or_else(|| {
+            let origin = Instant::now();
+            Box::new(move || origin.elapsed())
+        });
+        let timings = Arc::clone(&shared);
+        let _ = crate::cache::take_last_hit();
+        let (result, report) = search.run_with_report(move |size| {
+            let start = clock();
+            let result = trial(size);
+            if result.is_ok() {
+                timings.record(size, clock().saturating_sub(start));
+            }
+            result
+        });
+        let hit = crate::cache::take_last_hit();
         result?;
-        let largest_fit = report.largest_success().unwrap_or(0);
-        let batch_size = report.batch_size().unwrap_or(largest_fit);
+        let ran_largest = report.largest_success().unwrap_or(0);
+        let batch_size = report.batch_size().unwrap_or(ran_largest);
+        // A rerun from the cache ran one size: what was measured is in the entry. (The policy
+        // was never asked for a first size then; a search nested in a trial may have left the
+        // hit otherwise.)
+        let from_cache = hit.filter(|_| !shared.asked_first.load(Ordering::Relaxed));
+        let (largest_fit, largest) = match from_cache {
+            Some(entry_largest) => {
+                let largest_fit = entry_largest.unwrap_or(ran_largest).max(ran_largest);
+                (largest_fit, kept_size(largest_fit, margin, min))
+            }
+            None => match shared.kept.load(Ordering::Relaxed) {
+                0 => (ran_largest, batch_size),
+                kept => (ran_largest, kept),
+            },
+        };
+        let throughput = shared.throughput();
+        let fastest = fastest(&throughput, largest, tolerance).unwrap_or(largest);
         Ok(Tuned {
             batch_size,
+            largest,
             largest_fit,
+            fastest,
+            throughput,
             report,
         })
+    }
+}
+
+/// The size kept with the margin below `largest`.
+fn kept_size(largest: usize, margin: f64, min: usize) -> usize {
+    let target = ((largest as f64) * (1.0 - margin)).floor() as usize;
+    target.max(min).min(largest)
+}
+
+/// The smallest size at or below `kept` within `tolerance` of the best throughput there.
+fn fastest(throughput: &[(usize, f64)], kept: usize, tolerance: f64) -> Option<usize> {
+    let candidates = throughput.iter().filter(|(size, _)| *size <= kept);
+    let best = candidates
+        .clone()
+        .map(|(_, rate)| *rate)
+        .fold(0.0, f64::max);
+    candidates
+        .filter(|(_, rate)| *rate >= best * (1.0 - tolerance))
+        .map(|(size, _)| *size)
+        .min()
+}
+
+/// What the timed trials and the policy share.
+#[derive(Debug, Default)]
+struct Shared {
+    /// The quickest successful trial at each size.
+    timings: Mutex<Vec<(usize, Duration)>>,
+    /// The policy chose a first size (not so on a rerun from the cache).
+    asked_first: AtomicBool,
+    /// The margin's size, once its trial ran (0 before).
+    kept: AtomicUsize,
+}
+
+impl Shared {
+    fn record(&self, size: usize, elapsed: Duration) {
+        if elapsed.is_zero() {
+            return;
+        }
+        let mut timings = self.timings.lock().unwrap_or_else(PoisonError::into_inner);
+        match timings.iter_mut().find(|(ran, _)| *ran == size) {
+            Some((_, quickest)) => *quickest = (*quickest).min(elapsed),
+            None => timings.push((size, elapsed)),
+        }
+    }
+
+    /// Samples per second at each size, by size.
+    fn throughput(&self) -> Vec<(usize, f64)> {
+        let timings = self.timings.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut rates: Vec<(usize, f64)> = timings
+            .iter()
+            .map(|&(size, elapsed)| (size, size as f64 / elapsed.as_secs_f64()))
+            .collect();
+        rates.sort_by_key(|&(size, _)| size);
+        rates
     }
 }
 
@@ -292,6 +583,10 @@ enum Phase {
     Bisecting,
     /// The margin's size is being confirmed.
     Confirming,
+    /// For the fastest size: powers of two below the margin's size, downwards.
+    Descending,
+    /// The fastest size runs last, so that it is the search's answer (and the cache's).
+    Final,
 }
 
 #[derive(Debug)]
@@ -301,6 +596,13 @@ struct TunerPolicy {
     margin: f64,
     max_trials: usize,
     phase: Phase,
+    choice: Choice,
+    tolerance: f64,
+    /// The margin's size, once it ran.
+    kept: usize,
+    /// While descending: the last size measured.
+    below: usize,
+    shared: Arc<Shared>,
 }
 
 /// Bytes in use during a successful trial: what was in use outside the pool before it, plus
@@ -313,6 +615,43 @@ fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
         .saturating_sub(start.free)
         .saturating_sub(start.pool_reserved.unwrap_or(0));
     Some((outside.saturating_add(end.peak?), end.total))
+}
+
+/// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
+/// apart that a small model's growth is not lost in an allocator's rounding (2 MiB blocks hide
+/// under 140 KiB a sample at 16×).
+const FLAT_MEMORY_SPAN: usize = 16;
+
+/// The last trial's peak is no higher than that of a size at most 1/16 of it (or the other way
+/// round): the trial's memory does not depend on its size.
+fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
+    let last = history.last().filter(|last| last.outcome.is_success())?;
+    let (peak, _) = peak_bytes(last)?;
+    history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_success())
+        .filter_map(|attempt| Some((attempt.batch_size, peak_bytes(attempt)?.0)))
+        .find_map(|(size, other_peak)| {
+            let (smaller, larger, small_peak, large_peak) = if size < last.batch_size {
+                (size, last.batch_size, other_peak, peak)
+            } else {
+                (last.batch_size, size, peak, other_peak)
+            };
+            (larger >= smaller.saturating_mul(FLAT_MEMORY_SPAN) && large_peak <= small_peak)
+                .then_some(StopReason::MemoryDoesNotGrow {
+                    smaller,
+                    larger,
+                    peak: large_peak,
+                })
+        })
+}
+
+/// The largest power of two below `size` (0 for 1 and 0).
+fn power_of_two_below(size: usize) -> usize {
+    match size {
+        0 | 1 => 0,
+        _ => 1 << (usize::BITS - 1 - (size - 1).leading_zeros()),
+    }
 }
 
 impl TunerPolicy {
@@ -346,24 +685,89 @@ impl TunerPolicy {
         (limit.is_finite() && limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
     }
 
-    /// The end: the margin's size if it has not run yet, else accept.
+    /// The end of the search for the largest: the margin's size if it has not run yet.
     fn finish(&mut self, history: &SearchReport) -> Decision {
         let largest = history.largest_success().unwrap_or(0);
-        let target = ((largest as f64) * (1.0 - self.margin)).floor() as usize;
-        let target = target.max(self.min).min(largest);
-        let last_ran = history
-            .last()
-            .is_some_and(|last| last.outcome.is_success() && last.batch_size == target);
-        if self.phase == Phase::Confirming || last_ran || target == 0 {
+        let target = kept_size(largest, self.margin, self.min);
+        if target == 0 {
             return Decision::Accept;
+        }
+        if ran_last(history, target) {
+            return self.kept(history, target);
         }
         self.phase = Phase::Confirming;
         Decision::Try(target)
+    }
+
+    /// The margin's size ran: the answer, or the start of the search for the fastest.
+    fn kept(&mut self, history: &SearchReport, size: usize) -> Decision {
+        self.kept = size;
+        self.shared.kept.store(size, Ordering::Relaxed);
+        if self.choice == Choice::Largest {
+            return Decision::Accept;
+        }
+        self.phase = Phase::Descending;
+        self.below = size;
+        self.descend(history)
+    }
+
+    /// Powers of two below the margin's size, downwards, until one is slower than the best by
+    /// more than the tolerance; sizes measured already are not run again.
+    fn descend(&mut self, history: &SearchReport) -> Decision {
+        if history
+            .last()
+            .is_some_and(|last| !last.outcome.is_success())
+        {
+            return self.conclude(history);
+        }
+        let throughput = self.shared.throughput();
+        let rate = |size: usize| {
+            throughput
+                .iter()
+                .find(|(measured, _)| *measured == size)
+                .map(|(_, rate)| *rate)
+        };
+        let best = throughput
+            .iter()
+            .filter(|(size, _)| *size <= self.kept)
+            .map(|(_, rate)| *rate)
+            .fold(0.0, f64::max);
+        loop {
+            if self.below < self.kept
+                && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.tolerance))
+            {
+                return self.conclude(history);
+            }
+            let next = power_of_two_below(self.below);
+            if next < self.min || next == 0 {
+                return self.conclude(history);
+            }
+            self.below = next;
+            if rate(next).is_none() {
+                // One trial is kept for the fastest size.
+                if history.len() + 2 > self.max_trials {
+                    return self.conclude(history);
+                }
+                return Decision::Try(next);
+            }
+        }
+    }
+
+    /// The fastest size runs last, unless it just ran or no trial is left.
+    fn conclude(&mut self, history: &SearchReport) -> Decision {
+        let chosen =
+            fastest(&self.shared.throughput(), self.kept, self.tolerance).unwrap_or(self.kept);
+        if ran_last(history, chosen) || history.len() >= self.max_trials {
+            return Decision::Accept;
+        }
+        self.phase = Phase::Final;
+        Decision::Try(chosen)
     }
 }
 
 impl SizePolicy for TunerPolicy {
     fn first(&mut self, starting: usize) -> Decision {
+        self.shared.asked_first.store(true, Ordering::Relaxed);
         Decision::Try(self.cap(starting.max(self.min)))
     }
 
@@ -375,8 +779,16 @@ impl SizePolicy for TunerPolicy {
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
-        if self.phase == Phase::Confirming {
-            return Decision::Accept;
+        if let Some(reason) = memory_does_not_grow(history) {
+            return Decision::Stop(reason);
+        }
+        match self.phase {
+            Phase::Confirming if last.outcome.is_success() => {
+                return self.kept(history, last.batch_size)
+            }
+            Phase::Confirming | Phase::Final => return Decision::Accept,
+            Phase::Descending => return self.descend(history),
+            Phase::Probing | Phase::Bisecting => {}
         }
         let Some(low) = history.largest_success() else {
             // Even the first probe failed: smaller, as a shrinking search would.
@@ -425,4 +837,11 @@ impl SizePolicy for TunerPolicy {
             }
         }
     }
+}
+
+/// Whether the last trial ran `size` and succeeded.
+fn ran_last(history: &SearchReport, size: usize) -> bool {
+    history
+        .last()
+        .is_some_and(|last| last.outcome.is_success() && last.batch_size == size)
 }
