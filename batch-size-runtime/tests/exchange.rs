@@ -450,6 +450,8 @@ const CHILD_SEED: &str = "EXCHANGE_CHILD_SEED";
 const EXCHANGED: &str = "EXCHANGED ";
 /// What a child prints when its `create` ran.
 const CREATED: &str = "CREATED";
+/// The child's timeout in milliseconds (5 s when absent).
+const CHILD_TIMEOUT_MS: &str = "EXCHANGE_CHILD_TIMEOUT_MS";
 
 /// A rank as a process: exchanges through `EXCHANGE_CHILD_FILE`, or over TCP as its
 /// environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) says; prints the Id.
@@ -465,8 +467,9 @@ fn child_exchange_rank() {
     };
     assert_eq!((exchange.rank(), exchange.world_size()), (rank, 2));
     let seed: u8 = std::env::var(CHILD_SEED).unwrap().parse().unwrap();
+    let timeout = std::env::var(CHILD_TIMEOUT_MS).map_or(5000, |ms| ms.parse().unwrap());
     let got = exchange
-        .with_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_millis(timeout))
         .exchange(|| {
             println!("{CREATED}");
             Ok::<_, std::io::Error>(id(seed))
@@ -477,6 +480,14 @@ fn child_exchange_rank() {
 
 /// Runs this binary's `child_exchange_rank` with `env`; returns its stdout once it succeeded.
 fn run_child(env: &[(&str, String)]) -> String {
+    let (succeeded, stdout, stderr) = run_child_to_the_end(env);
+    assert!(succeeded, "child {env:?} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+/// Runs this binary's `child_exchange_rank` with `env`: whether it succeeded, its stdout and
+/// its stderr.
+fn run_child_to_the_end(env: &[(&str, String)]) -> (bool, String, String) {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
         .args([
@@ -489,6 +500,7 @@ fn run_child(env: &[(&str, String)]) -> String {
         .env_remove("TORCHELASTIC_USE_AGENT_STORE")
         .env_remove("BATCH_SIZE_EXCHANGE_PORT")
         .env_remove("LOCAL_RANK")
+        .env_remove("BATCH_SIZE_EXCHANGE_TOKEN")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     for (key, value) in env {
@@ -504,13 +516,11 @@ fn run_child(env: &[(&str, String)]) -> String {
         thread::sleep(Duration::from_millis(20));
     }
     let output = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
+    (
         output.status.success(),
-        "child {env:?} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
 }
 
 /// Two processes, rank 0 started last; both must print rank 0's Id, and only rank 0 creates.
@@ -560,4 +570,104 @@ fn two_processes_share_the_id_over_tcp_from_the_launchers_environment() {
             ("MASTER_PORT", port.to_string()),
         ]
     });
+}
+
+fn launcher(rank: usize, port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", "2".to_owned()),
+        ("MASTER_ADDR", "127.0.0.1".to_owned()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
+
+#[test]
+fn two_processes_with_the_same_token_share_the_id_over_tcp() {
+    let port = free_port();
+    two_processes(|rank| {
+        let mut env = launcher(rank, port);
+        env.push(("BATCH_SIZE_EXCHANGE_TOKEN", "run 4711".to_owned()));
+        env
+    });
+}
+
+/// A rank as a process with `token` (none: no variable) and a timeout in milliseconds.
+fn rank_process(
+    rank: usize,
+    port: u16,
+    seed: u8,
+    token: Option<&str>,
+    timeout_ms: u64,
+) -> thread::JoinHandle<(bool, String, String)> {
+    let mut env = launcher(rank, port);
+    env.push((CHILD_RANK, rank.to_string()));
+    env.push((CHILD_SEED, seed.to_string()));
+    env.push((CHILD_TIMEOUT_MS, timeout_ms.to_string()));
+    if let Some(token) = token {
+        env.push(("BATCH_SIZE_EXCHANGE_TOKEN", token.to_owned()));
+    }
+    thread::spawn(move || run_child_to_the_end(&env))
+}
+
+#[test]
+fn processes_with_another_token_or_none_are_refused_and_the_job_still_forms() {
+    let port = free_port();
+    let seed = (std::process::id() % 251) as u8;
+    let rank_0 = rank_process(0, port, seed, Some("run 4711"), 20_000);
+
+    let (succeeded, stdout, stderr) = rank_process(1, port, seed, Some("run 4712"), 1_000)
+        .join()
+        .unwrap();
+    assert!(!succeeded, "{stdout}");
+    assert!(!stdout.contains(EXCHANGED), "{stdout}");
+    assert!(
+        stderr.contains("did not prove that it knows the job token")
+            && stderr.contains("BATCH_SIZE_EXCHANGE_TOKEN"),
+        "{stderr}"
+    );
+
+    let started = Instant::now();
+    let (succeeded, stdout, stderr) = rank_process(1, port, seed, None, 5_000).join().unwrap();
+    assert!(!succeeded, "{stdout}");
+    assert!(
+        stderr.contains("requires the job token") && stderr.contains("BATCH_SIZE_EXCHANGE_TOKEN"),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "refused at once, not at the timeout"
+    );
+
+    let (succeeded, stdout, stderr) = rank_process(1, port, seed, Some("run 4711"), 5_000)
+        .join()
+        .unwrap();
+    assert!(succeeded, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("{EXCHANGED}{}", hex(&id(seed)))),
+        "{stdout}"
+    );
+    let (succeeded, stdout, stderr) = rank_0.join().unwrap();
+    assert!(succeeded, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("{EXCHANGED}{}", hex(&id(seed)))),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn the_job_token_comes_from_the_environment_and_is_never_shown() {
+    let with = |token: &'static str| {
+        IdExchange::from_vars(move |name| match name {
+            "BATCH_SIZE_EXCHANGE_TOKEN" => Some(token.to_owned()),
+            _ => vars(TORCHRUN)(name),
+        })
+        .unwrap()
+    };
+    let exchange = with("s3cr3t-run-id");
+    assert!(exchange.has_token());
+    assert!(!format!("{exchange:?}").contains("s3cr3t"), "{exchange:?}");
+    assert_eq!(exchange.to_string(), "tcp 10.1.2.3:29501");
+    assert!(!with("").has_token(), "an empty variable is no token");
+    assert!(!IdExchange::from_vars(vars(TORCHRUN)).unwrap().has_token());
+    assert_ne!(with("a"), with("b"));
 }
