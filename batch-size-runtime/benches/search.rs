@@ -11,10 +11,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy};
 use batch_size_runtime::{
-    BatchSizeSearch, OutOfMemory, Outcome, SearchReport, SimulatedDevice, Tuner,
+    BatchSizeSearch, Choice, OutOfMemory, Outcome, SearchReport, SimulatedDevice, Tuner,
 };
 
 #[path = "../tests/common/workloads.rs"]
@@ -198,9 +199,16 @@ struct Totals {
     over_halving_attempts: usize,
 }
 
+/// A step's time in the throughput model: 1 ms up to 64 samples, then in proportion to the
+/// size (the device is busy from 64 on: samples per second stop growing there).
+fn step_micros(size: usize) -> u64 {
+    1000 * size.max(64) as u64 / 64
+}
+
 /// The tuner on `workload`: with the device's figures, or without (no release backend, errors
-/// that carry no figures, a device that frees at once). Returns the size, trials and failures.
-fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
+/// that carry no figures, a device that frees at once), choosing the largest or the fastest
+/// size (a simulated clock: [`step_micros`]). Returns the size, trials and failures.
+fn tune(workload: Workload, figures: bool, choice: Choice) -> (usize, usize, usize) {
     let attempt_number = AtomicU64::new(0);
     let device = if figures {
         workload.device()
@@ -212,7 +220,11 @@ fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
             plain
         }
     };
-    let mut tuner = Tuner::new();
+    let micros = Arc::new(AtomicU64::new(0));
+    let clock = Arc::clone(&micros);
+    let mut tuner = Tuner::new()
+        .choose(choice)
+        .with_clock(move || Duration::from_micros(clock.load(Ordering::Relaxed)));
     tuner = if figures {
         tuner.with_release(device.clone())
     } else {
@@ -220,6 +232,7 @@ fn tune(workload: Workload, figures: bool) -> (usize, usize, usize) {
     };
     let tuned = tuner.run(|size| -> anyhow::Result<()> {
         let n = attempt_number.fetch_add(1, Ordering::Relaxed);
+        micros.fetch_add(step_micros(size), Ordering::Relaxed);
         match workload.step(&device, size as u64, noise(n)) {
             Ok(()) => Ok(()),
             Err(_) if !figures => Err(OutOfMemory::new().into()),
@@ -349,20 +362,30 @@ fn main() {
     // The tuner against Lightning's binsearch, once a workload (they start small).
     println!();
     println!(
-        "| workload | fits | tuner with figures | tuner without figures | Lightning binsearch | rerun with the cache (guided / tuner) |"
+        "| workload | fits | tuner with figures | tuner without figures | Lightning binsearch | Lightning power | fastest (with figures / without) | rerun with the cache (guided / tuner) |"
     );
-    println!("|---|---|---|---|---|---|");
-    let mut tuner_totals = [(0.0f64, f64::INFINITY, 0usize); 3];
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut tuner_totals = [(0.0f64, f64::INFINITY, 0usize); 4];
+    let mut fastest_trials = [0usize; 2];
     let mut workloads = 0usize;
     for workload in Workload::ALL {
         let fit = workload.largest_fit(1.0);
-        let with = tune(workload, true);
-        let without = tune(workload, false);
+        let with = tune(workload, true, Choice::Largest);
+        let without = tune(workload, false, Choice::Largest);
         let lightning = run(workload, 2, "binsearch");
+        let power = run(workload, 2, "power");
+        let fastest = [
+            tune(workload, true, Choice::Fastest),
+            tune(workload, false, Choice::Fastest),
+        ];
+        for (total, (_, trials, _)) in fastest_trials.iter_mut().zip(fastest) {
+            *total += trials;
+        }
         let cells = [
             (with.0, with.1, with.2),
             (without.0, without.1, without.2),
             (lightning.found, lightning.attempts, lightning.failures),
+            (power.found, power.attempts, power.failures),
         ];
         let shown: Vec<String> = cells
             .iter()
@@ -375,11 +398,16 @@ fn main() {
             .collect();
         let reruns = (cached_rerun(workload, false), cached_rerun(workload, true));
         println!(
-            "| {} | {fit} | {} | {} | {} | {} / {} attempt(s) |",
+            "| {} | {fit} | {} | {} | {} | {} | {} in {} / {} in {} trials | {} / {} attempt(s) |",
             workload.name(),
             shown[0],
             shown[1],
             shown[2],
+            shown[3],
+            fastest[0].0,
+            fastest[0].1,
+            fastest[1].0,
+            fastest[1].1,
             reruns.0,
             reruns.1
         );
@@ -394,9 +422,14 @@ fn main() {
     println!();
     println!("| tuner | mean utilisation | worst | mean trials |");
     println!("|---|---|---|---|");
-    for (name, (sum, worst, trials)) in ["with figures", "without figures", "Lightning binsearch"]
-        .iter()
-        .zip(tuner_totals)
+    for (name, (sum, worst, trials)) in [
+        "with figures",
+        "without figures",
+        "Lightning binsearch",
+        "Lightning power",
+    ]
+    .iter()
+    .zip(tuner_totals)
     {
         println!(
             "| {name} | {:.3} | {worst:.3} | {:.2} |",
@@ -404,6 +437,12 @@ fn main() {
             trials as f64 / workloads as f64
         );
     }
+    println!();
+    println!(
+        "Choice::Fastest (a step of 1 ms up to 64 samples, then in proportion): mean trials {:.2} with figures, {:.2} without",
+        fastest_trials[0] as f64 / workloads as f64,
+        fastest_trials[1] as f64 / workloads as f64
+    );
 
     println!();
     println!(
