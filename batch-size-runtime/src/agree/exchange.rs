@@ -591,6 +591,25 @@ impl IdExchange {
             if served.iter().all(|done| *done) {
                 break Ok(());
             }
+            // Checked before accepting: a flood of connections cannot keep rank 0 past it.
+            if Instant::now() >= deadline {
+                let missing: Vec<String> = served
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, done)| !**done)
+                    .map(|(rank, _)| rank.to_string())
+                    .collect();
+                break Err(self.timeout_error(format!(
+                    "ranks {} to fetch the Id on port {port}: are they running, with the same \
+                     MASTER_ADDR and port{}?",
+                    missing.join(", "),
+                    if self.token.is_some() {
+                        " and the same job token"
+                    } else {
+                        ""
+                    }
+                )));
+            }
             match listener.accept() {
                 Ok((stream, peer)) => {
                     if held.len() >= MAX_HELD_CONNECTIONS {
@@ -611,30 +630,12 @@ impl IdExchange {
                         }
                         Err(error) => tracing::warn!(%peer, "serving a peer: {error}"),
                     }
-                    continue; // others may be waiting in the backlog
+                    // No pause: others may be waiting in the backlog.
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
                     thread::sleep(Duration::from_millis(2))
                 }
                 Err(error) => tracing::warn!("accepting a rank: {error}"),
-            }
-            if Instant::now() >= deadline {
-                let missing: Vec<String> = served
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, done)| !**done)
-                    .map(|(rank, _)| rank.to_string())
-                    .collect();
-                break Err(self.timeout_error(format!(
-                    "ranks {} to fetch the Id on port {port}: are they running, with the same \
-                     MASTER_ADDR and port{}?",
-                    missing.join(", "),
-                    if self.token.is_some() {
-                        " and the same job token"
-                    } else {
-                        ""
-                    }
-                )));
             }
         };
         // Whoever is still connected (a stranger, a rank asking twice) is done with.
