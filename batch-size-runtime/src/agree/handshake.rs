@@ -17,10 +17,10 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::Duration;
 
-use super::exchange::{
+use super::token::{self, Keyed, Session, NONCE_BYTES, PROOF_BYTES, SEALED_BYTES};
+use super::wire::{
     ExchangeError, ID_BYTES, MAGIC, MAGIC_TOKEN, MAX_REASON_BYTES, REFUSED, TOKEN_VARIABLE,
 };
-use super::token::{self, Keyed, Session, NONCE_BYTES, PROOF_BYTES, SEALED_BYTES};
 
 /// Why a try of a rank failed.
 #[derive(Debug)]

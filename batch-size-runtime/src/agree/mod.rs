@@ -61,6 +61,7 @@ mod safe_point;
 mod threads;
 mod token;
 mod verdict;
+mod wire;
 
 pub use collective::{AgreementError, Collective, ReduceOp};
 pub use exchange::{ExchangeError, IdExchange};

@@ -11,7 +11,7 @@ use std::io;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use super::exchange::ID_BYTES;
+use super::wire::ID_BYTES;
 
 /// The bytes of a nonce, of a proof and of the Id's tag.
 pub(crate) const NONCE_BYTES: usize = 32;
