@@ -6,40 +6,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use batch_size_runtime::cache::clear_process_cache;
 use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Level, Metadata, Subscriber};
 
-/// Counts the WARN events of the cache module (the engine's own WARNs, one per retry, are not
-/// counted).
-struct CacheWarnings(Arc<AtomicUsize>);
-
-impl Subscriber for CacheWarnings {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(1)
-    }
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, event: &Event<'_>) {
-        let metadata = event.metadata();
-        if *metadata.level() == Level::WARN
-            && metadata
-                .module_path()
-                .is_some_and(|module| module.ends_with("::cache"))
-        {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
-}
+#[path = "common/warnings.rs"]
+mod warnings;
+use warnings::Warnings;
 
 /// The tests share the process's cache: one at a time.
 fn one_at_a_time() -> MutexGuard<'static, ()> {
@@ -66,8 +40,9 @@ fn search(key: &str, dir: &Path) -> (usize, Vec<usize>, usize) {
 /// [`search`] with `min`.
 fn search_with_min(key: &str, dir: &Path, min: usize) -> (usize, Vec<usize>, usize) {
     clear_process_cache();
-    let warnings = Arc::new(AtomicUsize::new(0));
-    let found = tracing::subscriber::with_default(CacheWarnings(Arc::clone(&warnings)), || {
+    // The cache's own WARNs (the engine's, one per retry, are not counted).
+    let warnings = Warnings::default();
+    let found = tracing::subscriber::with_default(warnings.clone(), || {
         BatchSizeSearch::new(64)
             .with_min(min)
             .with_cache(key)
@@ -85,7 +60,7 @@ fn search_with_min(key: &str, dir: &Path, min: usize) -> (usize, Vec<usize>, usi
         .attempts()
         .map(|attempt| attempt.batch_size)
         .collect();
-    (found, tried, warnings.load(Ordering::SeqCst))
+    (found, tried, warnings.count_from_module("::cache"))
 }
 
 fn entry_file(dir: &Path) -> PathBuf {

@@ -6,17 +6,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use batch_size_runtime::agree::{ExchangeError, IdExchange};
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Level, Metadata, Subscriber};
+
+#[path = "common/warnings.rs"]
+mod warnings;
+use warnings::Warnings;
 
 const TOKEN: &str = "job 25 secret";
 
@@ -34,44 +33,6 @@ fn free_port() -> u16 {
 
 fn rank(port: u16, rank: usize, world_size: usize) -> IdExchange {
     IdExchange::tcp("127.0.0.1", port, rank, world_size).with_timeout(Duration::from_secs(10))
-}
-
-/// The WARNs of one thread, each as its message and fields.
-#[derive(Clone, Default)]
-struct Warnings(Arc<Mutex<Vec<String>>>);
-
-impl Warnings {
-    fn all(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
-    }
-}
-
-struct Line(String);
-
-impl Visit for Line {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, " {}={value:?}", field.name());
-    }
-}
-
-impl Subscriber for Warnings {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(1)
-    }
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, event: &Event<'_>) {
-        if *event.metadata().level() == Level::WARN {
-            let mut line = Line(String::new());
-            event.record(&mut line);
-            self.0.lock().unwrap().push(line.0);
-        }
-    }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
 }
 
 /// Runs `exchange` on a thread of its own, its WARNs recorded.
