@@ -16,6 +16,10 @@ use std::time::{Duration, Instant};
 
 use batch_size_runtime::agree::{ExchangeError, IdExchange};
 
+#[path = "common/free_port.rs"]
+mod free_port;
+use free_port::free_port;
+
 fn id(seed: u8) -> [u8; 128] {
     std::array::from_fn(|index| seed.wrapping_add(index as u8))
 }
@@ -33,14 +37,6 @@ fn temporary(name: &str) -> PathBuf {
     ));
     std::fs::create_dir_all(&folder).unwrap();
     folder.join("nccl-id")
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Runs four ranks, rank 0 last; every rank must get rank 0's bytes, created once.

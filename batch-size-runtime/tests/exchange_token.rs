@@ -17,18 +17,14 @@ use batch_size_runtime::agree::{ExchangeError, IdExchange};
 mod warnings;
 use warnings::Warnings;
 
+#[path = "common/free_port.rs"]
+mod free_port;
+use free_port::free_port;
+
 const TOKEN: &str = "job 25 secret";
 
 fn id(seed: u8) -> [u8; 128] {
     std::array::from_fn(|index| seed.wrapping_add(index as u8))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn rank(port: u16, rank: usize, world_size: usize) -> IdExchange {

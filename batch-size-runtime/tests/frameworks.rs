@@ -13,6 +13,10 @@ use batch_size_runtime::BatchSizeSearch;
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::DriverError;
 
+#[path = "common/candle_cuda_error.rs"]
+mod candle_cuda_error;
+use candle_cuda_error::CandleCudaError;
+
 /// An error with a fixed text and an optional source, as thiserror would generate.
 #[derive(Debug)]
 struct Layer {
@@ -116,19 +120,6 @@ fn onnx_runtime_arena() {
     assert_eq!(found.requested, Some(1 << 20));
     assert!(matches!(found.kind, OomKind::Pattern(_)));
 }
-
-/// As candle's `Error::Cuda` holds its `CudaError::Cuda(DriverError)`: formatting it formats
-/// cudarc's error, which calls into libcuda, and it hides the `DriverError` from `source()`.
-#[derive(Debug)]
-struct CandleCudaError(DriverError);
-
-impl fmt::Display for CandleCudaError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-impl Error for CandleCudaError {}
 
 #[test]
 fn an_error_whose_display_panics_is_classified_without_panicking() {

@@ -8,8 +8,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use std::error::Error;
-use std::fmt;
 use std::future::Future;
 use std::panic::{catch_unwind, panic_any};
 use std::pin::Pin;
@@ -20,6 +18,10 @@ use std::thread;
 
 use batch_size_runtime::{oom, BatchSizeSearch, CatchUnwind};
 use cudarc::driver::{sys::CUresult, DriverError};
+
+#[path = "common/candle_cuda_error.rs"]
+mod candle_cuda_error;
+use candle_cuda_error::CandleCudaError;
 
 static TURN: Mutex<()> = Mutex::new(());
 
@@ -50,19 +52,6 @@ fn panic_outside_any_attempt(message: &'static str) {
     let caught = catch_unwind(|| panic_any(message));
     assert!(caught.is_err());
 }
-
-/// As candle's `Error::Cuda`: formatting it formats cudarc's error, which panics without
-/// libcuda (this process has none).
-#[derive(Debug)]
-struct CandleCudaError(DriverError);
-
-impl fmt::Display for CandleCudaError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-impl Error for CandleCudaError {}
 
 /// A search whose sizes above 1 run out of memory by panicking.
 fn search_with_oom_panics() -> usize {
