@@ -130,11 +130,11 @@ pub trait GiveUp<R> {
 }
 
 macro_rules! zero_sized_kind {
-    ($($(#[$doc:meta])* $name:ident<$param:ident>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident<$($param:ident),+>;)*) => {$(
         $(#[$doc])*
-        pub struct $name<$param>(PhantomData<fn() -> $param>);
+        pub struct $name<$($param),+>(PhantomData<fn() -> ($($param,)+)>);
 
-        impl<$param> $name<$param> {
+        impl<$($param),+> $name<$($param),+> {
             /// The kind.
             #[allow(clippy::new_without_default)]
             pub const fn new() -> Self {
@@ -142,7 +142,7 @@ macro_rules! zero_sized_kind {
             }
         }
 
-        impl<$param> fmt::Debug for $name<$param> {
+        impl<$($param),+> fmt::Debug for $name<$($param),+> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(stringify!($name))
             }
@@ -150,26 +150,11 @@ macro_rules! zero_sized_kind {
     )*};
 }
 
-/// An error a runner takes ([`AttemptError`]): `E: Error + Send + Sync + 'static` (marker
-/// [`Typed`]), `anyhow::Error` or `Box<dyn Error + Send + Sync>` (marker [`Dynamic`]);
-/// classified through its chain and kept as `source()`.
-pub struct Kept<E, M>(PhantomData<fn() -> (E, M)>);
-
-impl<E, M> Kept<E, M> {
-    /// The kind.
-    #[allow(clippy::new_without_default)]
-    pub const fn new() -> Self {
-        Kept(PhantomData)
-    }
-}
-
-impl<E, M> fmt::Debug for Kept<E, M> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Kept")
-    }
-}
-
 zero_sized_kind! {
+    /// An error a runner takes ([`AttemptError`]): `E: Error + Send + Sync + 'static` (marker
+    /// [`Typed`]), `anyhow::Error` or `Box<dyn Error + Send + Sync>` (marker [`Dynamic`]);
+    /// classified through its chain and kept as `source()`.
+    Kept<E, M>;
     /// `E: Error + 'static`: classified by type.
     TypedView<E>;
     /// `Box<dyn Error>`: the chain classified.
