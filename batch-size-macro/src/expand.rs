@@ -349,7 +349,14 @@ fn rewrite(
         }
         // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
         (None, false) => quote! { #private::drive_panics(#search, #attempt) },
-        (None, true) => quote! { #private::drive_panics_async(#search, #attempt).await },
+        (None, true) => {
+            let shape = if mut_receiver {
+                quote! { Lending }
+            } else {
+                quote! { Returning }
+            };
+            quote! { #private::drive_panics_async(#search, #private::#shape(#attempt)).await }
+        }
     };
 
     quote! {

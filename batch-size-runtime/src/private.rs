@@ -12,7 +12,7 @@ pub use crate::attribute::{
     BatchSizeInt, ClonePerAttempt,
 };
 pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
-pub use crate::engine::driver::{Lending, Returning};
+pub use crate::engine::driver::{AsyncAttempt, Lending, Returning};
 pub use crate::engine::BatchSizeSearch;
 pub use crate::{drive_attempts, drive_attempts_async};
 pub use core;
@@ -103,16 +103,17 @@ pub fn drive_panics<R>(search: BatchSizeSearch<'_>, attempt: impl FnMut(usize) -
     )
 }
 
-/// [`drive_panics`] for an `async fn`.
-pub async fn drive_panics_async<R, Fut: core::future::Future<Output = R>>(
+/// [`drive_panics`] for an `async fn`: `attempt` is wrapped by the generated code as a closure
+/// returning a future (`Returning`) or an async closure (`Lending`, for `&mut self`).
+pub async fn drive_panics_async<R>(
     search: BatchSizeSearch<'_>,
-    attempt: impl FnMut(usize) -> Fut,
+    attempt: impl AsyncAttempt<R>,
 ) -> R {
     drive_async_with(
         search.start(),
         PanicOnly::new(),
         PanicWithError::new(),
-        Returning(attempt),
+        attempt,
     )
     .await
 }

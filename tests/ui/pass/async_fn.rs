@@ -117,6 +117,21 @@ async fn accumulate(plan: batch_size_runtime::BatchPlan) -> anyhow::Result<usize
     Ok(plan.accumulation())
 }
 
+struct Counter(usize);
+
+impl Counter {
+    /// `&mut self` and `impl Trait` together: an async closure, only panics can be OOM.
+    #[find_executable_batch_size(starting = 8)]
+    async fn shown(&mut self, batch_size: usize) -> impl std::fmt::Display {
+        self.0 += 1;
+        YieldOnce(false).await;
+        if batch_size > 2 {
+            panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
+        }
+        batch_size
+    }
+}
+
 /// A future that is `Send` when its attempts are: spawnable on a multi-threaded executor.
 fn assert_send<F: Future + Send>(future: F) -> F {
     future
@@ -140,4 +155,7 @@ fn main() {
     assert_eq!(block_on(shown()).to_string(), "2");
     assert_eq!(block_on(generic(16, vec!['a'; 5])).unwrap(), 4);
     assert_eq!(block_on(accumulate()).unwrap(), 8);
+    let mut counter = Counter(0);
+    assert_eq!(block_on(counter.shown()).to_string(), "2");
+    assert_eq!(counter.0, 3); // 8, 4, 2
 }
