@@ -152,13 +152,22 @@ fn tolerance_widens_what_counts_as_fastest() {
     let wide = tune(0.10);
     assert_eq!(wide.fastest(), 64, "{:?}", wide.throughput());
     assert_eq!(wide.batch_size(), 64);
+    // Within 2 %: only sizes above 128 (which ones depends on the sizes the search ran).
     let narrow = tune(0.02);
-    assert_eq!(
-        narrow.fastest(),
-        narrow.largest(),
-        "{:?}",
-        narrow.throughput()
-    );
+    let best = narrow
+        .throughput()
+        .iter()
+        .filter(|(size, _)| *size <= narrow.largest())
+        .map(|(_, rate)| *rate)
+        .fold(0.0, f64::max);
+    let (_, rate) = narrow
+        .throughput()
+        .iter()
+        .find(|(size, _)| *size == narrow.fastest())
+        .unwrap();
+    assert!(narrow.fastest() > 128, "{:?}", narrow.throughput());
+    assert!(*rate >= best * 0.98, "{:?}", narrow.throughput());
+    assert!(narrow.fastest() <= narrow.largest());
 }
 
 #[test]

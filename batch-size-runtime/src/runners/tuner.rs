@@ -438,11 +438,14 @@ impl Tuner {
             max: self.max,
             margin,
             max_trials: self.max_trials,
-            phase: Phase::Probing,
+            phase: Phase::Searching,
             choice: self.choice,
             tolerance,
             kept: 0,
             below: 0,
+            guess: None,
+            misses: 0,
+            failed_guesses: 0,
             shared: Arc::clone(&shared),
         };
         let mut search = BatchSizeSearch::new(min)
@@ -577,10 +580,8 @@ impl Shared {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Phase {
-    /// Growing: small probes, then a jump to the fitted limit or doubling.
-    Probing,
-    /// Bisecting between the largest success and the smallest failure.
-    Bisecting,
+    /// Bracketing the largest size that fits: growing, jumping to the fitted limit, bisecting.
+    Searching,
     /// The margin's size is being confirmed.
     Confirming,
     /// For the fastest size: powers of two below the margin's size, downwards.
@@ -602,6 +603,14 @@ struct TunerPolicy {
     kept: usize,
     /// While descending: the last size measured.
     below: usize,
+    /// The last size the memory fit chose, and whether it expected that trial to fit.
+    guess: Option<(usize, bool)>,
+    /// Trials the fit got wrong the costly way: expected to fail, they fit, or they fit with
+    /// more than the margin to spare. Each doubles the least step above the largest success,
+    /// so that a fit that does not describe the trial costs a few trials, not a crawl.
+    misses: u32,
+    /// Trials in a row the fit expected to fit and that failed: at two, bisect.
+    failed_guesses: u32,
     shared: Arc<Shared>,
 }
 
@@ -615,6 +624,118 @@ fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
         .saturating_sub(start.free)
         .saturating_sub(start.pool_reserved.unwrap_or(0));
     Some((outside.saturating_add(end.peak?), end.total))
+}
+
+/// What a failed trial is known to have needed at least: what was in use outside the pool
+/// before it, the pool's peak before the allocation that failed, and what that allocation asked
+/// for. A failure part-way through the step knows only part of it: a lower bound.
+fn needed_at_least(attempt: &Attempt) -> Option<u64> {
+    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
+    let end = attempt.memory_at_end.as_ref()?.devices.first()?;
+    let outside = start
+        .total
+        .saturating_sub(start.free)
+        .saturating_sub(start.pool_reserved.unwrap_or(0));
+    Some(
+        outside
+            .saturating_add(end.peak?)
+            .saturating_add(attempt.requested.unwrap_or(0)),
+    )
+}
+
+/// Memory against the batch size, from the trials' figures: the line through two successful
+/// trials, bent upwards just enough to reach what the smallest failure above them needed
+/// (attention's size² shows there, not in two small sizes). It predicts the size that fills
+/// the device; without two successes with figures and a growing peak it predicts nothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct MemoryFit {
+    /// The largest successful size and its peak, in bytes.
+    size: f64,
+    peak: f64,
+    /// Bytes a sample, between the two successes.
+    per_sample: f64,
+    /// The bend: bytes times (s - lower)(s - size), zero for a straight line.
+    curvature: f64,
+    /// The smaller success the line runs through.
+    lower: f64,
+    /// The device's bytes.
+    total: f64,
+}
+
+impl MemoryFit {
+    /// The fit to `history`'s trials at or below `largest`, the largest success. The line runs
+    /// from the largest success at most half of it (the slope over a wide span is not lost in
+    /// an allocator's rounding), or from the next largest where there is none.
+    fn new(history: &SearchReport, largest: usize) -> Option<Self> {
+        let mut peaks: Vec<(usize, u64, u64)> = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size <= largest)
+            .filter_map(|attempt| {
+                let (peak, total) = peak_bytes(attempt)?;
+                Some((attempt.batch_size, peak, total))
+            })
+            .collect();
+        // The highest peak of a size that ran more than once: noise counts against the fit.
+        peaks.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        peaks.dedup_by_key(|(size, _, _)| *size);
+        let &(size, peak, total) = peaks.last()?;
+        let lower = peaks
+            .iter()
+            .rev()
+            .find(|(smaller, _, _)| smaller.saturating_mul(2) <= size)
+            .or_else(|| peaks.iter().rev().nth(1))?;
+        let (lower_size, lower_peak) = (lower.0 as f64, lower.1 as f64);
+        let (size, peak, total) = (size as f64, peak as f64, total as f64);
+        let per_sample = (peak - lower_peak) / (size - lower_size);
+        if !(per_sample.is_finite() && per_sample > 0.0 && size > lower_size) {
+            return None;
+        }
+        let mut fit = MemoryFit {
+            size,
+            peak,
+            per_sample,
+            curvature: 0.0,
+            lower: lower_size,
+            total,
+        };
+        // The smallest failure above, where its figures say what it needed: the bend that
+        // makes the fit need that much there. A part-way failure shows less than it needed, and
+        // bends the fit less: it still predicts a size below that failure.
+        let failure = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > largest)
+            .filter_map(|attempt| Some((attempt.batch_size, needed_at_least(attempt)?)))
+            .min_by_key(|(size, _)| *size);
+        if let Some((failed, needed)) = failure {
+            let failed = failed as f64;
+            let span = (failed - lower_size) * (failed - size);
+            let bend = (needed as f64 - fit.bytes(failed)) / span;
+            if bend.is_finite() && bend > 0.0 {
+                fit.curvature = bend;
+            }
+        }
+        Some(fit)
+    }
+
+    /// The bytes the fit predicts at `size`.
+    fn bytes(&self, size: f64) -> f64 {
+        let above = size - self.size;
+        self.peak + self.per_sample * above + self.curvature * (size - self.lower) * above
+    }
+
+    /// The largest size whose predicted bytes fit the device.
+    fn limit(&self) -> Option<usize> {
+        let room = self.total - self.peak;
+        if room <= 0.0 {
+            return Some(self.size as usize);
+        }
+        // c·u² + b·u = room, with u the samples above the largest success; written so that a
+        // straight line (c = 0) divides without cancelling.
+        let slope = self.per_sample + self.curvature * (self.size - self.lower);
+        let above = 2.0 * room / (slope + (slope * slope + 4.0 * self.curvature * room).sqrt());
+        let limit = (self.size + above).floor();
+        (limit.is_finite() && limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
+    }
 }
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
@@ -659,30 +780,33 @@ impl TunerPolicy {
         self.max.map_or(size, |max| size.min(max))
     }
 
-    /// The size predicted to fill the device, from the peaks of the successful trials.
-    fn predicted_limit(history: &SearchReport) -> Option<usize> {
-        let points: Vec<(f64, f64, f64)> = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_success())
-            .filter_map(|attempt| {
-                let (peak, total) = peak_bytes(attempt)?;
-                Some((attempt.batch_size as f64, peak as f64, total as f64))
-            })
-            .collect();
-        let [.., (s1, m1, _), (s2, m2, total)] = points.as_slice() else {
-            return None;
+    /// Whether the fit's last guess held: a failure where it expected a fit counts towards
+    /// bisecting; a fit where it expected a failure, or a fit with more than the margin to
+    /// spare by the fit's own new reckoning, is a miss.
+    fn score_guess(&mut self, last: &Attempt, limit: Option<usize>) {
+        let Some((size, expected_to_fit)) = self.guess.take() else {
+            return;
         };
-        if s2 <= s1 {
-            return None;
+        if last.batch_size != size {
+            return;
         }
-        let per_sample = (m2 - m1) / (s2 - s1);
-        if !(per_sample.is_finite() && per_sample > 0.0) {
-            return None;
+        if !last.outcome.is_success() {
+            self.failed_guesses += u32::from(expected_to_fit);
+            return;
         }
-        let fixed = (m2 - per_sample * s2).max(0.0);
-        // Aim a little under the device: the fit comes from small sizes.
-        let limit = ((total * 0.98 - fixed) / per_sample).floor();
-        (limit.is_finite() && limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
+        self.failed_guesses = 0;
+        let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.margin));
+        if !expected_to_fit || spare {
+            self.misses += 1;
+        }
+    }
+
+    /// How close the largest success and the smallest failure must be for the search to stop:
+    /// a quarter of the margin (at least 1), so that the margin's size stays within about 1 %
+    /// of the largest that fits less the margin. Bisecting further would refine a size the
+    /// margin then takes 5 % off.
+    fn resolution(&self, low: usize) -> usize {
+        ((low as f64 * self.margin / 4.0).floor() as usize).max(1)
     }
 
     /// The end of the search for the largest: the margin's size if it has not run yet.
@@ -788,7 +912,7 @@ impl SizePolicy for TunerPolicy {
             }
             Phase::Confirming | Phase::Final => return Decision::Accept,
             Phase::Descending => return self.descend(history),
-            Phase::Probing | Phase::Bisecting => {}
+            Phase::Searching => {}
         }
         let Some(low) = history.largest_success() else {
             // Even the first probe failed: smaller, as a shrinking search would.
@@ -806,37 +930,71 @@ impl SizePolicy for TunerPolicy {
         if history.len() + 1 >= self.max_trials {
             return self.finish(history);
         }
-        let high = history.smallest_out_of_memory();
-        let tolerance = ((low as f64) * self.margin / 2.0).max(1.0);
-        match high {
-            None => {
-                if self.max.is_some_and(|max| low >= max) {
-                    return self.finish(history);
-                }
-                let next = match Self::predicted_limit(history) {
-                    Some(limit) if limit > low => self.cap(limit),
-                    // At the fitted limit already: a step of the margin above it, to bracket.
-                    Some(_) => {
-                        let step = ((low as f64) * self.margin).ceil().max(1.0) as usize;
-                        self.cap(low.saturating_add(step))
-                    }
-                    None => self.cap(low.saturating_mul(2)),
-                };
-                if next <= low {
-                    return self.finish(history);
-                }
-                Decision::Try(next)
-            }
-            Some(high) => {
-                self.phase = Phase::Bisecting;
-                if ((high - low) as f64) <= tolerance {
-                    return self.finish(history);
-                }
-                let middle = low + (high - low) / 2;
-                Decision::Try(middle.max(low + 1).min(high - 1))
-            }
+        if self.max.is_some_and(|max| low >= max) {
+            return self.finish(history);
         }
+        // The smallest failure above the largest success: a noisy trial may have failed below.
+        let high = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > low)
+            .map(|attempt| attempt.batch_size)
+            .min();
+        let resolution = self.resolution(low);
+        if high.is_some_and(|high| high - low <= resolution) {
+            return self.finish(history);
+        }
+        let limit = MemoryFit::new(history, low).and_then(|fit| fit.limit());
+        self.score_guess(last, limit);
+        let step = resolution.saturating_mul(1usize << self.misses.min(32));
+        // A fit that has a failed size fitting does not describe the trial (a failure that
+        // is not the device's memory, or an allocator that cannot use all of it): bisect.
+        let limit = limit.filter(|&limit| high.is_none_or(|high| limit < high));
+        let mut guess = None;
+        let next = match (limit, high) {
+            // Two guesses in a row failed: the fit overshoots; halve the bracket instead.
+            (Some(_), Some(high)) if self.failed_guesses >= 2 => {
+                self.failed_guesses = 0;
+                geometric_middle(low, high)
+            }
+            // The fit's limit, or a step above the largest success where the fit puts the
+            // limit closer than that: a failure there ends the search.
+            (Some(limit), _) => {
+                let next = limit
+                    .max(low.saturating_add(step))
+                    .min(low.saturating_mul(FARTHEST_JUMP));
+                guess = Some(limit);
+                next
+            }
+            // Without figures: grow, then bisect. A failure far above the limit costs no more
+            // than one just above it (it fails at its first large allocation).
+            (None, None) => low.saturating_mul(GROWTH),
+            (None, Some(high)) => geometric_middle(low, high),
+        };
+        let next = self.cap(next).min(high.map_or(usize::MAX, |high| high - 1));
+        if next <= low {
+            return self.finish(history);
+        }
+        self.guess = guess.map(|limit| (next, next <= limit));
+        Decision::Try(next)
     }
+}
+
+/// Without figures, how much larger each trial is until one fails.
+const GROWTH: usize = 4;
+
+/// The farthest the fit may send the next trial, as a multiple of the largest success: a
+/// slope fitted to small sizes and lost in an allocator's rounding could otherwise ask for
+/// millions of samples (and the host memory to build them).
+const FARTHEST_JUMP: usize = 128;
+
+/// The geometric middle of a bracket, strictly inside it where there is room: a bracket of
+/// 16 to 64 is halved in ratio (32), not in width (40).
+fn geometric_middle(low: usize, high: usize) -> usize {
+    let middle = ((low as f64) * (high as f64)).sqrt().floor() as usize;
+    middle.clamp(
+        low.saturating_add(1),
+        high.saturating_sub(1).max(low.saturating_add(1)),
+    )
 }
 
 /// Whether the last trial ran `size` and succeeded.
