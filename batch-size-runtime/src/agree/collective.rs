@@ -1,5 +1,5 @@
-//! The collective the agreement needs: an all-reduce of a few integers across ranks, and why
-//! it can fail.
+//! The collective the agreement needs: an all-reduce of a few integers across ranks (and an
+//! all-gather of one, built on it), and why it can fail.
 
 use std::fmt;
 use std::sync::Arc;
@@ -51,6 +51,33 @@ pub trait Collective: Send + Sync + fmt::Debug {
     /// Replaces `values`, on every rank, with their reduction over all ranks. Every rank must
     /// call it the same number of times with the same length.
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError>;
+
+    /// Every rank's `value`, in rank order, on every rank. Every rank must call it the same
+    /// number of times. The default is one MAX all-reduce of `world_size()` integers, each rank
+    /// filling its own slot (the others 0): no other primitive is needed, so every collective
+    /// has it, NCCL's included; a collective with a native all-gather may override it.
+    ///
+    /// ```
+    /// use std::thread;
+    /// use batch_size_runtime::agree::{Collective, ThreadRanks};
+    ///
+    /// let gathered: Vec<Vec<u64>> = thread::scope(|scope| {
+    ///     let ranks: Vec<_> = ThreadRanks::new(3)
+    ///         .into_iter()
+    ///         .map(|rank| scope.spawn(move || rank.all_gather(10 * rank.rank() as u64 + 1)))
+    ///         .collect();
+    ///     ranks.into_iter().map(|rank| rank.join().unwrap().unwrap()).collect()
+    /// });
+    /// assert_eq!(gathered, vec![vec![1, 11, 21]; 3]);
+    /// ```
+    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
+        let mut values = vec![0; self.world_size()];
+        if let Some(slot) = values.get_mut(self.rank()) {
+            *slot = value;
+        }
+        self.all_reduce(&mut values, ReduceOp::Max)?;
+        Ok(values)
+    }
 }
 
 impl<C: Collective + ?Sized> Collective for &C {
@@ -62,6 +89,9 @@ impl<C: Collective + ?Sized> Collective for &C {
     }
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
         (**self).all_reduce(values, op)
+    }
+    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
+        (**self).all_gather(value)
     }
 }
 
@@ -75,6 +105,9 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
         (**self).all_reduce(values, op)
     }
+    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
+        (**self).all_gather(value)
+    }
 }
 
 impl<C: Collective + ?Sized> Collective for Arc<C> {
@@ -86,5 +119,8 @@ impl<C: Collective + ?Sized> Collective for Arc<C> {
     }
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
         (**self).all_reduce(values, op)
+    }
+    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
+        (**self).all_gather(value)
     }
 }

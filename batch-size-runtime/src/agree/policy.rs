@@ -3,17 +3,29 @@
 
 use super::collective::Collective;
 use super::verdict::{
-    agreed_start, disagreement, round, tell_failure, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED,
+    agreed_start, disagreement, round, tell_failure, Said, Verdict, FAILED, OUT_OF_MEMORY,
+    SUCCEEDED,
 };
 use crate::error::StopReason;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::SearchReport;
+
+/// Which size each rank tries after an attempt that ran out of memory somewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sizes {
+    /// The same on every rank: the smallest proposal (one plan shared by every rank).
+    Smallest,
+    /// Each rank its own: a rank that ran out of memory tries its policy's next size, the
+    /// others the size they just ran (ranks that split one batch into shares of their own).
+    Own,
+}
 
 /// Makes every rank's search agree with the others' (see the [module docs](super)).
 #[derive(Debug)]
 pub struct Agree<P, C> {
     inner: P,
     collective: C,
+    sizes: Sizes,
     /// Why the last agreed size differs from this rank's own proposal, for the retry's log.
     overruled: Option<String>,
 }
@@ -32,13 +44,59 @@ impl<P: SizePolicy, C: Collective> Agree<P, C> {
         Agree {
             inner,
             collective,
+            sizes: Sizes::Smallest,
             overruled: None,
+        }
+    }
+
+    /// Agrees on the outcome only: if any rank ran out of memory, every rank redoes the
+    /// attempt, the ranks that ran out of memory at their policy's next size and the others at
+    /// the size they just ran. For ranks whose sizes differ by design (shares of one global
+    /// batch on mixed GPUs).
+    pub(crate) fn own_sizes(inner: P, collective: C) -> Self {
+        Agree {
+            sizes: Sizes::Own,
+            ..Agree::new(inner, collective)
+        }
+    }
+}
+
+impl<P: SizePolicy, C: Collective> Agree<P, C> {
+    /// The verdict when every rank keeps its own size; `ran` is the size this rank just ran
+    /// when it succeeded.
+    fn own_size(&mut self, verdict: &Verdict, own: Decision, ran: Option<usize>) -> Decision {
+        self.overruled = None;
+        match verdict.outcome {
+            FAILED => verdict.failed(),
+            _ if verdict.all_stop() => Decision::Stop(StopReason::Policy(
+                "a rank ran out of memory and has no smaller size left".to_owned(),
+            )),
+            OUT_OF_MEMORY => match ran {
+                // Another rank ran out of memory: the attempt is one step of every rank, so
+                // this rank redoes it too, at the size that fitted here.
+                Some(size) => {
+                    self.overruled = Some(format!(
+                        "another rank ran out of memory: this rank redoes the step at {size}, \
+                         which fitted"
+                    ));
+                    Decision::Try(size)
+                }
+                None => own,
+            },
+            _ if verdict.all_continue => own,
+            _ => match own {
+                Decision::Try(_) => Decision::Accept,
+                other => other,
+            },
         }
     }
 }
 
 impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
     fn first(&mut self, starting: usize) -> Decision {
+        if self.sizes == Sizes::Own {
+            return self.inner.first(starting);
+        }
         let proposal = match self.inner.first(starting) {
             Decision::Try(size) => size as u64,
             _ => 0,
@@ -47,7 +105,8 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {
-        let succeeded = history.last().is_some_and(|last| last.outcome.is_success());
+        let last = history.last();
+        let succeeded = last.is_some_and(|last| last.outcome.is_success());
         let own = self.inner.after(history);
         let said = Said::after_attempt(succeeded, &own);
         let proposal = said.proposal;
@@ -55,6 +114,13 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
             Ok(verdict) => verdict,
             Err(error) => return disagreement(&error),
         };
+        if self.sizes == Sizes::Own {
+            return self.own_size(
+                &verdict,
+                own,
+                last.filter(|_| succeeded).map(|l| l.batch_size),
+            );
+        }
         self.overruled = (verdict.outcome != SUCCEEDED
             && verdict.smallest_proposal != proposal
             && verdict.smallest_proposal != 0)

@@ -60,6 +60,11 @@ impl GrowBack {
         self.smallest_failed = Some(self.smallest_failed.map_or(size, |known| known.min(size)));
     }
 
+    /// The smallest size remembered to have run out of memory.
+    pub(crate) fn smallest_failed(&self) -> Option<usize> {
+        self.smallest_failed
+    }
+
     /// `size` succeeded: the size to run next (`size` itself, or a larger one).
     pub(crate) fn succeeded(&mut self, size: usize) -> usize {
         if self.after == 0 {

@@ -32,124 +32,25 @@
 //! ```
 
 use std::ops::Range;
+use std::time::Duration;
 
-use crate::agree::Collective;
+use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
+use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::policy::{FailedAttempt, GrowBack, Guided, Reduction};
 use crate::record::SearchReport;
 
-/// How one optimizer step's `effective` samples are divided into micro-batches of at most
-/// `micro`: [`accumulation()`](Self::accumulation) of them, in order, the last possibly
-/// shorter.
-///
-/// Each [`MicroBatch`]'s `weight` is its length over `effective`: summing the weighted mean
-/// losses of the micro-batches gives exactly the mean loss of the whole batch, so the
-/// accumulated gradient does not depend on the micro size.
-///
-/// What it cannot make exact:
-/// - batch normalization computes its statistics per micro-batch: use layer or group norm,
-///   synchronize the statistics, or accept that they change with the micro size;
-/// - a loss that is a sum, not a mean, needs weight 1 for every micro-batch (sum the losses as
-///   they are); any other reduction, rescale it to the whole batch yourself.
-///
-/// ```
-/// use batch_size_runtime::BatchPlan;
-///
-/// let plan = BatchPlan::new(10, 4);
-/// assert_eq!((plan.effective(), plan.micro(), plan.accumulation()), (10, 4, 3));
-/// let ranges: Vec<_> = plan.micro_batches().map(|micro| micro.range).collect();
-/// assert_eq!(ranges, [0..4, 4..8, 8..10]);
-/// let weights: f64 = plan.micro_batches().map(|micro| micro.weight).sum();
-/// assert!((weights - 1.0).abs() < 1e-12);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BatchPlan {
-    effective: usize,
-    micro: usize,
-}
+// One concept a file: the division of a step (the plan), even micro-batches, and the shares of
+// one global batch between ranks; the runner here.
+mod even_split;
+mod plan;
+mod shares;
 
-/// One micro-batch of a [`BatchPlan`].
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct MicroBatch {
-    /// Its position in the step, from 0.
-    pub index: usize,
-    /// The samples of the batch it holds.
-    pub range: Range<usize>,
-    /// Its length over the effective batch: the factor of its mean loss.
-    pub weight: f64,
-}
-
-impl BatchPlan {
-    /// The plan for `effective` samples in micro-batches of `micro`. `micro` is held to
-    /// `1..=effective` (a micro-batch larger than the batch is the batch); an `effective` of 0
-    /// has no micro-batches.
-    ///
-    /// ```
-    /// use batch_size_runtime::BatchPlan;
-    /// assert_eq!(BatchPlan::new(8, 64).micro(), 8);
-    /// assert_eq!(BatchPlan::new(0, 4).accumulation(), 0);
-    /// ```
-    pub fn new(effective: usize, micro: usize) -> Self {
-        BatchPlan {
-            effective,
-            micro: micro.clamp(1, effective.max(1)),
-        }
-    }
-
-    /// Samples in the optimizer step.
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchPlan;
-    /// assert_eq!(BatchPlan::new(96, 32).effective(), 96);
-    /// ```
-    pub fn effective(&self) -> usize {
-        self.effective
-    }
-
-    /// Samples in each micro-batch but possibly the last.
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchPlan;
-    /// assert_eq!(BatchPlan::new(96, 32).micro(), 32);
-    /// ```
-    pub fn micro(&self) -> usize {
-        self.micro
-    }
-
-    /// How many micro-batches the step runs: `effective / micro`, rounded up.
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchPlan;
-    /// assert_eq!(BatchPlan::new(100, 32).accumulation(), 4);
-    /// ```
-    pub fn accumulation(&self) -> usize {
-        self.effective.div_ceil(self.micro)
-    }
-
-    /// The micro-batches, in order: their ranges cover `0..effective` exactly once.
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchPlan;
-    /// let last = BatchPlan::new(10, 4).micro_batches().last().unwrap();
-    /// assert_eq!((last.index, last.range, last.weight), (2, 8..10, 0.2));
-    /// ```
-    pub fn micro_batches(&self) -> impl ExactSizeIterator<Item = MicroBatch> + '_ {
-        let effective = self.effective;
-        let micro = self.micro;
-        (0..self.accumulation()).map(move |index| {
-            let start = index * micro;
-            let end = (start + micro).min(effective);
-            MicroBatch {
-                index,
-                range: start..end,
-                weight: (end - start) as f64 / effective as f64,
-            }
-        })
-    }
-}
+use even_split::EvenSplit;
+pub use plan::{BatchPlan, MicroBatch};
+use shares::{Clock, Shares};
 
 /// A step that needed a smaller micro-batch, and the sizes it tried.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,6 +90,12 @@ pub struct EffectiveBatch<'r> {
     recoveries: Vec<Recovery>,
     last_report: SearchReport,
     agreement: Option<Box<dyn Collective + 'r>>,
+    /// With uneven shares: this rank's part of the global batch, and what it measured.
+    uneven: bool,
+    shares: Option<Shares<'r>>,
+    clock: Option<Clock<'r>>,
+    /// The plan of the last step that ran (what `step_then`'s `apply` gets).
+    last_plan: Option<BatchPlan>,
 }
 
 impl std::fmt::Debug for EffectiveBatch<'_> {
@@ -199,6 +106,7 @@ impl std::fmt::Debug for EffectiveBatch<'_> {
             .field("steps", &self.steps)
             .field("recoveries", &self.recoveries)
             .field("agreement", &self.agreement)
+            .field("shares", &self.shares)
             .finish_non_exhaustive()
     }
 }
@@ -224,6 +132,10 @@ impl<'r> EffectiveBatch<'r> {
             recoveries: Vec::new(),
             last_report: SearchReport::default(),
             agreement: None,
+            uneven: false,
+            shares: None,
+            clock: None,
+            last_plan: None,
         }
     }
 
@@ -291,7 +203,8 @@ impl<'r> EffectiveBatch<'r> {
     ///     if plan.micro() > 50 { Err(OutOfMemory::new())? }
     ///     Ok(())
     /// })?;
-    /// assert_eq!(runner.micro(), 48);
+    /// // 64 failed; 56 needs two passes for 64 samples, run evenly as 32 + 32.
+    /// assert_eq!(runner.micro(), 32);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_reduce(
@@ -383,6 +296,113 @@ impl<'r> EffectiveBatch<'r> {
         self
     }
 
+    /// Splits the batch of `effective` samples, the *global* batch, into one contiguous share
+    /// per rank of the agreement, each rank at its own micro-batch: the ranks of mixed GPUs
+    /// each run what they hold, and the shares follow each rank's speed so that they finish a
+    /// step together, rather than every rank running the micro-batch the smallest GPU holds.
+    ///
+    /// - The first step runs even shares; then the shares follow the micro-batch each rank
+    ///   holds, then each rank's measured samples per second (over its last steps; see
+    ///   [`with_clock`](Self::with_clock)). Every rank computes the same shares from figures
+    ///   the ranks all-gather after each step; a change is logged at INFO with every share.
+    /// - Each rank searches its own micro-batch. An out-of-memory on any rank redoes the step
+    ///   on every rank ([`step_then`](Self::step_then)'s safe point), and only the rank that
+    ///   ran out of memory shrinks; shares never change inside a step.
+    /// - The plan's [`share()`](BatchPlan::share) is this rank's samples of the global batch,
+    ///   its micro-batches' ranges lie within it, and their weights are lengths over the global
+    ///   batch: **reduce the weighted gradients with a SUM all-reduce, not a mean** (DDP
+    ///   averages: divide its result back by nothing, or multiply by the world size). The sum
+    ///   over every rank is the whole global batch's gradient, whatever the shares and micro
+    ///   sizes.
+    ///
+    /// Without [`with_agreement`](Self::with_agreement) there is one rank and its share is the
+    /// whole batch. A global batch smaller than the number of ranks stops the first step with
+    /// [`StopReason::InvalidConfiguration`].
+    ///
+    /// ```
+    /// use std::sync::Mutex;
+    /// use std::thread;
+    /// use batch_size_runtime::agree::ThreadRanks;
+    /// use batch_size_runtime::{EffectiveBatch, OutOfMemory};
+    ///
+    /// let gradient = Mutex::new(0.0); // stands in for the SUM all-reduce
+    /// thread::scope(|scope| {
+    ///     for (rank, holds) in ThreadRanks::new(2).into_iter().zip([64, 8]) {
+    ///         let gradient = &gradient;
+    ///         scope.spawn(move || {
+    ///             let mut runner = EffectiveBatch::new(96).with_agreement(rank).with_uneven_shares();
+    ///             runner.step_then(
+    ///                 |plan| -> anyhow::Result<f64> {
+    ///                     if plan.micro() > holds { Err(OutOfMemory::new())? }
+    ///                     // Per-sample gradient 1: each micro-batch's mean, by its weight.
+    ///                     Ok(plan.micro_batches().map(|micro| micro.weight).sum())
+    ///                 },
+    ///                 |_plan, mine| {
+    ///                     *gradient.lock().unwrap() += mine; // SUM, not mean
+    ///                     Ok(())
+    ///                 },
+    ///             )?;
+    ///             anyhow::Ok(runner.micro())
+    ///         });
+    ///     }
+    /// });
+    /// // Each rank ran its 48 samples at its own micro-batch (48, and 8 on the small one);
+    /// // the weighted gradients add up to the global batch's mean.
+    /// assert!((gradient.into_inner().unwrap() - 1.0).abs() < 1e-12);
+    /// ```
+    pub fn with_uneven_shares(mut self) -> Self {
+        self.uneven = true;
+        self
+    }
+
+    /// The measure of time the shares are balanced by: a function returning the time now
+    /// (default: the wall clock). Only the successful attempt of each step is timed. Give a
+    /// simulated clock to test or show the balance without real speeds.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// # use batch_size_runtime::EffectiveBatch;
+    /// let simulated = Arc::new(AtomicU64::new(0)); // nanoseconds, advanced by your step
+    /// let time = Arc::clone(&simulated);
+    /// let runner = EffectiveBatch::new(64)
+    ///     .with_uneven_shares()
+    ///     .with_clock(move || Duration::from_nanos(time.load(Ordering::Relaxed)));
+    /// # let _ = runner;
+    /// ```
+    pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
+        self.clock = Some(Box::new(clock));
+        self
+    }
+
+    /// This rank's samples of the global batch for the next step: `0..effective` without
+    /// [`with_uneven_shares`](Self::with_uneven_shares) (or before the first step with it,
+    /// when the number of ranks is not yet known: even shares then).
+    ///
+    /// ```
+    /// # use batch_size_runtime::EffectiveBatch;
+    /// assert_eq!(EffectiveBatch::new(64).share(), 0..64);
+    /// ```
+    pub fn share(&self) -> Range<usize> {
+        self.shares
+            .as_ref()
+            .map_or(0..self.effective, Shares::range)
+    }
+
+    /// Every rank's samples of the global batch for the next step, in rank order (one range,
+    /// the whole batch, without uneven shares).
+    ///
+    /// ```
+    /// # use batch_size_runtime::EffectiveBatch;
+    /// assert_eq!(EffectiveBatch::new(64).shares(), [0..64]);
+    /// ```
+    pub fn shares(&self) -> Vec<Range<usize>> {
+        self.shares
+            .as_ref()
+            .map_or_else(|| vec![0..self.effective], Shares::ranges)
+    }
+
     /// The plan the next step will try.
     ///
     /// ```
@@ -390,10 +410,10 @@ impl<'r> EffectiveBatch<'r> {
     /// assert_eq!(EffectiveBatch::new(100).with_micro(30).plan().accumulation(), 4);
     /// ```
     pub fn plan(&self) -> BatchPlan {
-        BatchPlan::new(self.effective, self.micro)
+        BatchPlan::for_share(self.effective, self.share(), self.micro)
     }
 
-    /// The micro size in use (the size of the last step that ran).
+    /// The micro size in use (the largest micro-batch of the last step that ran).
     ///
     /// ```
     /// # use batch_size_runtime::EffectiveBatch;
@@ -445,21 +465,36 @@ impl<'r> EffectiveBatch<'r> {
         &self.last_report
     }
 
-    fn search(&mut self) -> BatchSizeSearch<'_> {
-        let mut search = BatchSizeSearch::new(self.next_micro.min(self.effective).max(1))
+    /// The search of one step over this rank's share of `length` samples.
+    fn search(&mut self, length: usize) -> BatchSizeSearch<'_> {
+        let mut search = BatchSizeSearch::new(self.next_micro.min(length).max(1))
             .with_label("effective_batch")
             .with_min(self.min_micro);
         search.settings.first_fit_at_debug = true;
         if self.effective == 0 {
             search.invalidate("`effective` must be at least 1, got 0".to_owned());
         }
+        let world = self.agreement.as_ref().map_or(1, |c| c.world_size());
+        if self.uneven && self.effective < world {
+            search.invalidate(format!(
+                "uneven shares need a global batch of at least one sample a rank: `effective` \
+                 is {} for {world} ranks",
+                self.effective
+            ));
+        }
         if let Some(release) = &self.release {
             search = search.with_release(release.clone());
         }
-        if let Some(collective) = &self.agreement {
-            search = search.with_agreement(&**collective);
+        // The engine tries what runs: the even split of each proposal.
+        let sizes = EvenSplit::new(self.shrink.borrowed(), length, self.min_micro);
+        match &self.agreement {
+            // Each rank its own micro size; an out-of-memory anywhere redoes the step everywhere.
+            Some(collective) if self.uneven => {
+                search.with_policy(Agree::own_sizes(sizes, &**collective))
+            }
+            Some(collective) => search.with_policy(sizes).with_agreement(&**collective),
+            None => search.with_policy(sizes),
         }
-        search.with_reduction(self.shrink.borrowed())
     }
 
     /// Records how a step's search went.
@@ -473,8 +508,16 @@ impl<'r> EffectiveBatch<'r> {
                 .attempts()
                 .map(|attempt| attempt.batch_size)
                 .collect();
-            for &failed in &tried[..tried.len() - 1] {
-                self.grow.failed(failed);
+            if self.uneven {
+                // Each rank its own size: only this rank's failures bound its growth (a step
+                // redone for another rank's sake ran here at a size that fitted).
+                for attempt in report.attempts().filter(|a| a.outcome.is_out_of_memory()) {
+                    self.grow.failed(attempt.batch_size);
+                }
+            } else {
+                for &failed in &tried[..tried.len() - 1] {
+                    self.grow.failed(failed);
+                }
             }
             if report.out_of_memory_count() > 0 {
                 tracing::warn!(
@@ -488,7 +531,7 @@ impl<'r> EffectiveBatch<'r> {
                     step,
                     tried = ?tried,
                     micro = report.batch_size(),
-                    "step {step} redone with a smaller micro-batch: another rank ran out of memory"
+                    "step {step} redone: another rank ran out of memory"
                 );
             }
             self.recoveries.push(Recovery { step, tried });
@@ -553,11 +596,68 @@ impl<'r> EffectiveBatch<'r> {
         E: AttemptError<M>,
     {
         let effective = self.effective;
-        let result = self
-            .search()
-            .run(|micro| body(&BatchPlan::new(effective, micro)));
+        if self.uneven && self.shares.is_none() {
+            let (rank, world) = self
+                .agreement
+                .as_ref()
+                .map_or((0, 1), |c| (c.rank(), c.world_size()));
+            self.shares = Some(Shares::even(effective, rank, world).with_clock(self.clock.take()));
+        }
+        let share = self.share();
+        // Only a step whose shares follow speed is timed: the plain path reads no clock.
+        let mut shares = self.shares.take();
+        let mut elapsed = None;
+        let result = self.search(share.len()).run(|micro| {
+            let plan = BatchPlan::for_share(effective, share.clone(), micro);
+            let Some(shares) = shares.as_mut() else {
+                return body(&plan);
+            };
+            let started = shares.now();
+            let outcome = body(&plan);
+            if outcome.is_ok() {
+                elapsed = Some(shares.now().saturating_sub(started));
+            }
+            outcome
+        });
+        self.shares = shares;
         self.account(crate::record::last_report().unwrap_or_default());
-        result
+        let value = result?;
+        self.last_plan = Some(BatchPlan::for_share(effective, share, self.micro));
+        if let Err(error) = self.rebalance(elapsed) {
+            let report = self.last_report.clone();
+            return Err(E::no_size_fits(NoExecutableBatchSize::new(
+                StopReason::Agreement(format!(
+                    "the ranks could not agree on their shares of the global batch: {error}"
+                )),
+                report,
+                None,
+            )));
+        }
+        Ok(value)
+    }
+
+    /// After a step that ran: the shares follow what every rank measured (with uneven shares).
+    fn rebalance(&mut self, elapsed: Option<Duration>) -> Result<(), crate::agree::AgreementError> {
+        let (Some(shares), Some(collective)) = (self.shares.as_mut(), self.agreement.as_ref())
+        else {
+            return Ok(());
+        };
+        if let Some(elapsed) = elapsed {
+            shares.record(self.micro, elapsed);
+        }
+        let before = shares.range().len();
+        if shares
+            .rebalance(&**collective, self.micro, self.steps)?
+            .is_some()
+        {
+            let after = shares.range().len();
+            // A rank that never ran out of memory runs its whole new share at once; one that
+            // did keeps the size that fitted (the search holds it within the share).
+            if after > before && self.grow.smallest_failed().is_none() {
+                self.next_micro = after;
+            }
+        }
+        Ok(())
     }
 
     /// The same as [`step`](Self::step), which takes your own error type now.
@@ -606,6 +706,7 @@ impl<'r> EffectiveBatch<'r> {
         E: AttemptError<M>,
     {
         let accumulated = self.step(accumulate)?;
-        apply(&self.plan(), accumulated)
+        let plan = self.last_plan.unwrap_or_else(|| self.plan());
+        apply(&plan, accumulated)
     }
 }

@@ -1,0 +1,123 @@
+//! Even micro-batches: a share of `length` samples run at most `size` at a time takes
+//! `length / size` passes, rounded up, whatever the split; splitting it into sizes that differ
+//! by at most one keeps that number of passes, lowers the peak (the largest micro-batch) and
+//! leaves no ragged last batch. 256 at 212 runs 128 + 128, not 212 + 44; at 121, 86 + 85 + 85,
+//! not 121 + 121 + 14.
+//!
+//! [`EvenSplit`] wraps the micro size's policy so that the engine tries, records and reasons
+//! about the size that really runs: after a failure at 128 (the even split of 212), the next
+//! proposal is judged against 128, and no proposal that splits to 128 again is wasted.
+
+use crate::policy::{Decision, SizePolicy};
+use crate::record::SearchReport;
+
+/// The largest micro-batch when `length` samples run in the fewest passes of at most `size`,
+/// split evenly: at most `size`, and `length` itself when `size` covers it. A `size` or a
+/// `length` of 0 is returned as it is (the engine refuses a size of 0 with its own reason).
+pub(crate) fn even_micro(length: usize, size: usize) -> usize {
+    if length == 0 || size == 0 {
+        return size;
+    }
+    let passes = length.div_ceil(size.min(length));
+    length.div_ceil(passes)
+}
+
+/// A size policy whose every proposal is the even split of what `inner` proposed, for a share
+/// of `length` samples (see the [module docs](self)).
+#[derive(Debug)]
+pub(crate) struct EvenSplit<P> {
+    inner: P,
+    length: usize,
+    /// Below it, a proposal is kept as it is: the engine's `min` judges what was proposed.
+    min: usize,
+}
+
+impl<P: SizePolicy> EvenSplit<P> {
+    pub(crate) fn new(inner: P, length: usize, min: usize) -> Self {
+        EvenSplit { inner, length, min }
+    }
+
+    fn even(&self, decision: Decision) -> Decision {
+        match decision {
+            Decision::Try(size) => {
+                let even = even_micro(self.length, size);
+                // An even split below the floor would turn a legal proposal into a refused
+                // one: run the proposal (the plan still splits it evenly).
+                Decision::Try(if even < self.min && size >= self.min {
+                    size
+                } else {
+                    even
+                })
+            }
+            other => other,
+        }
+    }
+}
+
+impl<P: SizePolicy> SizePolicy for EvenSplit<P> {
+    fn first(&mut self, starting: usize) -> Decision {
+        let first = self.inner.first(starting);
+        self.even(first)
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let next = self.inner.after(history);
+        self.even(next)
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history);
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.inner.check()
+    }
+
+    fn accepts_every_success(&self) -> bool {
+        self.inner.accepts_every_success()
+    }
+
+    fn each_success_is_new_work(&self) -> bool {
+        self.inner.each_success_is_new_work()
+    }
+
+    fn reads_memory_after_success(&self) -> bool {
+        self.inner.reads_memory_after_success()
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.inner.rationale()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::even_micro;
+
+    #[test]
+    fn the_fewest_passes_split_evenly() {
+        assert_eq!(even_micro(256, 212), 128);
+        assert_eq!(even_micro(256, 121), 86);
+        assert_eq!(even_micro(256, 256), 256);
+        assert_eq!(even_micro(256, 1000), 256);
+        assert_eq!(even_micro(100, 33), 25);
+        assert_eq!(even_micro(7, 1), 1);
+        assert_eq!(even_micro(0, 4), 4);
+        assert_eq!(even_micro(9, 0), 0);
+    }
+
+    #[test]
+    fn the_even_split_never_exceeds_the_size_nor_adds_a_pass() {
+        for length in 1..200 {
+            for size in 1..=length + 3 {
+                let even = even_micro(length, size);
+                assert!(even <= size && even >= 1, "{length} at {size}: {even}");
+                assert_eq!(
+                    length.div_ceil(even),
+                    length.div_ceil(size.min(length)),
+                    "{length} at {size}"
+                );
+            }
+        }
+    }
+}
