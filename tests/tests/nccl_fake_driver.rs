@@ -107,6 +107,93 @@ fn four_ranks_on_mixed_gpus_agree_over_nccl() -> TestResult {
     Ok(())
 }
 
+/// One global batch in uneven shares over NCCL: each rank at the micro-batch its device holds,
+/// the shares following simulated speeds, every rank computing the same shares from figures
+/// all-gathered over the fake NCCL.
+#[test]
+fn uneven_shares_of_one_global_batch_over_nccl() -> TestResult {
+    use batch_size_runtime::EffectiveBatch;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let cuda = FakeCuda::session(4, 100 * MIB)?;
+    let nccl = FakeNccl::load()?;
+    let reduces = nccl.calls("ncclAllReduce");
+    let id = NcclId::new()?;
+    let ballast = [0u64, 40, 10, 60]; // MiB taken on each device: mixed GPUs
+    let per_sample = [1_000u64, 1_000, 2_000, 3_000]; // simulated ns a sample
+    let (global, steps) = (96, 6);
+    let (sender, receiver) = mpsc::channel();
+    for rank in 0..4 {
+        let sender = sender.clone();
+        thread::spawn(move || {
+            let outcome =
+                (|| -> Result<(Vec<(usize, usize, u64)>, Vec<std::ops::Range<usize>>), String> {
+                    let (nccl, ctx, _held) =
+                        join(rank, 4, id, ballast[rank], Duration::from_secs(10))
+                            .map_err(|e| e.to_string())?;
+                    let stream = ctx.default_stream();
+                    let model = model();
+                    let clock = Arc::new(AtomicU64::new(0));
+                    let read = Arc::clone(&clock);
+                    let mut runner = EffectiveBatch::new(global)
+                        .with_agreement(&nccl)
+                        .with_uneven_shares()
+                        .with_clock(move || Duration::from_nanos(read.load(Ordering::SeqCst)));
+                    let mut seen = Vec::new();
+                    for _ in 0..steps {
+                        let (share, micro, time) = runner
+                            .step(|plan| -> anyhow::Result<(usize, usize, u64)> {
+                                let started = clock.load(Ordering::SeqCst);
+                                for micro in plan.micro_batches() {
+                                    model.step(&stream, micro.range.len())?;
+                                    clock.fetch_add(
+                                        5_000 + micro.range.len() as u64 * per_sample[rank],
+                                        Ordering::SeqCst,
+                                    );
+                                }
+                                let time = clock.load(Ordering::SeqCst) - started;
+                                Ok((plan.share().len(), plan.micro(), time))
+                            })
+                            .map_err(|error| format!("{error:#}"))?;
+                        seen.push((share, micro, time));
+                    }
+                    Ok((seen, runner.shares()))
+                })();
+            let _ = sender.send((rank, outcome));
+        });
+    }
+    let ranks: Vec<_> = gather(&receiver, 4, Duration::from_secs(60))
+        .into_iter()
+        .map(|outcome| outcome.unwrap())
+        .collect();
+    // Every rank computed the same shares, and they tile the global batch.
+    assert!(
+        ranks.iter().all(|(_, shares)| *shares == ranks[0].1),
+        "{ranks:?}"
+    );
+    assert_eq!(ranks[0].1.first().map(|r| r.start), Some(0));
+    assert_eq!(ranks[0].1.last().map(|r| r.end), Some(global));
+    for step in 0..steps {
+        let total: usize = ranks.iter().map(|(seen, _)| seen[step].0).sum();
+        assert_eq!(total, global, "step {step}");
+    }
+    // Each rank at its own micro-batch: the most loaded device (60 MiB taken) holds fewer
+    // samples than the empty one runs.
+    let last = |rank: usize| ranks[rank].0[steps - 1];
+    assert!(last(3).1 < last(0).1, "{:?} against {:?}", last(3), last(0));
+    // The shares followed the speeds: the slowest rank's last step within 10 % of the fastest.
+    let times: Vec<u64> = (0..4).map(|rank| last(rank).2).collect();
+    let (slowest, fastest) = (times.iter().max().unwrap(), times.iter().min().unwrap());
+    assert!(
+        *slowest as f64 <= *fastest as f64 * 1.10,
+        "{times:?}, {ranks:?}"
+    );
+    assert!(nccl.calls("ncclAllReduce") - reduces >= (steps * 4 * 4) as u64);
+    assert_eq!(nccl.live_comms(), 0);
+    drop(cuda);
+    Ok(())
+}
+
 #[test]
 fn the_values_come_back_reduced_on_every_rank() -> TestResult {
     let _cuda = FakeCuda::session(3, 100 * MIB)?;

@@ -13,7 +13,8 @@
 //!
 //! Then the agreement over the real NCCL (`agree::nccl`), when NCCL is found: world size 1 on
 //! the device (an all-reduce and the agreed search, checked), and two ranks, on two GPUs or
-//! both on the one (NCCL may refuse that: the refusal must come back within the timeout).
+//! both on the one (NCCL may refuse that: the refusal must come back within the timeout); on
+//! two GPUs, one global batch in uneven shares, the second GPU with half its room taken.
 //!
 //! Without a CUDA driver or device it says so and exits 0. It exits 1 when a check fails.
 
@@ -286,6 +287,7 @@ fn nccl_check(ordinal: usize, model: &GrowingModel, expected: Option<usize>) -> 
             outcomes.iter().all(|outcome| outcome == &Ok(2)),
             "two ranks on two GPUs: both got the maximum, 2",
         );
+        passed &= uneven_shares_check(ordinals, model, timeout);
     } else {
         // Either NCCL allows it (both see 2) or it refuses: in both cases no rank hangs.
         passed &= verdict(
@@ -294,6 +296,89 @@ fn nccl_check(ordinal: usize, model: &GrowingModel, expected: Option<usize>) -> 
         );
     }
     passed
+}
+
+/// Two ranks on two GPUs split one global batch into uneven shares (`with_uneven_shares`) over
+/// the real NCCL: the second GPU has half its room taken, so it runs a smaller micro-batch;
+/// every rank must compute the same shares, and they must tile the batch.
+fn uneven_shares_check(
+    ordinals: [usize; 2],
+    model: &GrowingModel,
+    timeout: std::time::Duration,
+) -> bool {
+    use batch_size_runtime::agree::nccl::{NcclId, NcclRank};
+    use batch_size_runtime::EffectiveBatch;
+
+    let global = 2 * STARTING;
+    let id = match NcclId::new() {
+        Ok(id) => id,
+        Err(error) => return verdict(false, &format!("uneven shares: {error}")),
+    };
+    type Seen = (Vec<(usize, usize)>, Vec<std::ops::Range<usize>>);
+    let outcomes: Vec<Result<Seen, String>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = ordinals
+            .iter()
+            .enumerate()
+            .map(|(rank, &device)| {
+                scope.spawn(move || -> Result<Seen, String> {
+                    let ctx = CudaContext::new(device).map_err(|e| e.to_string())?;
+                    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+                    // Half of the second GPU's free memory taken: a smaller GPU.
+                    let (free, _) =
+                        cudarc::driver::result::mem_get_info().map_err(|e| e.to_string())?;
+                    let _ballast = if rank == 1 {
+                        Some(
+                            stream
+                                .alloc_zeros::<u8>(free as usize / 2)
+                                .map_err(|e| e.to_string())?,
+                        )
+                    } else {
+                        None
+                    };
+                    let nccl = NcclRank::with_timeout(
+                        ctx.new_stream().map_err(|e| e.to_string())?,
+                        &id,
+                        rank,
+                        2,
+                        timeout,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    let mut runner = EffectiveBatch::new(global)
+                        .with_agreement(&nccl)
+                        .with_uneven_shares();
+                    let mut seen = Vec::new();
+                    for _ in 0..4 {
+                        let step = runner
+                            .step(|plan| -> Result<(usize, usize), TrainError> {
+                                for micro in plan.micro_batches() {
+                                    model.step(&stream, micro.range.len())?;
+                                }
+                                Ok((plan.share().len(), plan.micro()))
+                            })
+                            .map_err(|e| e.to_string())?;
+                        seen.push(step);
+                    }
+                    release_all();
+                    Ok((seen, runner.shares()))
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().unwrap_or_else(|_| Err("panicked".to_owned())))
+            .collect()
+    });
+    println!("  uneven shares of {global} (share, micro) per step: {outcomes:?}");
+    let tiled = match (&outcomes[0], &outcomes[1]) {
+        (Ok((first, shares)), Ok((second, other))) => {
+            shares == other && first.iter().zip(second).all(|(a, b)| a.0 + b.0 == global)
+        }
+        _ => false,
+    };
+    verdict(
+        tiled,
+        "uneven shares on two GPUs: the same shares on both ranks, tiling the global batch",
+    )
 }
 
 /// Gives back what the last search left in the pool, so that the next one starts clean.
