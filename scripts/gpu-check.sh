@@ -9,8 +9,8 @@
 # and after the release are printed (the retries' WARN logs go to stderr). Then, when NCCL is
 # found (the pip wheel's libnccl.so.2 too, or BATCH_SIZE_NCCL_LIBRARY), the agreement over NCCL:
 # world size 1, and two ranks on two GPUs or both on one; on two GPUs, also one global batch in
-# uneven shares (EffectiveBatch::with_uneven_shares), the second GPU with half its room taken. Exits 1 when a check fails, 0 when
-# they pass or when there is no CUDA driver or device to check.
+# uneven shares (EffectiveBatch::with_uneven_shares), the second GPU with half its room taken.
+# Exits 1 when a check fails, 0 when they pass or when there is no CUDA driver or device to check.
 #
 # Usage: scripts/gpu-check.sh [DEVICE_ORDINAL]      (default 0)
 # Needs only this repository and a Rust toolchain (the crates come from the registry, or from
