@@ -445,7 +445,8 @@ impl Tuner {
             below: 0,
             guess: None,
             misses: 0,
-            failed_guesses: 0,
+            overshoots: 0,
+            guessed_in: None,
             shared: Arc::clone(&shared),
         };
         let mut search = BatchSizeSearch::new(min)
@@ -605,12 +606,19 @@ struct TunerPolicy {
     below: usize,
     /// The last size the memory fit chose, and whether it expected that trial to fit.
     guess: Option<(usize, bool)>,
-    /// Trials the fit got wrong the costly way: expected to fail, they fit, or they fit with
-    /// more than the margin to spare. Each doubles the least step above the largest success,
-    /// so that a fit that does not describe the trial costs a few trials, not a crawl.
+    /// Before any failure: trials the fit got wrong the costly way (expected to fail, they
+    /// fit, or they fit with more than the margin to spare). Each doubles the least step above
+    /// the largest success, so that a fit that does not describe the trial costs a few trials,
+    /// not a crawl.
     misses: u32,
-    /// Trials in a row the fit expected to fit and that failed: at two, bisect.
-    failed_guesses: u32,
+    /// Trials the fit expected to fit that failed. At two the fit is dropped for bisection:
+    /// what fails is not explained by the memory the trials use (a limit that is not the
+    /// device's memory, an allocator that cannot use all of it).
+    overshoots: u32,
+    /// Once bracketed: the bracket's width in ratio (ln(high / low)) when the fit chose the
+    /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
+    /// Brent's method: two trials at least halve the bracket, whatever the fit says.
+    guessed_in: Option<f64>,
     shared: Arc<Shared>,
 }
 
@@ -780,9 +788,9 @@ impl TunerPolicy {
         self.max.map_or(size, |max| size.min(max))
     }
 
-    /// Whether the fit's last guess held: a failure where it expected a fit counts towards
-    /// bisecting; a fit where it expected a failure, or a fit with more than the margin to
-    /// spare by the fit's own new reckoning, is a miss.
+    /// Whether the fit's last guess held: a failure where it expected a fit is an overshoot; a
+    /// fit where it expected a failure, or a fit with more than the margin to spare by the
+    /// fit's own new reckoning, is a miss.
     fn score_guess(&mut self, last: &Attempt, limit: Option<usize>) {
         let Some((size, expected_to_fit)) = self.guess.take() else {
             return;
@@ -791,10 +799,9 @@ impl TunerPolicy {
             return;
         }
         if !last.outcome.is_success() {
-            self.failed_guesses += u32::from(expected_to_fit);
+            self.overshoots += u32::from(expected_to_fit);
             return;
         }
-        self.failed_guesses = 0;
         let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.margin));
         if !expected_to_fit || spare {
             self.misses += 1;
@@ -945,30 +952,46 @@ impl SizePolicy for TunerPolicy {
         }
         let limit = MemoryFit::new(history, low).and_then(|fit| fit.limit());
         self.score_guess(last, limit);
-        let step = resolution.saturating_mul(1usize << self.misses.min(32));
-        // A fit that has a failed size fitting does not describe the trial (a failure that
-        // is not the device's memory, or an allocator that cannot use all of it): bisect.
-        let limit = limit.filter(|&limit| high.is_none_or(|high| limit < high));
+        // A fit that has a failed size fitting, or whose guesses failed twice, does not
+        // describe the trial: bisect.
+        let limit = limit
+            .filter(|&limit| high.is_none_or(|high| limit < high))
+            .filter(|_| self.overshoots < 2);
         let mut guess = None;
         let next = match (limit, high) {
-            // Two guesses in a row failed: the fit overshoots; halve the bracket instead.
-            (Some(_), Some(high)) if self.failed_guesses >= 2 => {
-                self.failed_guesses = 0;
-                geometric_middle(low, high)
-            }
-            // The fit's limit, or a step above the largest success where the fit puts the
-            // limit closer than that: a failure there ends the search.
-            (Some(limit), _) => {
-                let next = limit
-                    .max(low.saturating_add(step))
-                    .min(low.saturating_mul(FARTHEST_JUMP));
+            // Growing: the fit's limit, or a step above the largest success where the fit puts
+            // the limit closer than that (a failure there ends the search).
+            (Some(limit), None) => {
+                let step = resolution
+                    .saturating_mul(1usize.checked_shl(self.misses).unwrap_or(usize::MAX));
                 guess = Some(limit);
-                next
+                limit
+                    .max(low.saturating_add(step))
+                    .min(low.saturating_mul(FARTHEST_JUMP))
+            }
+            // Bracketed: the fit's limit, unless its last trial left the bracket more than half
+            // as wide (in ratio) as it found it.
+            (Some(limit), Some(high)) => {
+                let width = (high as f64 / low as f64).ln();
+                if self
+                    .guessed_in
+                    .take()
+                    .is_some_and(|before| width > before / 2.0)
+                {
+                    geometric_middle(low, high)
+                } else {
+                    self.guessed_in = Some(width);
+                    guess = Some(limit);
+                    limit.max(low.saturating_add(resolution))
+                }
             }
             // Without figures: grow, then bisect. A failure far above the limit costs no more
             // than one just above it (it fails at its first large allocation).
             (None, None) => low.saturating_mul(GROWTH),
-            (None, Some(high)) => geometric_middle(low, high),
+            (None, Some(high)) => {
+                self.guessed_in = None;
+                geometric_middle(low, high)
+            }
         };
         let next = self.cap(next).min(high.map_or(usize::MAX, |high| high - 1));
         if next <= low {
