@@ -122,43 +122,43 @@ fn uneven_shares_of_one_global_batch_over_nccl() -> TestResult {
     let ballast = [0u64, 40, 10, 60]; // MiB taken on each device: mixed GPUs
     let per_sample = [1_000u64, 1_000, 2_000, 3_000]; // simulated ns a sample
     let (global, steps) = (96, 6);
+    /// Per step (share, micro, simulated time), and the shares at the end.
+    type Seen = (Vec<(usize, usize, u64)>, Vec<std::ops::Range<usize>>);
     let (sender, receiver) = mpsc::channel();
     for rank in 0..4 {
         let sender = sender.clone();
         thread::spawn(move || {
-            let outcome =
-                (|| -> Result<(Vec<(usize, usize, u64)>, Vec<std::ops::Range<usize>>), String> {
-                    let (nccl, ctx, _held) =
-                        join(rank, 4, id, ballast[rank], Duration::from_secs(10))
-                            .map_err(|e| e.to_string())?;
-                    let stream = ctx.default_stream();
-                    let model = model();
-                    let clock = Arc::new(AtomicU64::new(0));
-                    let read = Arc::clone(&clock);
-                    let mut runner = EffectiveBatch::new(global)
-                        .with_agreement(&nccl)
-                        .with_uneven_shares()
-                        .with_clock(move || Duration::from_nanos(read.load(Ordering::SeqCst)));
-                    let mut seen = Vec::new();
-                    for _ in 0..steps {
-                        let (share, micro, time) = runner
-                            .step(|plan| -> anyhow::Result<(usize, usize, u64)> {
-                                let started = clock.load(Ordering::SeqCst);
-                                for micro in plan.micro_batches() {
-                                    model.step(&stream, micro.range.len())?;
-                                    clock.fetch_add(
-                                        5_000 + micro.range.len() as u64 * per_sample[rank],
-                                        Ordering::SeqCst,
-                                    );
-                                }
-                                let time = clock.load(Ordering::SeqCst) - started;
-                                Ok((plan.share().len(), plan.micro(), time))
-                            })
-                            .map_err(|error| format!("{error:#}"))?;
-                        seen.push((share, micro, time));
-                    }
-                    Ok((seen, runner.shares()))
-                })();
+            let outcome = (|| -> Result<Seen, String> {
+                let (nccl, ctx, _held) = join(rank, 4, id, ballast[rank], Duration::from_secs(10))
+                    .map_err(|e| e.to_string())?;
+                let stream = ctx.default_stream();
+                let model = model();
+                let clock = Arc::new(AtomicU64::new(0));
+                let read = Arc::clone(&clock);
+                let mut runner = EffectiveBatch::new(global)
+                    .with_agreement(&nccl)
+                    .with_uneven_shares()
+                    .with_clock(move || Duration::from_nanos(read.load(Ordering::SeqCst)));
+                let mut seen = Vec::new();
+                for _ in 0..steps {
+                    let (share, micro, time) = runner
+                        .step(|plan| -> anyhow::Result<(usize, usize, u64)> {
+                            let started = clock.load(Ordering::SeqCst);
+                            for micro in plan.micro_batches() {
+                                model.step(&stream, micro.range.len())?;
+                                clock.fetch_add(
+                                    5_000 + micro.range.len() as u64 * per_sample[rank],
+                                    Ordering::SeqCst,
+                                );
+                            }
+                            let time = clock.load(Ordering::SeqCst) - started;
+                            Ok((plan.share().len(), plan.micro(), time))
+                        })
+                        .map_err(|error| format!("{error:#}"))?;
+                    seen.push((share, micro, time));
+                }
+                Ok((seen, runner.shares()))
+            })();
             let _ = sender.send((rank, outcome));
         });
     }

@@ -329,7 +329,7 @@ fn uneven_shares_check(
                     let _ballast = if rank == 1 {
                         Some(
                             stream
-                                .alloc_zeros::<u8>(free as usize / 2)
+                                .alloc_zeros::<u8>(free / 2)
                                 .map_err(|e| e.to_string())?,
                         )
                     } else {

@@ -398,9 +398,10 @@ impl<'r> EffectiveBatch<'r> {
     /// assert_eq!(EffectiveBatch::new(64).shares(), [0..64]);
     /// ```
     pub fn shares(&self) -> Vec<Range<usize>> {
-        self.shares
-            .as_ref()
-            .map_or_else(|| vec![0..self.effective], Shares::ranges)
+        self.shares.as_ref().map_or_else(
+            || std::iter::once(0..self.effective).collect(),
+            Shares::ranges,
+        )
     }
 
     /// The plan the next step will try.
