@@ -1,8 +1,8 @@
-//! A tuner that finds the largest batch size in a few short trials before training: probe
-//! small sizes, fit memory against the size from their peaks, jump close to the predicted limit,
-//! confirm, and bisect only what is left; then keep a margin, and run that size too. It times
-//! every trial, so that it can also name the fastest size (samples per second), and return it
-//! instead of the largest.
+//! A tuner that finds the largest batch size in a few short trials before training: probe two
+//! small sizes, fit memory against the size from their peaks, jump to the predicted limit, and
+//! stop once the largest success and the smallest failure are within a quarter of the margin;
+//! then keep the margin, and run that size too. It times every trial, so that it can also name
+//! the fastest size (samples per second), and return it instead of the largest.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -33,13 +33,22 @@ use crate::StopReason;
 /// builds its batch from the size it is given and runs at least one forward and backward pass.
 ///
 /// # How it searches
-/// With memory figures (the release backend reads the device, or the errors carry them), it
-/// probes two small sizes, fits memory = fixed + per-sample × size to their peaks, jumps to the
-/// predicted limit, and bisects only between the largest size that ran and the smallest that
-/// failed. Without figures it doubles, then bisects. Bisection stops once the bracket is
-/// within half the margin; the margin is then taken off the largest size that ran, and that
-/// size's trial is run too. It never returns a size larger than one whose trial succeeded, and
-/// never tries one above `with_max`.
+/// With memory figures (the release backend reads the device's peak), it runs `min` and four
+/// times `min`, fits memory = fixed + per-sample × size through the peaks of two successes,
+/// bent upwards to what the smallest failure above them needed (the peak before the failing
+/// allocation plus what it asked for: attention's size² shows there), and jumps to the size
+/// predicted to fill the device. Without figures it grows four times a trial, then bisects in
+/// ratio. Either way it stops once the largest size that ran and the smallest that failed are
+/// within a quarter of the margin (at least 1): finer would refine a size the margin then takes
+/// 5 % off. The margin is then taken off the largest size that ran, and that size's trial is
+/// run too. It never returns a size whose own trial did not succeed, and never tries one above
+/// `with_max`.
+///
+/// The fit is a guide, never trusted over a trial: where it has a failed size fitting, or two
+/// of its guesses failed, it is dropped for bisection (a limit that is not the device's memory);
+/// once a failure brackets the limit, a guess that does not halve the bracket is followed by a
+/// bisection; a guess that fits with room to spare doubles the least step of the next; a jump
+/// goes at most 128 times the largest size that ran.
 ///
 /// # Throughput
 /// Every successful trial is timed ([`with_clock`](Self::with_clock); by default the wall
@@ -67,7 +76,7 @@ use crate::StopReason;
 ///     })?;
 /// assert_eq!(tuned.largest_fit(), 122);                    // the largest that fits
 /// assert!(tuned.batch_size() >= 115 && tuned.batch_size() < 122); // 5 % kept
-/// assert!(tuned.report().len() <= 6);                      // Lightning's binsearch: 13 trials
+/// assert!(tuned.report().len() <= 5);                      // Lightning's binsearch: 13 trials
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 #[must_use = "a tuner does nothing until it is run"]
