@@ -43,13 +43,15 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::StopReason;
 use crate::memory::Release;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::SearchReport;
+use crate::runners::remedies::LadderControl;
 
 /// The environment variable that names the cache's folder when none is given.
 pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";
@@ -69,6 +71,10 @@ pub struct CacheEntry {
     pub failed_at: Option<usize>,
     /// Free bytes on the device when the entry was written (0 where unknown).
     pub free_when_written: u64,
+    /// With [`Remedies`](crate::Remedies): the level of each declared remedy when the size fit
+    /// (`null`: not in force; 1 for a switch; a knob's value), restored with the size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remedies: Option<Vec<Option<usize>>>,
 }
 
 thread_local! {
@@ -114,6 +120,8 @@ pub(crate) struct Cached<P> {
     from_cache: bool,
     /// This search gave its WARN about the cache already: one is enough, whatever else fails.
     warned: bool,
+    /// The remedies the search may apply, whose levels are kept with the size.
+    remedies: Option<Arc<dyn LadderControl>>,
 }
 
 impl<P: fmt::Debug> fmt::Debug for Cached<P> {
@@ -213,6 +221,7 @@ impl<P: SizePolicy> Cached<P> {
         starting: usize,
         min: usize,
         release: &Release,
+        remedies: Option<Arc<dyn LadderControl>>,
     ) -> Self {
         let memory = release.memory_backend().memory();
         let (device, total) = memory
@@ -221,10 +230,14 @@ impl<P: SizePolicy> Cached<P> {
             .map_or(("none".to_owned(), 0), |device| {
                 (device.device.clone(), device.total)
             });
-        let key = format!(
+        let mut key = format!(
             "{} | {label} | starting {starting} | {device} with {total} bytes",
             settings.key
         );
+        if let Some(remedies) = &remedies {
+            // Another list of remedies is another search: its levels would mean other things.
+            key.push_str(&format!(" | remedies {}", remedies.names()));
+        }
         let dir = settings
             .dir
             .or_else(|| std::env::var_os(CACHE_DIR_VARIABLE).map(PathBuf::from));
@@ -282,6 +295,7 @@ impl<P: SizePolicy> Cached<P> {
             label,
             from_cache: false,
             warned,
+            remedies,
         }
     }
 
@@ -316,6 +330,7 @@ impl<P: SizePolicy> Cached<P> {
             largest_fit,
             failed_at,
             free_when_written: self.free_now,
+            remedies: self.remedies.as_ref().map(|remedies| remedies.levels()),
         };
         if self.entry.as_ref() == Some(&entry) {
             return;
@@ -337,10 +352,40 @@ impl<P: SizePolicy> Cached<P> {
     }
 }
 
+impl<P> Cached<P> {
+    /// Puts the remedies in force that were when the entry's size fit (said at WARN: the
+    /// settings differ from the caller's). False for levels that do not fit the declared
+    /// remedies: the entry is not used.
+    fn restore_remedies(&mut self, entry: &CacheEntry) -> bool {
+        let (Some(remedies), Some(levels)) = (&self.remedies, &entry.remedies) else {
+            return true;
+        };
+        if !remedies.restore(levels) {
+            if !std::mem::replace(&mut self.warned, true) {
+                tracing::warn!(
+                    function = self.label,
+                    "the batch size cache is ignored: its remedies do not fit the ones declared"
+                );
+            }
+            return false;
+        }
+        if let Some(settings) = remedies.describe() {
+            tracing::warn!(
+                function = self.label,
+                settings = %settings,
+                batch_size = entry.fits,
+                "starting from the cached size with the remedies that fit then: {settings}"
+            );
+        }
+        true
+    }
+}
+
 impl<P: SizePolicy> SizePolicy for Cached<P> {
     fn first(&mut self, starting: usize) -> Decision {
-        match &self.entry {
-            Some(entry) if !self.more_room(entry) => {
+        // Cloned (once a search): restoring the remedies writes to `self`.
+        match &self.entry.clone() {
+            Some(entry) if !self.more_room(entry) && self.restore_remedies(entry) => {
                 tracing::info!(
                     function = self.label,
                     batch_size = entry.fits,
@@ -391,5 +436,13 @@ impl<P: SizePolicy> SizePolicy for Cached<P> {
 
     fn rationale(&self) -> Option<String> {
         self.inner.rationale()
+    }
+
+    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
+        self.inner.no_size_left(reason, history)
+    }
+
+    fn settings(&self) -> Option<String> {
+        self.inner.settings()
     }
 }

@@ -93,6 +93,14 @@ pub enum StopReason {
         /// The peak bytes at the larger size.
         peak: u64,
     },
+    /// No size fit, even with every remedy the search was allowed ([`Remedies`](crate::Remedies))
+    /// applied in turn.
+    NoRemedyLeft {
+        /// Why the last batch-size search under the last settings ended.
+        last: Box<StopReason>,
+        /// Each remedy applied, in order, with the failure that led to it and its figures.
+        applied: Vec<String>,
+    },
 }
 
 impl fmt::Display for StopReason {
@@ -120,6 +128,15 @@ impl fmt::Display for StopReason {
             } => write!(
                 f,
                 "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {peak} bytes at {larger}, no more than at {smaller})"
+            ),
+            StopReason::NoRemedyLeft { last, applied } if applied.is_empty() => write!(
+                f,
+                "{last}; no remedy could be applied (each was at its floor or already on)"
+            ),
+            StopReason::NoRemedyLeft { last, applied } => write!(
+                f,
+                "{last}, with every remedy allowed applied: {}",
+                applied.join("; then ")
             ),
         }
     }

@@ -246,6 +246,7 @@ pub use plan::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
 pub use policy::{Decision, SizePolicy};
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use reduce::{FailedAttempt, Reduction};
+pub use runners::remedies::{Remedied, RemediedSearch, Remedies, Remedy};
 pub use runners::tuner::{Choice, Tuned, Tuner};
 pub use runners::{chunked, effective as plan};
 pub use simulated::{SimAllocation, SimulatedDevice};

@@ -107,15 +107,22 @@ pub struct Attempt {
     pub requested: Option<u64>,
     /// How the policy chose this size, when it says (an estimate, a fitted limit).
     pub rationale: Option<String>,
+    /// The remedies in force during this attempt ("activation checkpointing, context length
+    /// 1024"), where a search applies any ([`Remedies`](crate::Remedies)); `None` otherwise.
+    pub settings: Option<String>,
 }
 
 impl fmt::Display for Attempt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "attempt {} with batch size {}: ",
+            "attempt {} with batch size {}",
             self.number, self.batch_size
         )?;
+        if let Some(settings) = &self.settings {
+            write!(f, " ({settings})")?;
+        }
+        f.write_str(": ")?;
         match &self.outcome {
             Outcome::Succeeded => f.write_str("succeeded")?,
             Outcome::OutOfMemory { error } => write!(f, "out of memory ({error})")?,
@@ -273,6 +280,16 @@ impl SearchReport {
     /// any search of up to [`KEPT_FIRST`](Self::KEPT_FIRST) attempts.
     pub fn elided(&self) -> usize {
         self.totals.elided
+    }
+
+    /// The attempts numbered after `number`, as a report of their own (what a policy sees of
+    /// the attempts made under the settings in force, after a remedy).
+    pub(crate) fn since(&self, number: usize) -> SearchReport {
+        let mut report = SearchReport::default();
+        for attempt in self.attempts().filter(|attempt| attempt.number > number) {
+            report.push(attempt.clone());
+        }
+        report
     }
 
     #[inline(always)]

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::dispatch::When;
+use crate::error::StopReason;
 use crate::policy::{Decision, Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
@@ -83,6 +84,21 @@ impl SizePolicy for ActivePolicy<'_> {
 
     fn each_success_is_new_work(&self) -> bool {
         self.policy().each_success_is_new_work()
+    }
+
+    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
+        match self {
+            ActivePolicy::Shrink(_) => Decision::Stop(reason),
+            ActivePolicy::Custom(policy) => policy.no_size_left(reason, history),
+        }
+    }
+
+    fn settings(&self) -> Option<String> {
+        match self {
+            // The common search asks nothing of a built-in policy on its success path.
+            ActivePolicy::Shrink(_) => None,
+            ActivePolicy::Custom(policy) => policy.settings(),
+        }
     }
 }
 

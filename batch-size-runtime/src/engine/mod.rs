@@ -21,6 +21,7 @@
 
 use std::error::Error;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
@@ -31,6 +32,7 @@ use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::policy::{FailedAttempt, Guided, Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
+use crate::runners::remedies::{LadderControl, Remediate};
 
 mod active;
 pub(crate) mod driver;
@@ -74,6 +76,8 @@ pub struct BatchSizeSearch<'r> {
     pub(crate) cache: Option<CacheSettings>,
     /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
     pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
+    /// The remedies allowed when no size fits, if any: wraps the policy, inside the cache.
+    pub(crate) remedies: Option<Arc<dyn LadderControl>>,
 }
 
 impl<'r> BatchSizeSearch<'r> {
@@ -103,6 +107,7 @@ impl<'r> BatchSizeSearch<'r> {
             },
             cache: None,
             agreement: None,
+            remedies: None,
         }
     }
 
@@ -664,7 +669,25 @@ impl<'r> BatchSizeSearch<'r> {
             mut settings,
             cache,
             agreement,
+            remedies,
         } = self;
+        if let Some(ladder) = &remedies {
+            if agreement.is_some() {
+                settings.invalid.get_or_insert_with(|| {
+                    "remedies are not agreed between ranks yet: search with remedies on one rank, \
+                     or without an agreement"
+                        .to_owned()
+                });
+            }
+            let inner =
+                std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
+            settings.policy = ActivePolicy::Custom(Box::new(Remediate::new(
+                inner,
+                Arc::clone(ladder),
+                settings.starting,
+                settings.label,
+            )));
+        }
         // The cache and the agreement wrap whichever policy was chosen; the loop sees one
         // policy and knows of neither. Without a key the cache's settings hold only a folder:
         // nothing is cached.
@@ -679,6 +702,7 @@ impl<'r> BatchSizeSearch<'r> {
                 settings.starting,
                 settings.min,
                 release,
+                remedies,
             );
             settings.policy = ActivePolicy::Custom(Box::new(cached));
         }

@@ -52,6 +52,8 @@ struct Running {
     batch_size: usize,
     started: Instant,
     memory_at_start: Option<MemorySnapshot>,
+    /// The remedies in force, where a policy applies any.
+    settings: Option<String>,
 }
 
 /// One search in progress: [`begin`](Self::begin) an attempt, then report how it ended with
@@ -239,6 +241,7 @@ impl Search<'_> {
                     batch_size,
                     started: Instant::now(),
                     memory_at_start,
+                    settings: self.policy.settings(),
                 });
                 Ok(batch_size)
             }
@@ -306,13 +309,14 @@ impl Search<'_> {
     #[inline]
     fn finish_attempt(&mut self, outcome: Outcome) -> Attempt {
         let running = self.running.take();
-        let (batch_size, duration, memory_at_start) = match running {
+        let (batch_size, duration, memory_at_start, settings) = match running {
             Some(running) => (
                 running.batch_size,
                 running.started.elapsed(),
                 running.memory_at_start,
+                running.settings,
             ),
-            None => (0, Default::default(), None),
+            None => (0, Default::default(), None, None),
         };
         Attempt {
             number: self.report.len() + 1,
@@ -324,6 +328,7 @@ impl Search<'_> {
             memory_after_release: None,
             requested: None,
             rationale: self.rationale.take(),
+            settings,
         }
     }
 
@@ -513,6 +518,7 @@ impl Search<'_> {
         let decision = self.policy.after(&self.report);
         self.rationale = self.policy.rationale();
         self.next = self.within_the_rules(decision);
+        self.remedy_if_no_size_is_left();
         self.log_retry(failed_size, number, &found.description);
         self.notify_last();
         self.last_error = Some(error.unwrap_or_else(|| {
@@ -522,6 +528,35 @@ impl Search<'_> {
         if matches!(self.next, Next::Accepted) {
             self.finish();
         }
+    }
+
+    /// Where the rules leave no size, a policy that applies remedies may change the settings
+    /// and start again: the sizes that failed under the old settings no longer bound the
+    /// search. Asked once per failed attempt: the size it answers runs, or the search stops.
+    fn remedy_if_no_size_is_left(&mut self) {
+        let remediable = matches!(
+            &self.next,
+            Next::Stop(
+                StopReason::ReachedZero
+                    | StopReason::BelowMinimum { .. }
+                    | StopReason::NotSmaller { .. }
+                    | StopReason::Policy(_)
+            )
+        );
+        if !remediable {
+            return;
+        }
+        let Next::Stop(reason) = std::mem::replace(&mut self.next, Next::Ended) else {
+            return;
+        };
+        self.next = match self.policy.no_size_left(reason, &self.report) {
+            Decision::Try(size) => {
+                self.smallest_failed = None;
+                self.rationale = self.policy.rationale();
+                self.within_the_rules(Decision::Try(size))
+            }
+            decision => self.within_the_rules(decision),
+        };
     }
 
     fn log_retry(&self, failed_size: usize, number: usize, description: &str) {

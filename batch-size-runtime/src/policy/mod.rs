@@ -167,6 +167,24 @@ pub trait SizePolicy: Send + fmt::Debug {
     fn rationale(&self) -> Option<String> {
         None
     }
+
+    /// No size is left: the last attempt ran out of memory and `reason` would end the search
+    /// (below `min`, no smaller size, the policy's own stop). A policy that can change what the
+    /// attempts run under besides the size (a remedy: activation checkpointing, lower
+    /// precision, a shorter context, see [`Remedies`](crate::Remedies)) changes it here and
+    /// answers `Try` with the first size to try under the new settings. The engine then forgets
+    /// the sizes that failed before: they ran under other settings. `Stop` ends the search with
+    /// the reason given (the one passed in, or one that says more). Default: `Stop(reason)`.
+    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
+        let _ = history;
+        Decision::Stop(reason)
+    }
+
+    /// What the next attempt runs under besides its size, kept on its record
+    /// ([`Attempt::settings`](crate::Attempt::settings)): the remedies in force. Default: `None`.
+    fn settings(&self) -> Option<String> {
+        None
+    }
 }
 
 impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
@@ -193,5 +211,11 @@ impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
     }
     fn rationale(&self) -> Option<String> {
         (**self).rationale()
+    }
+    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
+        (**self).no_size_left(reason, history)
+    }
+    fn settings(&self) -> Option<String> {
+        (**self).settings()
     }
 }

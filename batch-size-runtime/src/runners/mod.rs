@@ -10,7 +10,10 @@
 //!   ([`Chunked`](crate::Chunked)).
 //! - [`tuner`]: the largest size, found in a few short trials before training
 //!   ([`Tuner`](crate::Tuner)).
+//! - [`remedies`]: when even the smallest size runs out of memory, the next remedies you allow
+//!   (checkpointing, precision, context length) ([`Remedies`](crate::Remedies)).
 
 pub mod chunked;
 pub mod effective;
+pub mod remedies;
 pub mod tuner;

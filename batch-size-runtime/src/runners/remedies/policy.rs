@@ -1,0 +1,191 @@
+//! The remedies as a wrapper around the search's policy: the inner policy searches the batch
+//! size under the settings in force; when the engine finds no size left, the wrapper applies the
+//! next remedy and starts the inner policy again from `starting`, showing it only the attempts
+//! made under the new settings.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::ladder::{Applied, Ladder};
+use crate::error::StopReason;
+use crate::policy::{Decision, SizePolicy};
+use crate::record::{Attempt, SearchReport};
+
+/// The ladder without its settings type, for the policy and the cache.
+pub(crate) trait LadderControl: Send + Sync {
+    fn check(&self) -> Result<(), String>;
+    fn advance(&self, failure: Option<&Attempt>) -> Option<Vec<Applied>>;
+    fn describe(&self) -> Option<String>;
+    fn applied(&self) -> Vec<Applied>;
+    fn is_empty(&self) -> bool;
+    fn levels(&self) -> Vec<Option<usize>>;
+    /// The declared remedies' names, joined: part of the cache's key.
+    fn names(&self) -> String;
+    fn restore(&self, levels: &[Option<usize>]) -> bool;
+}
+
+impl<S: Clone + Send> LadderControl for Mutex<Ladder<S>> {
+    fn check(&self) -> Result<(), String> {
+        self.lock().unwrap_or_else(PoisonError::into_inner).check()
+    }
+    fn advance(&self, failure: Option<&Attempt>) -> Option<Vec<Applied>> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .advance(failure)
+    }
+    fn describe(&self) -> Option<String> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .describe()
+    }
+    fn applied(&self) -> Vec<Applied> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .applied()
+            .to_vec()
+    }
+    fn is_empty(&self) -> bool {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .levels()
+            .is_empty()
+    }
+    fn levels(&self) -> Vec<Option<usize>> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .levels()
+            .to_vec()
+    }
+    fn names(&self) -> String {
+        let ladder = self.lock().unwrap_or_else(PoisonError::into_inner);
+        ladder.names().collect::<Vec<_>>().join(", ")
+    }
+    fn restore(&self, levels: &[Option<usize>]) -> bool {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .restore(levels)
+    }
+}
+
+impl fmt::Debug for dyn LadderControl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Remedies")
+            .field("in_force", &self.describe())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The search's policy with the remedies around it.
+pub(crate) struct Remediate<P> {
+    inner: P,
+    ladder: Arc<dyn LadderControl>,
+    /// Where the batch-size search starts again after a remedy.
+    starting: usize,
+    /// The attempts numbered up to this ran under other settings: the inner policy does not
+    /// see them (its figures would mislead it).
+    since: usize,
+    label: &'static str,
+    rationale: Option<String>,
+}
+
+impl<P: fmt::Debug> fmt::Debug for Remediate<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Remediate")
+            .field("inner", &self.inner)
+            .field("in_force", &self.ladder.describe())
+            .field("starting", &self.starting)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P> Remediate<P> {
+    pub(crate) fn new(
+        inner: P,
+        ladder: Arc<dyn LadderControl>,
+        starting: usize,
+        label: &'static str,
+    ) -> Self {
+        Remediate {
+            inner,
+            ladder,
+            starting,
+            since: 0,
+            label,
+            rationale: None,
+        }
+    }
+}
+
+impl<P: SizePolicy> SizePolicy for Remediate<P> {
+    fn first(&mut self, starting: usize) -> Decision {
+        self.inner.first(starting)
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        self.rationale = None;
+        if self.since == 0 {
+            self.inner.after(history)
+        } else {
+            self.inner.after(&history.since(self.since))
+        }
+    }
+
+    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
+        if self.ladder.is_empty() {
+            return Decision::Stop(reason);
+        }
+        let Some(steps) = self.ladder.advance(history.last()) else {
+            let applied = self.ladder.applied();
+            return Decision::Stop(StopReason::NoRemedyLeft {
+                last: Box::new(reason),
+                applied: applied.iter().map(ToString::to_string).collect(),
+            });
+        };
+        let settings = self.ladder.describe().unwrap_or_default();
+        for step in &steps {
+            tracing::warn!(
+                function = self.label,
+                remedy = %step.what,
+                settings = %settings,
+                why = %step.why,
+                "no batch size fits: applying {} ({}); the batch size is searched again from {}",
+                step.what,
+                step.why,
+                self.starting
+            );
+        }
+        self.since = history.len();
+        let what: Vec<&str> = steps.iter().map(|step| step.what.as_str()).collect();
+        self.rationale = Some(format!("{} applied: now {settings}", what.join(" and ")));
+        self.inner.first(self.starting)
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history);
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.ladder.check()?;
+        self.inner.check()
+    }
+
+    fn accepts_every_success(&self) -> bool {
+        self.inner.accepts_every_success()
+    }
+
+    fn each_success_is_new_work(&self) -> bool {
+        self.inner.each_success_is_new_work()
+    }
+
+    fn reads_memory_after_success(&self) -> bool {
+        self.inner.reads_memory_after_success()
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.rationale.clone().or_else(|| self.inner.rationale())
+    }
+
+    fn settings(&self) -> Option<String> {
+        self.ladder.describe()
+    }
+}
