@@ -77,7 +77,8 @@ pub struct BatchSizeSearch<'r> {
     /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
     pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
     /// The remedies allowed when no size fits, if any: wraps the policy, inside the cache.
-    pub(crate) remedies: Option<Arc<dyn LadderControl>>,
+    /// With where the batch-size search starts again after a remedy (default: `starting`).
+    pub(crate) remedies: Option<(Arc<dyn LadderControl>, Option<usize>)>,
 }
 
 impl<'r> BatchSizeSearch<'r> {
@@ -671,7 +672,7 @@ impl<'r> BatchSizeSearch<'r> {
             agreement,
             remedies,
         } = self;
-        if let Some(ladder) = &remedies {
+        let remedies = remedies.map(|(ladder, restart)| {
             if agreement.is_some() {
                 settings.invalid.get_or_insert_with(|| {
                     "remedies are not agreed between ranks yet: search with remedies on one rank, \
@@ -683,11 +684,12 @@ impl<'r> BatchSizeSearch<'r> {
                 std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
             settings.policy = ActivePolicy::Custom(Box::new(Remediate::new(
                 inner,
-                Arc::clone(ladder),
-                settings.starting,
+                Arc::clone(&ladder),
+                restart.unwrap_or(settings.starting),
                 settings.label,
             )));
-        }
+            ladder
+        });
         // The cache and the agreement wrap whichever policy was chosen; the loop sees one
         // policy and knows of neither. Without a key the cache's settings hold only a folder:
         // nothing is cached.

@@ -48,6 +48,12 @@ impl GrowBack {
         }
     }
 
+    /// The failures so far ran under other settings (a remedy was applied): none of them bounds
+    /// the growth any longer.
+    pub(crate) fn forget_failures(&mut self) {
+        *self = GrowBack::new(self.after, self.cap);
+    }
+
     /// `size` ran out of memory: clean successes are counted afresh, and no size at or above it
     /// is grown to again.
     pub(crate) fn failed(&mut self, size: usize) {

@@ -32,6 +32,7 @@
 //! ```
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::agree::{Agree, Collective};
@@ -41,6 +42,7 @@ use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::policy::{FailedAttempt, GrowBack, Guided, Reduction};
 use crate::record::SearchReport;
+use crate::runners::remedies::{LadderControl, Remedies};
 
 // One concept a file: the division of a step (the plan), even micro-batches, and the shares of
 // one global batch between ranks; the runner here.
@@ -96,6 +98,10 @@ pub struct EffectiveBatch<'r> {
     clock: Option<Clock<'r>>,
     /// The plan of the last step that ran (what `step_then`'s `apply` gets).
     last_plan: Option<BatchPlan>,
+    /// The remedies allowed once the micro-batch reaches `min_micro`, and the micro size the
+    /// search starts again from after one (the first step's).
+    remedies: Option<Arc<dyn LadderControl>>,
+    first_micro: usize,
 }
 
 impl std::fmt::Debug for EffectiveBatch<'_> {
@@ -136,6 +142,8 @@ impl<'r> EffectiveBatch<'r> {
             shares: None,
             clock: None,
             last_plan: None,
+            remedies: None,
+            first_micro: effective,
         }
     }
 
@@ -148,6 +156,44 @@ impl<'r> EffectiveBatch<'r> {
     pub fn with_micro(mut self, starting: usize) -> Self {
         self.micro = starting;
         self.next_micro = starting;
+        self.first_micro = starting;
+        self
+    }
+
+    /// Allows the remedies declared in `remedies` once a step runs out of memory at the
+    /// smallest micro size (`with_min_micro`): the next remedy is applied and the step searched
+    /// again from the first step's micro size, the effective batch and its weights unchanged.
+    /// What was applied stays in force for the steps after. The step reads the settings in
+    /// force from the same `Remedies` ([`Remedies::settings`]); the step's report has them on
+    /// every attempt. Not with [`with_agreement`](Self::with_agreement): the step stops with
+    /// `NoExecutableBatchSize` ([`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
+    ///
+    /// ```
+    /// use batch_size_runtime::{EffectiveBatch, Remedies, Remedy, SimulatedDevice};
+    ///
+    /// #[derive(Debug, Clone)]
+    /// struct Config { checkpointing: bool }
+    /// let remedies = Remedies::new(Config { checkpointing: false })
+    ///     .then(Remedy::switch("activation checkpointing", |c: &mut Config| c.checkpointing = true));
+    /// let device = SimulatedDevice::new(100 << 20);
+    /// let mut runner = EffectiveBatch::new(64)
+    ///     .with_micro(16)
+    ///     .with_min_micro(4)
+    ///     .with_release(device.clone())
+    ///     .with_remedies(&remedies);
+    /// runner.step(|plan| -> anyhow::Result<()> {
+    ///     let per_sample = if remedies.settings().checkpointing { 8 << 20 } else { 32 << 20 };
+    ///     for micro in plan.micro_batches() {
+    ///         let _activations = device.alloc(micro.range.len() as u64 * per_sample)?;
+    ///     }
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(remedies.applied(), ["activation checkpointing"]); // 4 did not fit without it
+    /// assert!(runner.micro() >= 8 && runner.plan().micro_batches().map(|m| m.range.len()).sum::<usize>() == 64);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_remedies<S: Clone + Send + 'static>(mut self, remedies: &Remedies<S>) -> Self {
+        self.remedies = Some(remedies.control());
         self
     }
 
@@ -486,6 +532,19 @@ impl<'r> EffectiveBatch<'r> {
         if let Some(release) = &self.release {
             search = search.with_release(release.clone());
         }
+        if let Some(remedies) = &self.remedies {
+            if self.agreement.is_some() {
+                search.invalidate(
+                    "remedies are not agreed between ranks yet: an EffectiveBatch with remedies \
+                     runs without an agreement"
+                        .to_owned(),
+                );
+            }
+            search = search.with_remedy_control(
+                Arc::clone(remedies),
+                Some(self.first_micro.min(length).max(1)),
+            );
+        }
         // The engine tries what runs: the even split of each proposal.
         let sizes = EvenSplit::new(self.shrink.borrowed(), length, self.min_micro);
         match &self.agreement {
@@ -509,7 +568,20 @@ impl<'r> EffectiveBatch<'r> {
                 .attempts()
                 .map(|attempt| attempt.batch_size)
                 .collect();
-            if self.uneven {
+            let settings = report.last().and_then(|last| last.settings.as_ref());
+            if report
+                .attempts()
+                .any(|attempt| attempt.settings.as_ref() != settings)
+            {
+                // A remedy was applied in this step: the failures before it ran under other
+                // settings and bound nothing now.
+                self.grow.forget_failures();
+                for attempt in report.attempts().filter(|attempt| {
+                    attempt.outcome.is_out_of_memory() && attempt.settings.as_ref() == settings
+                }) {
+                    self.grow.failed(attempt.batch_size);
+                }
+            } else if self.uneven {
                 // Each rank its own size: only this rank's failures bound its growth (a step
                 // redone for another rank's sake ran here at a size that fitted).
                 for attempt in report.attempts().filter(|a| a.outcome.is_out_of_memory()) {
