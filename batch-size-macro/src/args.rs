@@ -1,12 +1,12 @@
 //! Parsing the attribute's arguments: `starting = EXPR, min = EXPR,
 //! factor = FLOAT | reduce = EXPR | policy = EXPR, max_attempts = EXPR, release = EXPR,
-//! when = EXPR, notify = EXPR, on_report = EXPR, agree = EXPR, crate = PATH`.
+//! when = EXPR, notify = EXPR, on_report = EXPR, agree = EXPR, remedies = EXPR, crate = PATH`.
 
 use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, ExprUnary, Lit, LitStr, Path, Token, UnOp};
 
-const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `cache`, `cache_dir`, `release`, `when`, `notify`, `on_report`, `agree`, `crate`";
+const VALID_KEYS: &str = "`starting`, `effective`, `min`, `factor`, `reduce`, `policy`, `margin`, `max_attempts`, `cache`, `cache_dir`, `release`, `when`, `notify`, `on_report`, `agree`, `remedies`, `crate`";
 
 /// The arguments, each with the span of its key for later errors.
 #[derive(Default)]
@@ -26,6 +26,7 @@ pub(crate) struct Args {
     pub(crate) notify: Option<Expr>,
     pub(crate) on_report: Option<Expr>,
     pub(crate) agree: Option<Expr>,
+    pub(crate) remedies: Option<Expr>,
     pub(crate) krate: Option<Path>,
 }
 
@@ -45,6 +46,7 @@ mod kw {
     syn::custom_keyword!(notify);
     syn::custom_keyword!(on_report);
     syn::custom_keyword!(agree);
+    syn::custom_keyword!(remedies);
 }
 
 fn set<T>(slot: &mut Option<T>, value: T, key: &str, span: Span) -> syn::Result<()> {
@@ -135,6 +137,10 @@ impl Parse for Args {
                 check_margin(&expr)?;
                 set(&mut args.margin, expr, "margin", key_span)?;
                 margin_span = Some(key_span);
+            } else if lookahead.peek(kw::remedies) {
+                input.parse::<kw::remedies>()?;
+                let expr = value(input, "remedies", key_span)?;
+                set(&mut args.remedies, expr, "remedies", key_span)?;
             } else if lookahead.peek(kw::effective) {
                 input.parse::<kw::effective>()?;
                 let expr = value(input, "effective", key_span)?;
@@ -213,7 +219,7 @@ impl Parse for Args {
     }
 }
 
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 17] = [
     "starting",
     "cache",
     "cache_dir",
@@ -229,6 +235,7 @@ const KEYS: [&str; 16] = [
     "notify",
     "on_report",
     "agree",
+    "remedies",
     "crate",
 ];
 

@@ -65,6 +65,30 @@ pub(crate) fn find_executable_batch_size(args: TokenStream, item: TokenStream) -
             ),
             _ => {}
         }
+        match (&args.remedies, split.batch_size.is_remedied) {
+            (None, true) => signature::combine(
+                &mut error,
+                syn::Error::new_spanned(
+                    &split.batch_size.ty,
+                    "a `Remedied` parameter needs `remedies = ...`: the `Remedies` the search may apply when no batch size fits, e.g. `#[find_executable_batch_size(starting = 8, remedies = ladder.clone())]`",
+                ),
+            ),
+            (Some(remedies), false) => signature::combine(
+                &mut error,
+                syn::Error::new_spanned(
+                    remedies,
+                    "`remedies` hands each attempt its batch size and settings: make the first parameter `attempt: Remedied<YourSettings>` (`attempt.batch_size()`, `attempt.settings()`)",
+                ),
+            ),
+            (Some(remedies), true) if args.effective.is_some() => signature::combine(
+                &mut error,
+                syn::Error::new_spanned(
+                    remedies,
+                    "`remedies` and `effective` cannot be combined in the attribute yet: use `EffectiveBatch::new(..).with_remedies(&remedies)` for a training loop",
+                ),
+            ),
+            _ => {}
+        }
     }
     match (error, &args) {
         (
@@ -254,7 +278,9 @@ fn rewrite(
     let size = quote_spanned!(Span::mixed_site()=> __batch_size);
     let effective = quote_spanned!(Span::mixed_site()=> __batch_size_effective);
     let is_plan = split.batch_size.is_plan;
-    let size_ty: syn::Type = if is_plan {
+    let is_remedied = split.batch_size.is_remedied;
+    let remedies = quote_spanned!(Span::mixed_site()=> __batch_size_remedies);
+    let size_ty: syn::Type = if is_plan || is_remedied {
         parse_quote!(usize)
     } else {
         batch_ty.clone()
@@ -271,11 +297,25 @@ fn rewrite(
     if effective_value.is_some() {
         search = quote! { #private::with_effective(#search, &#effective) };
     }
+    // Evaluated at each call, as `starting` is; the attempts share one handle on its state.
+    let remedies_value = args.remedies.as_ref().filter(|_| is_remedied).map(|value| {
+        let handle = spans::call_over(
+            quote! { #private::remedies_handle },
+            quote! { &(#value) },
+            value,
+        );
+        quote! { let #remedies = #handle; }
+    });
+    if remedies_value.is_some() {
+        search = quote! { #private::with_remedies(#search, &#remedies) };
+    }
 
     // Over the parameter's type, like the builder's check of it, so that a type that cannot be
     // a batch size gives one error there.
     let batch_size_as = if is_plan {
         quote! { #private::plan(&#effective, #size) }
+    } else if is_remedied {
+        quote! { #remedies.attempt(#size) }
     } else {
         let cast = spans::over(quote! { #private::batch_size_as::<#batch_ty> }, batch_ty);
         quote! { #cast(#size) }
@@ -363,6 +403,7 @@ fn rewrite(
         #(#attrs)*
         #vis #outer {
             #effective_value
+            #remedies_value
             #before
             #call
         }

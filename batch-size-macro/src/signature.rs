@@ -17,6 +17,22 @@ pub(crate) struct BatchSizeParam {
     pub(crate) ty: Type,
     /// Written `BatchPlan`: each attempt gets a plan of micro-batches (`effective = ...`).
     pub(crate) is_plan: bool,
+    /// Written `Remedied<...>`: each attempt gets its size and settings (`remedies = ...`).
+    pub(crate) is_remedied: bool,
+}
+
+/// Whether `ty` names `Remedied<...>` (by its last segment).
+pub(crate) fn is_remedied(ty: &Type) -> bool {
+    match ty {
+        Type::Path(path) if path.qself.is_none() => path
+            .path
+            .segments
+            .last()
+            .is_some_and(|last| last.ident == "Remedied"),
+        Type::Paren(inner) => is_remedied(&inner.elem),
+        Type::Group(inner) => is_remedied(&inner.elem),
+        _ => false,
+    }
 }
 
 /// Whether `ty` names `BatchPlan` (by its last segment, as `batch_size_runtime::BatchPlan` or
@@ -148,6 +164,7 @@ pub(crate) fn split(
                 pat: (**pat).clone(),
                 ty: (**ty).clone(),
                 is_plan: is_batch_plan(ty),
+                is_remedied: is_remedied(ty),
             }
         }
         _ => {

@@ -86,6 +86,44 @@ pub fn plan(effective: &Result<usize, String>, micro: usize) -> crate::BatchPlan
     crate::BatchPlan::new(effective.as_ref().map_or(0, |effective| *effective), micro)
 }
 
+/// `remedies = EXPR`: a `Remedies<S>` or a reference to one; the attribute keeps a handle.
+#[diagnostic::on_unimplemented(
+    message = "`remedies = ...` takes a `Remedies<S>` (or `&Remedies<S>`), not `{Self}`",
+    label = "not a `Remedies`",
+    note = "build one with `Remedies::new(settings).then(Remedy::switch(..))`"
+)]
+pub trait RemediesArgument<S> {
+    /// A handle on the same state.
+    fn handle(&self) -> crate::Remedies<S>;
+}
+
+impl<S: Clone + Send + 'static> RemediesArgument<S> for crate::Remedies<S> {
+    fn handle(&self) -> crate::Remedies<S> {
+        self.clone()
+    }
+}
+
+impl<S: Clone + Send + 'static> RemediesArgument<S> for &crate::Remedies<S> {
+    fn handle(&self) -> crate::Remedies<S> {
+        (*self).clone()
+    }
+}
+
+/// The handle the attempts share.
+#[doc(hidden)]
+pub fn remedies_handle<S, R: RemediesArgument<S>>(remedies: &R) -> crate::Remedies<S> {
+    remedies.handle()
+}
+
+/// `remedies = EXPR`: the search may apply them when no size fits.
+#[doc(hidden)]
+pub fn with_remedies<'r, S: Clone + Send + 'static>(
+    search: BatchSizeSearch<'r>,
+    remedies: &crate::Remedies<S>,
+) -> BatchSizeSearch<'r> {
+    search.with_remedy_control(remedies.control(), None)
+}
+
 /// The attempt's batch size in the parameter's own type.
 #[doc(hidden)]
 pub fn batch_size_as<P: BatchSizeInt>(size: usize) -> P {

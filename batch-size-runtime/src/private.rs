@@ -8,8 +8,8 @@
 //! returns when no size fits (the `dispatch` module); the engine does the rest.
 
 pub use crate::attribute::{
-    batch_size_as, plan, search, starting_of, with_effective, with_max_attempts, with_min,
-    BatchSizeInt, ClonePerAttempt,
+    batch_size_as, plan, remedies_handle, search, starting_of, with_effective, with_max_attempts,
+    with_min, with_remedies, BatchSizeInt, ClonePerAttempt, RemediesArgument,
 };
 pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
 pub use crate::engine::driver::{AsyncAttempt, Lending, Returning};

@@ -524,3 +524,85 @@ fn agree_makes_every_rank_return_the_same_size() {
     assert!(sizes.iter().all(|&size| size == sizes[0]), "{sizes:?}");
     assert!(sizes[0] <= 100 && sizes[0] > 0, "{sizes:?}");
 }
+
+#[derive(Debug, Clone, PartialEq)]
+struct TrainSettings {
+    checkpointing: bool,
+    context: usize,
+    seed: u64,
+}
+
+fn train_remedies() -> batch_size_runtime::Remedies<TrainSettings> {
+    use batch_size_runtime::{Remedies, Remedy};
+    Remedies::new(TrainSettings {
+        checkpointing: false,
+        context: 2048,
+        seed: 7,
+    })
+    .then(Remedy::switch(
+        "activation checkpointing",
+        |s: &mut TrainSettings| s.checkpointing = true,
+    ))
+    .then(
+        Remedy::knob(
+            "context length",
+            |s: &TrainSettings| s.context,
+            |s: &mut TrainSettings, v| s.context = v,
+        )
+        .with_floor(512),
+    )
+}
+
+#[find_executable_batch_size(starting = 8, min = 2, remedies = remedies, release = device.clone())]
+fn remedied_step(
+    attempt: batch_size_runtime::Remedied<TrainSettings>,
+    remedies: &batch_size_runtime::Remedies<TrainSettings>,
+    device: &batch_size_runtime::SimulatedDevice,
+) -> anyhow::Result<(usize, TrainSettings)> {
+    let settings = attempt.settings();
+    let per_token: u64 = if settings.checkpointing {
+        1 << 10
+    } else {
+        4 << 10
+    };
+    let _activations =
+        device.alloc(per_token * (attempt.batch_size() * settings.context) as u64)?;
+    Ok((attempt.batch_size(), settings.clone()))
+}
+
+#[test]
+fn the_attribute_applies_remedies_after_min_and_hands_the_settings_over() {
+    // 2 samples of 2048 tokens at 4 KiB a token need 16 MiB; with checkpointing 4 MiB; the
+    // device has 3 MiB: checkpointing, then the context halved to 1024 (2 MiB at 2 samples).
+    let device = batch_size_runtime::SimulatedDevice::new(3 << 20);
+    let remedies = train_remedies();
+    let (size, settings) = remedied_step(&remedies, &device).unwrap();
+    assert_eq!(
+        settings,
+        TrainSettings {
+            checkpointing: true,
+            context: 1024,
+            seed: 7
+        }
+    );
+    assert_eq!(size, 2);
+    assert_eq!(
+        remedies.applied(),
+        ["activation checkpointing", "context length 1024"]
+    );
+    let report = batch_size_runtime::last_report().unwrap();
+    let first_remedied = report
+        .attempts()
+        .position(|attempt| attempt.settings.is_some())
+        .unwrap();
+    // Before the first remedy the batch size went down to `min`, which failed.
+    let before: Vec<_> = report.attempts().take(first_remedied).collect();
+    assert!(before.iter().all(|a| a.outcome.is_out_of_memory()));
+    assert_eq!(before.last().unwrap().batch_size, 2);
+    // After it the search started again from `starting`.
+    assert_eq!(report.attempts().nth(first_remedied).unwrap().batch_size, 8);
+    assert_eq!(
+        report.last().unwrap().settings.as_deref(),
+        Some("activation checkpointing, context length 1024")
+    );
+}
