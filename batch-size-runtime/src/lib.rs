@@ -91,6 +91,10 @@
 /// - `agree = EXPR`: a rank ([`agree::ThreadRank`], `agree::nccl::NcclRank`, any
 ///   [`agree::Collective`]): every rank of the job settles on the same size
 ///   ([`BatchSizeSearch::with_agreement`]).
+/// - `remedies = EXPR`: a [`Remedies`] (or `&Remedies`), with a [`Remedied`] first parameter
+///   carrying the batch size and the settings: when even `min` runs out of memory, the next
+///   remedy is applied and the batch size searched again from `starting`
+///   ([`BatchSizeSearch::with_remedies`], [`runners::remedies`]).
 /// - `crate = PATH`: where the runtime is, when renamed or re-exported.
 ///
 /// # Parameters and return type
