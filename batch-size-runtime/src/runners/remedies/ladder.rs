@@ -11,14 +11,18 @@ use crate::record::Attempt;
 /// The default step of a numeric knob: halve it (as the batch size without figures).
 pub(crate) const DEFAULT_KNOB_FACTOR: f64 = 0.5;
 
+type Apply<S> = Box<dyn Fn(&mut S) + Send + Sync>;
+type Read<S> = Box<dyn Fn(&S) -> usize + Send + Sync>;
+type Write<S> = Box<dyn Fn(&mut S, usize) + Send + Sync>;
+
 /// What a remedy changes.
 pub(crate) enum Change<S> {
     /// Turned on once (activation checkpointing, bf16, an 8-bit optimizer).
-    Switch(Box<dyn Fn(&mut S) + Send + Sync>),
+    Switch(Apply<S>),
     /// Lowered step by step to a floor (the context length).
     Knob {
-        read: Box<dyn Fn(&S) -> usize + Send + Sync>,
-        write: Box<dyn Fn(&mut S, usize) + Send + Sync>,
+        read: Read<S>,
+        write: Write<S>,
         floor: usize,
         factor: f64,
     },
@@ -198,10 +202,7 @@ impl<S: Clone> Ladder<S> {
         );
         let mut steps = Vec::new();
         let mut estimated_saving = 0u64;
-        loop {
-            let Some(index) = self.next_movable() else {
-                break;
-            };
+        while let Some(index) = self.next_movable() {
             let remedy = &self.declared[index];
             let (level, what, estimate) = match &remedy.change {
                 Change::Switch(_) => (1, remedy.name.clone(), remedy.saving),
