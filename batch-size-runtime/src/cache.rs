@@ -49,9 +49,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::StopReason;
 use crate::memory::Release;
+use crate::policy::LadderControl;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::SearchReport;
-use crate::runners::remedies::LadderControl;
 
 /// The environment variable that names the cache's folder when none is given.
 pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";

@@ -31,8 +31,8 @@ use crate::dispatch::{Kept, PanicOnly};
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::policy::{FailedAttempt, Guided, Reduction, SizePolicy};
+use crate::policy::{LadderControl, Remediate};
 use crate::record::{Attempt, SearchReport};
-use crate::runners::remedies::{LadderControl, Remediate};
 
 mod active;
 pub(crate) mod driver;

@@ -92,11 +92,13 @@ use crate::record::SearchReport;
 mod evidence;
 mod grow_back;
 mod guided;
+mod remediate;
 mod shrink;
 
 pub use evidence::Evidence;
 pub(crate) use grow_back::GrowBack;
 pub use guided::Guided;
+pub(crate) use remediate::{Applied, LadderControl, Remediate};
 pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};
 
 /// What a policy wants after an attempt (or before the first).

@@ -40,9 +40,10 @@ use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
+use crate::policy::LadderControl;
 use crate::policy::{FailedAttempt, GrowBack, Guided, Reduction};
 use crate::record::SearchReport;
-use crate::runners::remedies::{LadderControl, Remedies};
+use crate::runners::remedies::Remedies;
 
 // One concept a file: the division of a step (the plan), even micro-batches, and the shares of
 // one global batch between ranks; the runner here.

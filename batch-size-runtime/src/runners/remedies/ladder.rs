@@ -2,10 +2,8 @@
 //! settings that makes. Shared between the search's policy (which moves up the ladder when no
 //! batch size is left) and the attempt (which runs under the settings), behind one lock.
 
-use std::fmt;
-
 use crate::memory::Bytes;
-use crate::policy::Evidence;
+use crate::policy::{Applied, Evidence};
 use crate::record::Attempt;
 
 /// The default step of a numeric knob: halve it (as the batch size without figures).
@@ -34,21 +32,6 @@ pub(crate) struct Declared<S> {
     pub(crate) change: Change<S>,
     /// The share of an attempt's own memory it is expected to free, if the user said.
     pub(crate) saving: Option<f64>,
-}
-
-/// What one step up the ladder did, for the logs, the report and the final error.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Applied {
-    /// "activation checkpointing", "context length 1024".
-    pub(crate) what: String,
-    /// Why, with the failure's figures.
-    pub(crate) why: String,
-}
-
-impl fmt::Display for Applied {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.what, self.why)
-    }
 }
 
 /// The declared remedies, the level of each (`None`: not in force; a switch's level is 1, a

@@ -57,11 +57,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 
+mod control;
 mod ladder;
-mod policy;
 
+use crate::policy::LadderControl;
 use ladder::{Change, Declared, Ladder, DEFAULT_KNOB_FACTOR};
-pub(crate) use policy::{LadderControl, Remediate};
 
 /// One remedy the search may apply when no batch size fits: a switch turned on, or a numeric
 /// knob lowered step by step to a floor, over your settings type `S`.

@@ -1,15 +1,31 @@
 //! The remedies as a wrapper around the search's policy: the inner policy searches the batch
 //! size under the settings in force; when the engine finds no size left, the wrapper applies the
 //! next remedy and starts the inner policy again from `starting`, showing it only the attempts
-//! made under the new settings.
+//! made under the new settings. The settings themselves, of the user's type, live with
+//! [`Remedies`](crate::Remedies); the policy, the engine and the cache move them through
+//! [`LadderControl`], which knows no type.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
-use super::ladder::{Applied, Ladder};
+use super::{Decision, SizePolicy};
 use crate::error::StopReason;
-use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, SearchReport};
+
+/// What one step up the ladder did, for the logs, the report and the final error.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Applied {
+    /// "activation checkpointing", "context length 1024".
+    pub(crate) what: String,
+    /// Why, with the failure's figures.
+    pub(crate) why: String,
+}
+
+impl fmt::Display for Applied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.what, self.why)
+    }
+}
 
 /// The ladder without its settings type, for the policy and the cache.
 pub(crate) trait LadderControl: Send + Sync {
@@ -22,49 +38,6 @@ pub(crate) trait LadderControl: Send + Sync {
     /// The declared remedies' names, joined: part of the cache's key.
     fn names(&self) -> String;
     fn restore(&self, levels: &[Option<usize>]) -> bool;
-}
-
-impl<S: Clone + Send> LadderControl for Mutex<Ladder<S>> {
-    fn check(&self) -> Result<(), String> {
-        self.lock().unwrap_or_else(PoisonError::into_inner).check()
-    }
-    fn advance(&self, failure: Option<&Attempt>) -> Option<Vec<Applied>> {
-        self.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .advance(failure)
-    }
-    fn describe(&self) -> Option<String> {
-        self.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .describe()
-    }
-    fn applied(&self) -> Vec<Applied> {
-        self.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .applied()
-            .to_vec()
-    }
-    fn is_empty(&self) -> bool {
-        self.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .levels()
-            .is_empty()
-    }
-    fn levels(&self) -> Vec<Option<usize>> {
-        self.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .levels()
-            .to_vec()
-    }
-    fn names(&self) -> String {
-        let ladder = self.lock().unwrap_or_else(PoisonError::into_inner);
-        ladder.names().collect::<Vec<_>>().join(", ")
-    }
-    fn restore(&self, levels: &[Option<usize>]) -> bool {
-        self.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .restore(levels)
-    }
 }
 
 impl fmt::Debug for dyn LadderControl {
