@@ -2,6 +2,7 @@
 //! nothing undeclared changed, knobs never below their floor, sizes known to fail under the
 //! same settings never retried, the settings in the result, the report and the cache, with
 //! `EffectiveBatch` too, and an error naming every remedy when none helps.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use batch_size_runtime::{
     cache, last_report, BatchSizeSearch, EffectiveBatch, NoExecutableBatchSize, OutOfMemory,
