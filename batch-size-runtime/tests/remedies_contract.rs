@@ -331,7 +331,7 @@ fn remedies_with_an_agreement_or_a_bad_knob_stop_before_the_first_attempt() {
         assert!(!called);
     }
     let ranks = batch_size_runtime::agree::ThreadRanks::new(1);
-    let rank = ranks.iter().next().unwrap();
+    let rank = ranks.first().unwrap();
     let error = BatchSizeSearch::new(8)
         .with_agreement(rank)
         .with_remedies(&ladder())
