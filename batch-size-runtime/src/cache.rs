@@ -310,7 +310,18 @@ impl<P: SizePolicy> Cached<P> {
         };
         let earlier = self.entry.as_ref().filter(|entry| !self.more_room(entry));
         let earlier_failure = earlier.and_then(|entry| entry.failed_at);
-        let failed_at = match (history.smallest_out_of_memory(), earlier_failure) {
+        // With remedies, only the failures under the settings that fit bound the size.
+        let failed_now = if self.remedies.is_some() {
+            let settings = history.last().and_then(|last| last.settings.as_ref());
+            history
+                .attempts()
+                .filter(|a| a.outcome.is_out_of_memory() && a.settings.as_ref() == settings)
+                .map(|a| a.batch_size)
+                .min()
+        } else {
+            history.smallest_out_of_memory()
+        };
+        let failed_at = match (failed_now, earlier_failure) {
             (Some(now), Some(before)) => Some(now.min(before)),
             (now, before) => now.or(before),
         }

@@ -897,7 +897,7 @@ proptest! {
 // Found while writing these tests: behaviour that departs from the documented contract.
 
 #[test]
-#[ignore = "library bug: with a reduction that stops short of `min` (NotSmaller), a remedy is applied although `min` never ran"]
+
 fn a_remedy_waits_for_min_even_with_a_reduction_that_stops_short() {
     let remedies = Remedies::new(config()).then(checkpointing());
     let mut sizes = Vec::new();
@@ -919,7 +919,7 @@ fn a_remedy_waits_for_min_even_with_a_reduction_that_stops_short() {
 }
 
 #[test]
-#[ignore = "library bug: NoRemedyLeft does not name the remedies the cache put in force"]
+
 fn no_remedy_left_names_the_remedies_restored_from_the_cache() {
     let _one = cache_lock();
     cache::clear_process_cache();

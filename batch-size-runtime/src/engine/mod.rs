@@ -686,6 +686,7 @@ impl<'r> BatchSizeSearch<'r> {
                 inner,
                 Arc::clone(&ladder),
                 restart.unwrap_or(settings.starting),
+                settings.min,
                 settings.label,
             )));
             ladder

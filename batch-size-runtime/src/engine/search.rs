@@ -533,6 +533,7 @@ impl Search<'_> {
     /// Where the rules leave no size, a policy that applies remedies may change the settings
     /// and start again: the sizes that failed under the old settings no longer bound the
     /// search. Asked once per failed attempt: the size it answers runs, or the search stops.
+    /// (A policy may also answer a size under the same settings: `min`, not yet tried.)
     fn remedy_if_no_size_is_left(&mut self) {
         let remediable = matches!(
             &self.next,
@@ -549,9 +550,13 @@ impl Search<'_> {
         let Next::Stop(reason) = std::mem::replace(&mut self.next, Next::Ended) else {
             return;
         };
+        let settings_before = self.policy.settings();
         self.next = match self.policy.no_size_left(reason, &self.report) {
             Decision::Try(size) => {
-                self.smallest_failed = None;
+                // Other settings: the sizes that failed under the old ones bound nothing now.
+                if self.policy.settings() != settings_before {
+                    self.smallest_failed = None;
+                }
                 self.rationale = self.policy.rationale();
                 self.within_the_rules(Decision::Try(size))
             }

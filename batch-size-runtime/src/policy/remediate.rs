@@ -54,6 +54,8 @@ pub(crate) struct Remediate<P> {
     ladder: Arc<dyn LadderControl>,
     /// Where the batch-size search starts again after a remedy.
     starting: usize,
+    /// The search's `min`: it runs out of memory before any remedy is applied.
+    min: usize,
     /// The attempts numbered up to this ran under other settings: the inner policy does not
     /// see them (its figures would mislead it).
     since: usize,
@@ -76,12 +78,14 @@ impl<P> Remediate<P> {
         inner: P,
         ladder: Arc<dyn LadderControl>,
         starting: usize,
+        min: usize,
         label: &'static str,
     ) -> Self {
         Remediate {
             inner,
             ladder,
             starting,
+            min,
             since: 0,
             label,
             rationale: None,
@@ -106,6 +110,21 @@ impl<P: SizePolicy> SizePolicy for Remediate<P> {
     fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
         if self.ladder.is_empty() {
             return Decision::Stop(reason);
+        }
+        // A remedy comes only once `min` itself ran out of memory under the settings in force:
+        // a policy that stopped short of it (a reduction that does not shrink, a proof from
+        // figures) gets `min` tried first.
+        let smallest_failed_here = history
+            .attempts()
+            .filter(|attempt| attempt.number > self.since && attempt.outcome.is_out_of_memory())
+            .map(|attempt| attempt.batch_size)
+            .min();
+        if smallest_failed_here.is_some_and(|smallest| smallest > self.min) {
+            self.rationale = Some(format!(
+                "the smallest size, {}, before any remedy ({reason})",
+                self.min
+            ));
+            return Decision::Try(self.min);
         }
         let Some(steps) = self.ladder.advance(history.last()) else {
             let applied = self.ladder.applied();

@@ -158,6 +158,15 @@ impl<S: Clone> Ladder<S> {
         if valid {
             self.levels = levels.to_vec();
             self.rebuild();
+            // Said as applied, so that a search that still finds no size names them too.
+            self.applied = self
+                .in_force()
+                .into_iter()
+                .map(|what| Applied {
+                    what,
+                    why: "restored from the cache: a size fit with it before".to_owned(),
+                })
+                .collect();
         }
         valid
     }
