@@ -167,7 +167,7 @@ impl<'r> EffectiveBatch<'r> {
     /// What was applied stays in force for the steps after. The step reads the settings in
     /// force from the same `Remedies` ([`Remedies::settings`]); the step's report has them on
     /// every attempt. Not with [`with_agreement`](Self::with_agreement): the step stops with
-    /// `NoExecutableBatchSize` ([`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
+    /// `NoExecutableBatchSize` ([`StopReason::InvalidConfiguration`]).
     ///
     /// ```
     /// use batch_size_runtime::{EffectiveBatch, Remedies, Remedy, SimulatedDevice};

@@ -15,7 +15,7 @@
 //!   attempt's record ([`Attempt::settings`](crate::Attempt::settings)), and comes back with
 //!   the result ([`Remedied`]).
 //! - With a cache key the settings are remembered with the size: a rerun starts from both.
-//! - When no remedy is left the search stops with [`StopReason::NoRemedyLeft`], naming every
+//! - When no remedy is left the search stops with [`StopReason::NoRemedyLeft`](crate::StopReason::NoRemedyLeft), naming every
 //!   remedy applied and the figures of the failure that led to each.
 //! - A switch declared with [`Remedy::with_saving`] (the share of an attempt's memory it
 //!   frees) that cannot close the gap the failure's figures show is applied without a trial of
