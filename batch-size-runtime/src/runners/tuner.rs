@@ -647,17 +647,8 @@ fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
 /// before it, the pool's peak before the allocation that failed, and what that allocation asked
 /// for. A failure part-way through the step knows only part of it: a lower bound.
 fn needed_at_least(attempt: &Attempt) -> Option<u64> {
-    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
-    let end = attempt.memory_at_end.as_ref()?.devices.first()?;
-    let outside = start
-        .total
-        .saturating_sub(start.free)
-        .saturating_sub(start.pool_reserved.unwrap_or(0));
-    Some(
-        outside
-            .saturating_add(end.peak?)
-            .saturating_add(attempt.requested.unwrap_or(0)),
-    )
+    let (peak, _) = peak_bytes(attempt)?;
+    Some(peak.saturating_add(attempt.requested.unwrap_or(0)))
 }
 
 /// Memory against the batch size, from the trials' figures: the line through two successful
