@@ -682,7 +682,7 @@ fn remedies_with_an_agreement_between_ranks_are_refused_before_the_first_attempt
         stopped_before_the_first_attempt(BatchSizeSearch::new(8).with_agreement(rank), &remedies);
     assert_eq!(calls, 0);
     assert!(
-        matches!(&reason, StopReason::InvalidConfiguration(why) if why.contains("remedies")),
+        matches!(&reason, StopReason::InvalidConfiguration(why) if why.contains("remedies are not agreed between ranks")),
         "{reason:?}"
     );
 }
