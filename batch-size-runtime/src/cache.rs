@@ -51,7 +51,7 @@ use crate::error::StopReason;
 use crate::memory::Release;
 use crate::policy::LadderControl;
 use crate::policy::{Decision, SizePolicy};
-use crate::record::SearchReport;
+use crate::record::{CacheHit, SearchReport};
 
 /// The environment variable that names the cache's folder when none is given.
 pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";
@@ -77,16 +77,20 @@ pub struct CacheEntry {
     pub remedies: Option<Vec<Option<usize>>>,
 }
 
-thread_local! {
-    /// The last search on this thread that ran its cached size and returned it: the largest size
-    /// its entry kept (for a tuner's `largest_fit()`).
-    static LAST_HIT: std::cell::Cell<Option<Option<usize>>> = const { std::cell::Cell::new(None) };
-}
+/// Where the cache policy of one search says that it returned a cached size: shared with the
+/// search, which moves it into its report when it ends (a value of that search, not of the
+/// thread: an async search may end on another).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct HitSlot(Arc<Mutex<Option<CacheHit>>>);
 
-/// Takes what the last cache hit on this thread left: `Some(largest_fit)` of its entry, `None`
-/// when no search has returned a cached size since the last call.
-pub(crate) fn take_last_hit() -> Option<Option<usize>> {
-    LAST_HIT.with(std::cell::Cell::take)
+impl HitSlot {
+    fn set(&self, hit: CacheHit) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(hit);
+    }
+
+    pub(crate) fn take(&self) -> Option<CacheHit> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
 }
 
 static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
@@ -122,6 +126,8 @@ pub(crate) struct Cached<P> {
     warned: bool,
     /// The remedies the search may apply, whose levels are kept with the size.
     remedies: Option<Arc<dyn LadderControl>>,
+    /// Where a hit is told to the search, for its report.
+    hit: HitSlot,
 }
 
 impl<P: fmt::Debug> fmt::Debug for Cached<P> {
@@ -222,6 +228,7 @@ impl<P: SizePolicy> Cached<P> {
         min: usize,
         release: &Release,
         remedies: Option<Arc<dyn LadderControl>>,
+        hit: HitSlot,
     ) -> Self {
         let memory = release.memory_backend().memory();
         let (device, total) = memory
@@ -293,6 +300,7 @@ impl<P: SizePolicy> Cached<P> {
             entry,
             free_now,
             label,
+            hit,
             from_cache: false,
             warned,
             remedies,
@@ -423,7 +431,7 @@ impl<P: SizePolicy> SizePolicy for Cached<P> {
             self.remember(history);
             if cached_and_ran {
                 let largest_fit = self.entry.as_ref().and_then(|entry| entry.largest_fit);
-                LAST_HIT.with(|hit| hit.set(Some(largest_fit)));
+                self.hit.set(CacheHit { largest_fit });
             }
         }
         decision

@@ -114,6 +114,16 @@ pub trait Classify<R> {
     fn keep(&self, error: Self::Error) -> Option<KeptError>;
 }
 
+/// Whether the search keeps the last out-of-memory error itself, for a caller that gives up by
+/// returning it (a return type with no way to say "no size fits").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LastError {
+    /// Kept beside [`NoExecutableBatchSize`], to be returned as it is.
+    Returned,
+    /// Kept, where it can be, as the `source()` of [`NoExecutableBatchSize`].
+    AsSource,
+}
+
 /// What a function returns when no size fits.
 pub trait GiveUp<R> {
     /// The error type of `R`, as [`Classify::Error`].
@@ -122,8 +132,8 @@ pub trait GiveUp<R> {
     /// function's value (or the `NoExecutableBatchSize` for `BatchSizeSearch::call`).
     type Output;
     /// Whether the last out-of-memory error is returned as it is (it is then not boxed).
-    fn returns_last_error(&self) -> bool {
-        false
+    fn last_error(&self) -> LastError {
+        LastError::AsSource
     }
     /// The value for `none_fit`, given the last out-of-memory error where it was kept.
     fn give_up(&self, none_fit: NoExecutableBatchSize, last: Option<Self::Error>) -> Self::Output;
@@ -320,8 +330,8 @@ impl<T, E: From<Box<dyn Error + Send + Sync>>> GiveUp<Result<T, E>> for ViaBox<E
 impl<T, E> GiveUp<Result<T, E>> for ReturnLastError<E> {
     type Error = E;
     type Output = Result<T, E>;
-    fn returns_last_error(&self) -> bool {
-        true
+    fn last_error(&self) -> LastError {
+        LastError::Returned
     }
     fn give_up(&self, none_fit: NoExecutableBatchSize, last: Option<E>) -> Result<T, E> {
         match last {

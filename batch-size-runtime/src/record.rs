@@ -187,6 +187,16 @@ pub struct SearchReport {
     last: Option<Attempt>,
     /// What is known of every attempt, kept or not: exact whatever the record leaves out.
     totals: Totals,
+    /// Set when the search ran a size from the cache and returned it.
+    pub(crate) cache_hit: Option<CacheHit>,
+}
+
+/// A search that ran the size its cache entry kept and returned it: what the entry said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CacheHit {
+    /// The largest size that ran when the entry was written, where it was above the size kept
+    /// (a tuner's, before its margin).
+    pub(crate) largest_fit: Option<usize>,
 }
 
 /// Counts over every attempt of a search, kept up to date as attempts are recorded, so that no
@@ -269,6 +279,23 @@ impl SearchReport {
     /// ```
     pub fn largest_success(&self) -> Option<usize> {
         self.totals.largest_success
+    }
+
+    /// Whether the search ran the size its cache entry kept and returned it
+    /// ([`BatchSizeSearch::with_cache`](crate::BatchSizeSearch::with_cache)).
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchSizeSearch;
+    /// for rerun in [false, true] {
+    ///     let (fitted, report) = BatchSizeSearch::new(8)
+    ///         .with_cache("from_cache doc")
+    ///         .run_with_report(|batch_size| Ok::<_, anyhow::Error>(batch_size));
+    ///     assert_eq!((fitted?, report.from_cache()), (8, rerun));
+    /// }
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn from_cache(&self) -> bool {
+        self.cache_hit.is_some()
     }
 
     /// Attempts a long search keeps from its start.

@@ -9,8 +9,9 @@ use std::future::Future;
 
 use super::Search;
 use crate::attempt::InspectableError;
-use crate::dispatch::{Classify, GiveUp, Judged};
+use crate::dispatch::{Classify, GiveUp, Judged, LastError};
 use crate::error::NoExecutableBatchSize;
+use crate::record::{self, SearchReport};
 use crate::unwind::{self, CatchUnwind, PanicPayload};
 
 /// How a search ended, for a runner: never a downcast to tell "no size fits" from "the
@@ -22,6 +23,24 @@ pub(crate) enum Ended<R, E> {
     Returned(R),
     /// No size fits; the last out-of-memory error itself where it was asked for.
     NoSizeFits(NoExecutableBatchSize, Option<E>),
+}
+
+/// What leaves the loop: how the search ended, and its report, as values. Only a public edge
+/// publishes the report for [`last_report()`](crate::last_report); a runner reads it here.
+#[derive(Debug)]
+pub(crate) struct Finished<R, E> {
+    pub(crate) ended: Ended<R, E>,
+    pub(crate) report: SearchReport,
+}
+
+impl<R, E> Finished<R, E> {
+    /// For a public edge: the report goes to `last_report()`, how the search ended to the
+    /// caller.
+    #[inline]
+    pub(crate) fn published(self) -> Ended<R, E> {
+        record::store_last_report(self.report);
+        self.ended
+    }
 }
 
 /// Runs the search: the attempt's value, or `give_up`'s when no size fits. What the attribute
@@ -38,8 +57,25 @@ where
     C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
-    let ended = drive_ended(search, &classify, give_up.returns_last_error(), attempt);
-    returned_or_given_up(ended, &give_up)
+    let finished = drive_ended(search, &classify, give_up.last_error(), attempt);
+    returned_or_given_up(finished.published(), &give_up)
+}
+
+/// [`drive`] for a runner that reads the report itself: the value and the report, nothing
+/// published.
+#[inline]
+pub(crate) fn drive_reporting<R, C, G>(
+    search: Search<'_>,
+    classify: C,
+    give_up: G,
+    attempt: impl FnMut(usize) -> R,
+) -> (R, SearchReport)
+where
+    C: Classify<R>,
+    G: GiveUp<R, Error = C::Error, Output = R>,
+{
+    let Finished { ended, report } = drive_ended(search, &classify, give_up.last_error(), attempt);
+    (returned_or_given_up(ended, &give_up), report)
 }
 
 /// The async form of [`drive`]: `attempt` is a closure returning a future ([`Returning`]) or
@@ -56,8 +92,8 @@ where
     C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
-    let ended = drive_ended_async(search, &classify, give_up.returns_last_error(), attempt).await;
-    returned_or_given_up(ended, &give_up)
+    let finished = drive_ended_async(search, &classify, give_up.last_error(), attempt).await;
+    returned_or_given_up(finished.published(), &give_up)
 }
 
 #[inline]
@@ -76,38 +112,42 @@ fn returned_or_given_up<R, E, G: GiveUp<R, Error = E, Output = R>>(
 pub(crate) fn drive_ended<R, C: Classify<R>>(
     mut search: Search<'_>,
     classify: &C,
-    keep_last_error: bool,
+    last_error: LastError,
     mut attempt: impl FnMut(usize) -> R,
-) -> Ended<R, C::Error> {
-    let mut driver = Driver::new(&mut search, classify, keep_last_error);
-    loop {
+) -> Finished<R, C::Error> {
+    let mut driver = Driver::new(&mut search, classify, last_error);
+    let ended = loop {
         let batch_size = match driver.begin() {
             Ok(batch_size) => batch_size,
-            Err(ended) => return ended,
+            Err(ended) => break ended,
         };
         if let Some(ended) = driver.record(unwind::catch_attempt(|| attempt(batch_size))) {
-            return ended;
+            break ended;
         }
-    }
+    };
+    let report = search.take_report();
+    Finished { ended, report }
 }
 
 /// The async loop, for runners that act on how the search ended.
 pub(crate) async fn drive_ended_async<R, C: Classify<R>>(
     mut search: Search<'_>,
     classify: &C,
-    keep_last_error: bool,
+    last_error: LastError,
     mut attempt: impl AsyncAttempt<R>,
-) -> Ended<R, C::Error> {
-    let mut driver = Driver::new(&mut search, classify, keep_last_error);
-    loop {
+) -> Finished<R, C::Error> {
+    let mut driver = Driver::new(&mut search, classify, last_error);
+    let ended = loop {
         let batch_size = match driver.begin() {
             Ok(batch_size) => batch_size,
-            Err(ended) => return ended,
+            Err(ended) => break ended,
         };
         if let Some(ended) = driver.record(CatchUnwind::new(attempt.start(batch_size)).await) {
-            return ended;
+            break ended;
         }
-    }
+    };
+    let report = search.take_report();
+    Finished { ended, report }
 }
 
 /// An attempt of an async search. Two forms, because rustc cannot yet prove the future of a
@@ -151,7 +191,7 @@ impl<R, F: AsyncFnMut(usize) -> R> AsyncAttempt<R> for Lending<F> {
 struct Driver<'s, 'r, 'c, R, C: Classify<R>> {
     search: &'s mut Search<'r>,
     classify: &'c C,
-    keep_last_error: bool,
+    last_error_kept: LastError,
     /// The latest success's value, while a policy that continues after a success runs on; it
     /// is returned if the policy accepts after a later failure.
     latest_success: Option<R>,
@@ -169,11 +209,11 @@ impl<R, C: Classify<R>> fmt::Debug for Driver<'_, '_, '_, R, C> {
 
 impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
     #[inline]
-    fn new(search: &'s mut Search<'r>, classify: &'c C, keep_last_error: bool) -> Self {
+    fn new(search: &'s mut Search<'r>, classify: &'c C, last_error_kept: LastError) -> Self {
         Driver {
             search,
             classify,
-            keep_last_error,
+            last_error_kept,
             latest_success: None,
             last_error: None,
         }
@@ -183,7 +223,7 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
     #[inline]
     fn begin(&mut self) -> Result<usize, Ended<R, C::Error>> {
         self.search
-            .begin()
+            .begin_attempt()
             .map_err(|none_fit| Ended::NoSizeFits(none_fit, self.last_error.take()))
     }
 
@@ -193,7 +233,7 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
         match outcome {
             Ok(value) => match self.classify.judge(value, &self.search.rules()) {
                 Judged::Succeeded(value) => {
-                    self.search.succeeded();
+                    self.search.record_success();
                     if self.search.is_accepted() {
                         return Some(Ended::Returned(value));
                     }
@@ -206,7 +246,7 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
                 }
                 Judged::OutOfMemory(found, error) => {
                     let kept = match error {
-                        Some(error) if self.keep_last_error => {
+                        Some(error) if self.last_error_kept == LastError::Returned => {
                             self.last_error = Some(error);
                             None
                         }
@@ -218,7 +258,7 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
                 }
             },
             Err(payload) => {
-                self.search.panicked(payload);
+                self.search.record_panic(payload);
                 self.accepted_value()
             }
         }

@@ -25,8 +25,8 @@ use std::sync::Arc;
 
 use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
-use crate::cache::{CacheSettings, Cached};
-use crate::dispatch::{Kept, PanicOnly};
+use crate::cache::{CacheSettings, Cached, HitSlot};
+use crate::dispatch::{Kept, LastError, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
@@ -41,7 +41,7 @@ mod search;
 pub(crate) use active::{ActivePolicy, Hooks};
 #[doc(hidden)]
 pub use driver::{drive, drive_async};
-pub(crate) use driver::{drive_ended, drive_ended_async, Ended};
+pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
 pub(crate) use search::SearchSettings;
 
@@ -105,6 +105,7 @@ impl<'r> BatchSizeSearch<'r> {
                 invalid: None,
                 hooks: None,
                 first_fit_at_debug: false,
+                cache_hit: None,
             },
             cache: None,
             agreement: None,
@@ -548,7 +549,14 @@ impl<'r> BatchSizeSearch<'r> {
     where
         F: FnMut(usize) -> T,
     {
-        match drive_ended(self.start(), &PanicOnly::new(), false, attempt) {
+        match drive_ended(
+            self.start(),
+            &PanicOnly::new(),
+            LastError::AsSource,
+            attempt,
+        )
+        .published()
+        {
             Ended::Returned(value) => Ok(value),
             Ended::NoSizeFits(none_fit, _) => Err(none_fit),
         }
@@ -648,8 +656,25 @@ impl<'r> BatchSizeSearch<'r> {
         F: FnMut(usize) -> Result<T, E>,
         E: AttemptError<M>,
     {
-        let result = self.run(attempt);
-        (result, crate::record::last_report().unwrap_or_default())
+        let (result, report) = self.run_reporting(attempt);
+        crate::record::store_last_report(report.clone());
+        (result, report)
+    }
+
+    /// [`run`](Self::run) for a runner of this crate: the result and the report as values,
+    /// nothing published to `last_report()` (the runner's public edge does that).
+    #[inline]
+    pub(crate) fn run_reporting<T, E, M, F>(self, attempt: F) -> (Result<T, E>, SearchReport)
+    where
+        F: FnMut(usize) -> Result<T, E>,
+        E: AttemptError<M>,
+    {
+        drive_reporting(
+            self.start(),
+            Kept::<E, M>::new(),
+            Kept::<E, M>::new(),
+            attempt,
+        )
     }
 
     /// The state machine, for a loop of your own (this is what the attribute expands into).
@@ -696,6 +721,8 @@ impl<'r> BatchSizeSearch<'r> {
         // nothing is cached.
         if let Some(cache) = cache.filter(|cache| !cache.key.is_empty()) {
             let release = settings.release.get_or_insert_with(Release::default);
+            let hit = HitSlot::default();
+            settings.cache_hit = Some(hit.clone());
             let inner =
                 std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
             let cached = Cached::new(
@@ -706,6 +733,7 @@ impl<'r> BatchSizeSearch<'r> {
                 settings.min,
                 release,
                 remedies,
+                hit,
             );
             settings.policy = ActivePolicy::Custom(Box::new(cached));
         }

@@ -7,6 +7,7 @@ use std::fmt;
 use std::time::Instant;
 
 use super::{ActivePolicy, Hooks};
+use crate::cache::HitSlot;
 use crate::dispatch::OomRules;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::kept::KeptError;
@@ -35,6 +36,8 @@ pub(crate) struct SearchSettings<'r> {
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) first_fit_at_debug: bool,
+    /// With a cache: where it says that the search returned a cached size.
+    pub(crate) cache_hit: Option<HitSlot>,
 }
 
 #[derive(Debug)]
@@ -92,6 +95,11 @@ pub struct Search<'r> {
     next: Next,
     running: Option<Running>,
     report: SearchReport,
+    /// The report once the search ended: the driver takes it as a value; a loop of the user's
+    /// own publishes it to `last_report()` (the public methods below).
+    finished: Option<SearchReport>,
+    /// Where the cache policy says it returned a cached size, read into the report at the end.
+    cache_hit: Option<HitSlot>,
     last_error: Option<KeptError>,
     smallest_failed: Option<usize>,
     succeeded_once: bool,
@@ -125,6 +133,7 @@ impl<'r> Search<'r> {
             invalid,
             hooks,
             first_fit_at_debug,
+            cache_hit,
         } = settings;
         let release = release.unwrap_or_default();
         let next = if let Some(why) = invalid {
@@ -160,6 +169,8 @@ impl<'r> Search<'r> {
             next,
             running: None,
             report: SearchReport::default(),
+            finished: None,
+            cache_hit,
             last_error: None,
             smallest_failed: None,
             succeeded_once: false,
@@ -233,6 +244,14 @@ impl Search<'_> {
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
     pub fn begin(&mut self) -> Result<usize, NoExecutableBatchSize> {
+        let begun = self.begin_attempt();
+        self.publish();
+        begun
+    }
+
+    /// [`begin`](Self::begin) for the engine's driver, which takes the report as a value.
+    #[inline]
+    pub(crate) fn begin_attempt(&mut self) -> Result<usize, NoExecutableBatchSize> {
         match std::mem::replace(&mut self.next, Next::Ended) {
             Next::Size(batch_size) => {
                 self.release.reset_peak();
@@ -286,24 +305,39 @@ impl Search<'_> {
         error
     }
 
-    /// The search is over: the report goes to `on_report` and `last_report()`; a copy is
-    /// returned for [`NoExecutableBatchSize`].
+    /// The search is over: the report goes to `on_report` and is kept for the caller; a copy
+    /// is returned for [`NoExecutableBatchSize`].
     fn finish_report(&mut self) -> SearchReport {
-        if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
-            on_report(&self.report);
-        }
-        let report = std::mem::take(&mut self.report);
-        record::store_last_report(report.clone());
-        report
+        self.finish();
+        self.finished.clone().unwrap_or_default()
     }
 
-    /// Like `finish_report` on the paths that need no copy: a success, an error, a panic.
+    /// The search is over: the report goes to `on_report` and waits for the caller, moved, not
+    /// cloned (the success path copies as little as it can).
     fn finish(&mut self) {
+        if let Some(hit) = self.cache_hit.as_ref().and_then(HitSlot::take) {
+            self.report.cache_hit = Some(hit);
+        }
         if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);
         }
-        // Moved, not cloned: the success path copies as little as it can.
-        record::store_last_report(std::mem::take(&mut self.report));
+        self.finished = Some(std::mem::take(&mut self.report));
+    }
+
+    /// The report of the search that ended, as a value (empty while it runs). The runners and
+    /// the public edges that own the search take it here; nothing is stored on the way.
+    #[inline]
+    pub(crate) fn take_report(&mut self) -> SearchReport {
+        self.finished.take().unwrap_or_default()
+    }
+
+    /// For a loop of the user's own: once the search ended, its report goes to
+    /// [`last_report()`](crate::last_report), as every public edge does.
+    #[inline]
+    fn publish(&mut self) {
+        if let Some(report) = self.finished.take() {
+            record::store_last_report(report);
+        }
     }
 
     #[inline]
@@ -351,6 +385,13 @@ impl Search<'_> {
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
     pub fn succeeded(&mut self) {
+        self.record_success();
+        self.publish();
+    }
+
+    /// [`succeeded`](Self::succeeded) for the engine's driver.
+    #[inline]
+    pub(crate) fn record_success(&mut self) {
         let mut attempt = self.finish_attempt(Outcome::Succeeded);
         if self.policy.reads_memory_after_success() {
             attempt.memory_at_end = non_empty(self.release.memory());
@@ -424,6 +465,7 @@ impl Search<'_> {
     /// ```
     pub fn failed(&mut self, error: &(dyn Error + 'static)) {
         self.failed_with(oom::describe(error));
+        self.publish();
     }
 
     pub(crate) fn failed_with(&mut self, description: String) {
@@ -450,6 +492,13 @@ impl Search<'_> {
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
     pub fn panicked(&mut self, payload: PanicPayload) {
+        self.record_panic(payload);
+        self.publish();
+    }
+
+    /// [`panicked`](Self::panicked) for the engine's driver. A panic that is not out-of-memory
+    /// leaves every caller by unwinding: its report is published on the way out.
+    pub(crate) fn record_panic(&mut self, payload: PanicPayload) {
         match self.rules().classify_panic(&*payload) {
             Some(found) => self.record_out_of_memory(found, None),
             None => {
@@ -459,6 +508,7 @@ impl Search<'_> {
                 self.notify_last();
                 self.next = Next::Ended;
                 self.finish();
+                self.publish();
                 std::panic::resume_unwind(payload)
             }
         }
@@ -489,6 +539,7 @@ impl Search<'_> {
         error: Option<Box<dyn Error + Send + Sync + 'static>>,
     ) {
         self.record_out_of_memory(found, error.map(KeptError::from));
+        self.publish();
     }
 
     pub(crate) fn record_out_of_memory(&mut self, found: OomMatch, error: Option<KeptError>) {

@@ -4,7 +4,7 @@
 //! then keep the margin, and run that size too. It times every trial, so that it can also name
 //! the fastest size (samples per second), and return it instead of the largest.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -494,7 +494,6 @@ impl Tuner {
             Box::new(move || origin.elapsed())
         });
         let timings = Arc::clone(&shared);
-        let _ = crate::cache::take_last_hit();
         let (result, report) = search.run_with_report(move |size| {
             let start = clock();
             let result = trial(size);
@@ -503,15 +502,11 @@ impl Tuner {
             }
             result
         });
-        let hit = crate::cache::take_last_hit();
         result?;
         let ran_largest = report.largest_success().unwrap_or(0);
         let batch_size = report.batch_size().unwrap_or(ran_largest);
-        // A rerun from the cache ran one size: what was measured is in the entry. (The policy
-        // was never asked for a first size then; a search nested in a trial may have left the
-        // hit otherwise.)
-        let from_cache = hit.filter(|_| !shared.asked_first.load(Ordering::Relaxed));
-        let (largest_fit, largest) = match from_cache {
+        // A rerun from the cache ran one size: what was measured is in the entry.
+        let (largest_fit, largest) = match report.cache_hit.map(|hit| hit.largest_fit) {
             Some(entry_largest) => {
                 let largest_fit = entry_largest.unwrap_or(ran_largest).max(ran_largest);
                 (largest_fit, kept_size(largest_fit, margin, min))
@@ -558,8 +553,6 @@ fn fastest(throughput: &[(usize, f64)], kept: usize, tolerance: f64) -> Option<u
 struct Shared {
     /// The quickest successful trial at each size.
     timings: Mutex<Vec<(usize, Duration)>>,
-    /// The policy chose a first size (not so on a rerun from the cache).
-    asked_first: AtomicBool,
     /// The margin's size, once its trial ran (0 before).
     kept: AtomicUsize,
 }
@@ -898,7 +891,6 @@ impl TunerPolicy {
 
 impl SizePolicy for TunerPolicy {
     fn first(&mut self, starting: usize) -> Decision {
-        self.shared.asked_first.store(true, Ordering::Relaxed);
         Decision::Try(self.cap(starting.max(self.min)))
     }
 

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::agree::Collective;
 use crate::attempt::AttemptError;
+use crate::dispatch::LastError;
 use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
 use crate::error::StopReason;
@@ -485,8 +486,14 @@ impl<'r> Chunked<'r> {
                 outcome
             }
         });
-        let ended =
-            drive_ended_async(search.start(), &ChunkKind::<E, M>::new(), false, attempt).await;
+        let ended = drive_ended_async(
+            search.start(),
+            &ChunkKind::<E, M>::new(),
+            LastError::AsSource,
+            attempt,
+        )
+        .await
+        .published();
         self.shrink = shrink;
         self.notify = notify.into_inner().unwrap_or_else(PoisonError::into_inner);
         self.conclude(&run, ended)?;
@@ -649,15 +656,20 @@ impl<'r> Chunked<'r> {
         let (search, run) = self.prepare(shrink.borrowed());
         let mut notify = self.notify.take();
         let (cost_of, total) = (self.cost.as_ref(), self.total);
-        let ended = drive_ended(search.start(), &ChunkKind::<E, M>::new(), false, |budget| {
-            let (range, cost) = begin_chunk(cost_of, total, &run, budget);
-            let outcome = work(range.clone());
-            Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
-            outcome
-        });
+        let finished = drive_ended(
+            search.start(),
+            &ChunkKind::<E, M>::new(),
+            LastError::AsSource,
+            |budget| {
+                let (range, cost) = begin_chunk(cost_of, total, &run, budget);
+                let outcome = work(range.clone());
+                Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
+                outcome
+            },
+        );
         self.shrink = shrink;
         self.notify = notify;
-        self.conclude(&run, ended)
+        self.conclude(&run, finished.published())
     }
 }
 

@@ -681,7 +681,7 @@ impl<'r> EffectiveBatch<'r> {
         // Only a step whose shares follow speed is timed: the plain path reads no clock.
         let mut shares = self.shares.take();
         let mut elapsed = None;
-        let result = self.search(share.len()).run(|micro| {
+        let (result, report) = self.search(share.len()).run_reporting(|micro| {
             let plan = BatchPlan::for_share(effective, share.clone(), micro);
             let Some(shares) = shares.as_mut() else {
                 return body(&plan);
@@ -694,7 +694,9 @@ impl<'r> EffectiveBatch<'r> {
             outcome
         });
         self.shares = shares;
-        self.account(crate::record::last_report().unwrap_or_default());
+        // The public edge: the step's report goes to `last_report()` too, as every runner's.
+        crate::record::store_last_report(report.clone());
+        self.account(report);
         let value = result?;
         self.last_plan = Some(BatchPlan::for_share(effective, share, self.micro));
         if let Err(error) = self.rebalance(elapsed) {
