@@ -77,8 +77,9 @@ use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, T
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use super::deadline::Deadline;
 use super::handshake::{self, Failure};
 use super::token::{self, JobToken, Keyed};
 
@@ -103,6 +104,7 @@ pub struct IdExchange {
     world_size: usize,
     local_rank: usize,
     timeout: Duration,
+    patience: Duration,
     token: Option<JobToken>,
 }
 
@@ -131,6 +133,7 @@ impl IdExchange {
             world_size,
             local_rank: rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
             token: None,
         }
     }
@@ -163,6 +166,7 @@ impl IdExchange {
             world_size,
             local_rank: rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
             token: None,
         }
     }
@@ -259,6 +263,7 @@ impl IdExchange {
             world_size,
             local_rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
             token: lookup(TOKEN_VARIABLE)
                 .filter(|value| !value.is_empty())
                 .map(JobToken::new),
@@ -284,6 +289,24 @@ impl IdExchange {
     /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// How long one connection may last over TCP (default [`CONNECTION_PATIENCE`], 5 s),
+    /// whatever the peer sends and however slowly: rank 0 closes a connection this long after
+    /// accepting it, and a rank gives up a try this long after it began, then tries again
+    /// while its timeout lasts. Longer for links slow to answer; never longer than the
+    /// exchange's timeout, which ends every connection too. A zero is taken as 1 ms.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use batch_size_runtime::agree::IdExchange;
+    /// let exchange = IdExchange::tcp("10.0.0.1", 29500, 1, 4)
+    ///     .with_connection_patience(Duration::from_secs(10));
+    /// # let _ = exchange;
+    /// ```
+    pub fn with_connection_patience(mut self, patience: Duration) -> Self {
+        self.patience = patience.max(Duration::from_millis(1));
         self
     }
 
@@ -395,7 +418,7 @@ impl IdExchange {
 
     /// Waits for rank 0's file.
     fn read_file(&self, path: &Path) -> Result<[u8; ID_BYTES], ExchangeError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
         loop {
             match fs::read_to_string(path) {
                 Ok(text) => return parse_hex(&text, path),
@@ -407,19 +430,22 @@ impl IdExchange {
                     })
                 }
             }
-            if Instant::now() >= deadline {
+            if deadline.passed() {
                 return Err(self.timeout_error(format!(
                     "rank 0 to write the Id to {}: is rank 0 running, with the same path?",
                     path.display()
                 )));
             }
-            thread::sleep(Duration::from_millis(10));
+            thread::sleep(Duration::from_millis(10).min(deadline.left()));
         }
     }
 
     /// Rank 0: hands the Id to every other rank, then closes the port. Each connection is
-    /// served on its own thread with its own short deadline, so that a silent or slow peer
-    /// costs the ranks nothing; at most [`MAX_HELD_CONNECTIONS`] are held at once.
+    /// served on its own thread with its own deadline (the patience after it was accepted, the
+    /// exchange's at the latest), so that a silent, slow or trickling peer costs the ranks
+    /// nothing; at most [`MAX_HELD_CONNECTIONS`] are held at once. Returns by the exchange's
+    /// deadline (give or take a pause of the accept loop, 2 ms, or of a failing accept, 1 s at
+    /// most but never past the deadline).
     fn serve(&self, host: &str, port: u16, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
         let address = listen_address(host);
         let listener = TcpListener::bind((address, port)).map_err(|source| ExchangeError::Io {
@@ -459,7 +485,8 @@ impl IdExchange {
             token = self.token.is_some(),
             "waiting for the ranks to fetch the Id"
         );
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
+        let mut trouble = AcceptTrouble::default();
         let (report, reports) = mpsc::channel();
         // The connections being served, oldest first, to close when too many are held or when
         // the exchange is over.
@@ -488,7 +515,7 @@ impl IdExchange {
                 break Ok(());
             }
             // Checked before accepting: a flood of connections cannot keep rank 0 past it.
-            if Instant::now() >= deadline {
+            if deadline.passed() {
                 let missing: Vec<String> = served
                     .iter()
                     .enumerate()
@@ -518,9 +545,19 @@ impl IdExchange {
                             );
                         }
                     }
+                    trouble.recovered();
                     let connection = accepted;
                     accepted += 1;
-                    match spawn_hand_over(stream, peer, connection, &serving, &report) {
+                    // From the accept: a peer's time does not start when its thread does.
+                    let until = Deadline::after(self.patience).min(deadline);
+                    let patience = self.patience;
+                    let hand_over = HandOver {
+                        connection,
+                        peer,
+                        deadline: until,
+                        patience,
+                    };
+                    match spawn_hand_over(stream, hand_over, &serving, &report) {
                         Ok(stream) => {
                             held.insert(connection, stream);
                         }
@@ -529,11 +566,12 @@ impl IdExchange {
                     // No pause: others may be waiting in the backlog.
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                    thread::sleep(Duration::from_millis(2))
+                    thread::sleep(Duration::from_millis(2).min(deadline.left()))
                 }
-                Err(error) => tracing::warn!("accepting a rank: {error}"),
+                Err(error) => thread::sleep(trouble.failed(&error).min(deadline.left())),
             }
         };
+        trouble.summarize(port);
         // Whoever is still connected (a stranger, a rank asking twice) is done with.
         for stream in held.values() {
             let _ = stream.shutdown(Shutdown::Both);
@@ -541,12 +579,19 @@ impl IdExchange {
         outcome
     }
 
-    /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id. With a
-    /// token, every failure of the peer (one that does not prove it knows the token, a
-    /// refusal) is a WARN and another try until the timeout: a process posing as rank 0 cannot
-    /// end the exchange.
+    /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id. Each
+    /// try has its own deadline (the patience, the exchange's deadline at the latest) over all
+    /// its reads and writes, connecting included: the exchange ends by its timeout whatever a
+    /// peer sends, or how slowly.
+    ///
+    /// A try that fails on the way (nobody listens yet, the connection closed or ran out of
+    /// time) is tried again. A peer that answers wrong is an error at once, with a token too:
+    /// one that does not prove the token fails the same way on every try (another token on
+    /// rank 0 is a setting, not a passing fault), so waiting for the timeout would only delay
+    /// the error, with a WARN a second. A process posing as rank 0 can end a rank's exchange
+    /// so, as it could by keeping rank 0's port; it never gets the Id or gives a wrong one.
     fn fetch(&self, host: &str, port: u16) -> Result<[u8; ID_BYTES], ExchangeError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
         let peer = format!("{host}:{port}");
         let key = match &self.token {
             Some(token) => Some(token.keyed().map_err(|source| ExchangeError::Io {
@@ -556,14 +601,9 @@ impl IdExchange {
             None => None,
         };
         let mut last_error = None;
-        let mut last_refusal = None;
-        let mut pause = Duration::from_millis(20);
+        let pause = Duration::from_millis(20);
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                if let Some(refusal) = last_refusal {
-                    return Err(refusal);
-                }
+            if deadline.passed() {
                 let why = last_error.map(|error: io::Error| format!(" (last: {error})"));
                 return Err(self.timeout_error(format!(
                     "rank 0 at {peer} to hand over the Id{}: is rank 0 running, and is \
@@ -571,31 +611,69 @@ impl IdExchange {
                     why.unwrap_or_default()
                 )));
             }
-            match connect(host, port, left.min(Duration::from_secs(2))) {
+            let attempt = Deadline::after(self.patience).min(deadline);
+            match connect(host, port, attempt.left()) {
                 Ok(stream) => {
-                    let patience = left.min(CONNECTION_PATIENCE);
-                    match handshake::receive(stream, self.rank, key.as_ref(), patience, &peer) {
+                    match handshake::receive(stream, self.rank, key.as_ref(), attempt, &peer) {
                         Ok(id) => return Ok(id),
                         Err(Failure::Io(error)) => last_error = Some(error),
-                        Err(Failure::Peer(error)) if key.is_none() => return Err(error),
-                        Err(Failure::Peer(error)) => {
-                            tracing::warn!(
-                                rank = self.rank,
-                                %peer,
-                                "{error}; dropped it, trying again until the timeout"
-                            );
-                            last_refusal = Some(error);
-                            // A peer that answers wrong answers at once: no need to ask it
-                            // fifty times a second.
-                            pause = (pause * 2)
-                                .clamp(Duration::from_millis(100), Duration::from_secs(1));
-                        }
-                        Err(Failure::Local(error)) => return Err(error),
+                        Err(Failure::Peer(error) | Failure::Local(error)) => return Err(error),
                     }
                 }
                 Err(error) => last_error = Some(error),
             }
-            thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            thread::sleep(pause.min(deadline.left()));
+        }
+    }
+}
+
+/// What rank 0 does about `accept` failing (out of file descriptors, say): each kind of error
+/// is logged once, not once per try, and the pause between tries grows from 10 ms to 1 s, so a
+/// lasting failure neither spins the loop nor floods the log.
+#[derive(Debug, Default)]
+struct AcceptTrouble {
+    pause: Duration,
+    seen: Vec<io::ErrorKind>,
+    failures: u64,
+}
+
+impl AcceptTrouble {
+    const FIRST_PAUSE: Duration = Duration::from_millis(10);
+    const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+
+    /// Logs `error` if its kind is new, and returns how long to pause before the next try.
+    fn failed(&mut self, error: &io::Error) -> Duration {
+        self.failures += 1;
+        if !self.seen.contains(&error.kind()) {
+            self.seen.push(error.kind());
+            tracing::warn!(
+                kind = ?error.kind(),
+                %error,
+                "rank 0 could not accept a connection; trying again with pauses growing to \
+                 {:?} (logged once for this kind of error; if it lasts, raise the limit on \
+                 open files, ulimit -n)",
+                Self::LONGEST_PAUSE
+            );
+        }
+        self.pause = (self.pause * 2).clamp(Self::FIRST_PAUSE, Self::LONGEST_PAUSE);
+        self.pause
+    }
+
+    /// A connection came: the next failure pauses briefly again (its kind is still not logged
+    /// twice).
+    fn recovered(&mut self) {
+        self.pause = Duration::ZERO;
+    }
+
+    /// One line at the end for the failures not logged one by one.
+    fn summarize(&self, port: u16) {
+        if self.failures > 0 {
+            tracing::debug!(
+                port,
+                failures = self.failures,
+                kinds = ?self.seen,
+                "accepting connections failed during the exchange"
+            );
         }
     }
 }
@@ -632,11 +710,18 @@ struct Served {
     outcome: Result<usize, String>,
 }
 
+/// One accepted connection: its number, its peer, and when it must be over.
+struct HandOver {
+    connection: u64,
+    peer: SocketAddr,
+    deadline: Deadline,
+    patience: Duration,
+}
+
 /// Serves one connection on a thread of its own; returns a handle to close it early with.
 fn spawn_hand_over(
     stream: TcpStream,
-    peer: SocketAddr,
-    connection: u64,
+    hand_over: HandOver,
     serving: &Arc<Serving>,
     report: &mpsc::Sender<Served>,
 ) -> io::Result<TcpStream> {
@@ -652,12 +737,13 @@ fn spawn_hand_over(
                 &serving.id,
                 serving.world_size,
                 serving.key.as_ref(),
-                CONNECTION_PATIENCE,
+                hand_over.deadline,
+                hand_over.patience,
             );
             // Rank 0 may be gone (timed out): nobody to tell.
             let _ = report.send(Served {
-                connection,
-                peer,
+                connection: hand_over.connection,
+                peer: hand_over.peer,
                 outcome,
             });
         })?;
