@@ -381,7 +381,9 @@ fn a_refusal_from_an_unproven_peer_is_never_shown_as_rank_0s() {
     assert!(!message.contains("evil"), "{message}");
     assert!(!message.contains("rank 0 at"), "{message}");
     assert!(
-        message.starts_with(&format!("127.0.0.1:{port} refused this rank before proving")),
+        message.starts_with(&format!(
+            "127.0.0.1:{port} refused this rank before proving"
+        )),
         "{message}"
     );
 
@@ -399,7 +401,10 @@ fn a_refusal_from_an_unproven_peer_is_never_shown_as_rank_0s() {
         )),
         "{message}"
     );
-    assert!(message.contains(&format!("{ADVICE:?}")), "quoted: {message}");
+    assert!(
+        message.contains(&format!("{ADVICE:?}")),
+        "quoted: {message}"
+    );
     assert!(!message.contains("rank 0 at"), "{message}");
 }
 
