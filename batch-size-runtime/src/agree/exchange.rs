@@ -5,7 +5,8 @@
 //! the Id over TCP.
 //!
 //! Rank 0 creates the Id (`ncclGetUniqueId`); the others receive the same bytes. Nothing here
-//! depends on NCCL: it moves 128 bytes, and never waits longer than its timeout.
+//! depends on NCCL: it moves 128 bytes, and returns by its timeout whatever a peer sends or how
+//! slowly (see [Time limits](self#time-limits)).
 //!
 //! ```
 //! use std::thread;
@@ -41,9 +42,25 @@
 //! on every rank. Rank 0 and each rank then prove to each other that they know it, without
 //! sending it: each side sends a fresh random nonce, and answers with an HMAC-SHA-256 of both
 //! nonces and the rank under the token; a rank checks rank 0's answer before it trusts anything,
-//! and the Id travels masked and tagged under the same key. A peer that fails (another token, no
-//! token, an answer recorded from an earlier connection, a process posing as rank 0) is dropped
-//! with a WARN naming its address, and the exchange goes on.
+//! and the Id travels masked and tagged under the same key.
+//!
+//! Rank 0 drops a peer that fails (another token, no token, an answer recorded from an earlier
+//! connection) with a WARN naming its address, tells it so at once (it learns nothing it did
+//! not know: that its proof failed), and goes on serving the others. A rank that meets a peer
+//! which does not prove the token (rank 0 with another token or none, a process posing as rank
+//! 0) takes nothing from it, sends it no proof of its own, only that its proof failed (so a
+//! rank 0 with another token logs why at once), and stops with
+//! [`ExchangeError::Unauthenticated`] naming [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE): it
+//! does not try again until its timeout, since another token is a setting that no retry
+//! mends. The price: a process that answers on rank 0's port before rank 0 can end a rank's
+//! exchange early, which it could do anyway by keeping the port; it never gets the Id nor
+//! gives a wrong one.
+//!
+//! A refusal is shown in rank 0's words ([`ExchangeError::Refused`]) only once rank 0 has
+//! proved the token. Before that, with a token, its words are not shown at all
+//! ([`ExchangeError::Unauthenticated`] lists the likely causes in this crate's own words);
+//! without a token, where nothing can be proved, they are quoted as the peer's, marked
+//! unverified ([`ExchangeError::UnprovenRefusal`]).
 //!
 //! Without a token, the exchange works as before: on one machine (`MASTER_ADDR` a loopback
 //! address) rank 0 listens on loopback only; on any other address it logs one WARN, since any
@@ -64,6 +81,26 @@
 //! No peer can stall the others: rank 0 serves each connection on its own thread, gives each
 //! [`CONNECTION_PATIENCE`] at most, and holds [`MAX_HELD_CONNECTIONS`] at once (a new one
 //! closes the one held longest).
+//!
+//! # Time limits
+//! Each limit is a deadline over every read and write it covers, not a limit per read: the
+//! socket's timeout is set from the time left before each one, so a peer that sends one byte
+//! at a time, just often enough, gains nothing.
+//!
+//! - **The exchange** ([`with_timeout`](IdExchange::with_timeout), 120 s by default): a rank
+//!   returns by it, and so does rank 0, closing every connection it still holds. Over by a few
+//!   milliseconds at most (the accept loop's pause of 2 ms, a socket's timer); the tests measure
+//!   1.50 to 1.53 s for 1.5 s against peers trickling a byte every 400 ms.
+//! - **One connection** ([`CONNECTION_PATIENCE`], 5 s, or
+//!   [`with_connection_patience`](IdExchange::with_connection_patience)): rank 0 closes a
+//!   connection that long after accepting it; a rank gives up a try that long after it began,
+//!   connecting included, and tries again while its timeout lasts. Both end with the exchange
+//!   at the latest.
+//! - **Not bounded here:** resolving `MASTER_ADDR` (the system's resolver decides how long),
+//!   and rank 0's `create`.
+//!
+//! When `accept` fails (out of file descriptors, say), rank 0 pauses before the next try, from
+//! 10 ms doubling to 1 s (never past its deadline), and logs each kind of error once.
 //!
 //! With a file, rank 0 creates it readable and writable by its owner only (0600 on unix), but
 //! the folder must not be writable by others: whoever can write there can replace the Id.
@@ -841,4 +878,33 @@ fn parse_hex(text: &str, path: &Path) -> Result<[u8; ID_BYTES], ExchangeError> {
         }
     }
     Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failing_accepts_pause_longer_and_longer_and_log_each_kind_once() {
+        let mut trouble = AcceptTrouble::default();
+        let out_of_files = io::Error::from_raw_os_error(24); // EMFILE
+        let pauses: Vec<Duration> = (0..10).map(|_| trouble.failed(&out_of_files)).collect();
+        let millis: Vec<u128> = pauses.iter().map(Duration::as_millis).collect();
+        assert_eq!(
+            millis,
+            [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000],
+            "growing, bounded"
+        );
+        assert_eq!(trouble.seen.len(), 1, "one kind, logged once");
+        trouble.failed(&io::Error::from(io::ErrorKind::ConnectionAborted));
+        assert_eq!(trouble.seen.len(), 2, "a new kind is logged");
+        trouble.recovered();
+        assert_eq!(trouble.failed(&out_of_files), Duration::from_millis(10));
+        assert_eq!(
+            trouble.seen.len(),
+            2,
+            "a kind seen before is not logged again"
+        );
+        assert_eq!(trouble.failures, 12);
+    }
 }
