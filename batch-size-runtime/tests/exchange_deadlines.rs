@@ -174,6 +174,12 @@ fn a_rank_returns_by_its_timeout_against_a_rank_0_that_trickles_bytes() {
             matches!(error, ExchangeError::Timeout { rank: 1, .. }),
             "token {token}: {error}"
         );
+        assert!(
+            error
+                .to_string()
+                .contains("did not finish a try within 1.5s"),
+            "token {token}: {error}"
+        );
         assert!(!held.is_empty(), "token {token}: it did connect");
         for lasted in held {
             assert!(lasted <= bound(timeout), "token {token}: {lasted:?}");
@@ -333,7 +339,7 @@ fn rank_0_closes_a_trickling_peer_by_its_patience_and_serves_the_ranks() {
             lasted >= patience - Duration::from_millis(100) && lasted <= bound(patience),
             "{trickle:?}: {lasted:?}"
         );
-        assert!(rank_took < Duration::from_millis(500), "{rank_took:?}");
+        assert!(rank_took < Duration::from_millis(600), "{rank_took:?}");
     }
 }
 

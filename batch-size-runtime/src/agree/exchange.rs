@@ -116,7 +116,7 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::Duration;
 
-use super::deadline::Deadline;
+use super::deadline::{self, Deadline};
 use super::handshake::{self, Failure};
 use super::token::{self, JobToken, Keyed};
 
@@ -653,6 +653,17 @@ impl IdExchange {
                 Ok(stream) => {
                     match handshake::receive(stream, self.rank, key.as_ref(), attempt, &peer) {
                         Ok(id) => return Ok(id),
+                        // "Resource temporarily unavailable" would say nothing of a peer
+                        // too slow for the try's deadline.
+                        Err(Failure::Io(error)) if deadline::is_timeout(&error) => {
+                            last_error = Some(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                format!(
+                                    "it did not finish a try within {:?}",
+                                    self.patience.min(self.timeout)
+                                ),
+                            ))
+                        }
                         Err(Failure::Io(error)) => last_error = Some(error),
                         Err(Failure::Peer(error) | Failure::Local(error)) => return Err(error),
                     }
