@@ -1,8 +1,11 @@
 //! The Id exchange lets in only the job's own ranks (issue 25), with ranks as threads over
 //! loopback: the right token joins; another token, no token against a token, a replayed answer
-//! and a process posing as rank 0 are refused with clear errors while the job still forms; silent
-//! connections cost the ranks nothing; rank 0 warns when it listens beyond loopback with no
-//! token; the Id file is its owner's only. (Two processes: `tests/exchange.rs`.)
+//! and a process posing as rank 0 are refused with clear errors, at once, and the job forms
+//! with the right ranks (issue 31: a rank does not wait for its timeout); words from a peer
+//! that has not proved the token are never shown as rank 0's; silent connections cost the
+//! ranks nothing; rank 0 warns when it listens beyond loopback with no token; the Id file is
+//! its owner's only. (Two processes: `tests/exchange.rs`; trickling peers:
+//! `tests/exchange_deadlines.rs`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
@@ -89,14 +92,12 @@ fn the_right_token_joins() {
 fn another_token_is_refused_and_the_job_still_forms() {
     let port = free_port();
     let (rank_0, warnings) = spawn_recorded(rank(port, 0, 2).with_token(TOKEN), 42);
+    // Fails at once, not at its timeout of 10 s: another token is a setting, not a passing
+    // fault (issue 31).
     let started = Instant::now();
-    let error = fetch(
-        rank(port, 1, 2)
-            .with_token("another job")
-            .with_timeout(Duration::from_millis(800)),
-    )
-    .unwrap_err();
-    assert!(started.elapsed() < Duration::from_secs(2));
+    let error = fetch(rank(port, 1, 2).with_token("another job")).unwrap_err();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(2), "{took:?}");
     assert!(
         matches!(&error, ExchangeError::Unauthenticated { peer, .. } if *peer == format!("127.0.0.1:{port}")),
         "{error}"
@@ -115,23 +116,32 @@ fn another_token_is_refused_and_the_job_still_forms() {
         warnings
             .iter()
             .any(|warning| warning.contains("peer=127.0.0.1:")
-                && warning.contains("instead of proving that it knows the job token")),
-        "{warnings:#?}"
+                && warning.contains("rejected rank 0's proof of the job token")
+                && warning.contains("BATCH_SIZE_EXCHANGE_TOKEN")),
+        "rank 0 learns at once why the rank left: {warnings:#?}"
     );
 }
 
 #[test]
 fn no_token_against_a_token_is_refused_saying_what_to_set() {
-    // A rank without a token, rank 0 with one: refused at once, with rank 0's reason.
+    // A rank without a token, rank 0 with one: refused at once, with the peer's reason shown
+    // as its own, unverified (without a token nothing proves that it is rank 0).
     let port = free_port();
     let (rank_0, warnings) = spawn_recorded(rank(port, 0, 2).with_token(TOKEN), 42);
     let started = Instant::now();
     let error = fetch(rank(port, 1, 2)).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(1));
-    assert!(matches!(&error, ExchangeError::Refused { .. }), "{error}");
+    assert!(
+        matches!(&error, ExchangeError::UnprovenRefusal { peer, .. } if *peer == format!("127.0.0.1:{port}")),
+        "{error}"
+    );
     let message = error.to_string();
     assert!(
         message.contains("requires the job token") && message.contains("BATCH_SIZE_EXCHANGE_TOKEN"),
+        "{message}"
+    );
+    assert!(
+        message.contains("nothing proves that it is rank 0") && !message.contains("rank 0 at"),
         "{message}"
     );
     assert_eq!(fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap(), id(42));
@@ -145,22 +155,25 @@ fn no_token_against_a_token_is_refused_saying_what_to_set() {
         "{warnings:#?}"
     );
 
-    // A rank with a token, rank 0 without: it never trusts rank 0's answer, and says why at
-    // its timeout.
+    // A rank with a token, rank 0 without: rank 0 refuses before proving anything, so the
+    // rank shows none of its words, names the likely causes itself, and stops at once.
     let port = free_port();
     let rank_0 =
         thread::spawn(move || rank(port, 0, 2).exchange(|| Ok::<_, std::io::Error>(id(7))));
-    let error = fetch(
-        rank(port, 1, 2)
-            .with_token(TOKEN)
-            .with_timeout(Duration::from_millis(500)),
-    )
-    .unwrap_err();
-    assert!(matches!(&error, ExchangeError::Refused { .. }), "{error}");
+    let started = Instant::now();
+    let error = fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(2));
     assert!(
-        error.to_string().contains("rank 0 has no job token"),
+        matches!(&error, ExchangeError::Unauthenticated { .. }),
         "{error}"
     );
+    let message = error.to_string();
+    assert!(
+        message.contains("refused this rank before proving that it knows the job token")
+            && message.contains("with no BATCH_SIZE_EXCHANGE_TOKEN"),
+        "{message}"
+    );
+    assert!(!message.contains("rank 0 has no job token"), "{message}");
     assert_eq!(fetch(rank(port, 1, 2)).unwrap(), id(7));
     assert_eq!(rank_0.join().unwrap().unwrap(), id(7));
 }
@@ -249,7 +262,8 @@ fn a_replayed_answer_is_refused_both_ways_and_the_job_still_forms() {
     );
 
     // To a rank, from a process posing as rank 0 with the recorded challenge and Id: the rank
-    // drops it (its own nonce is fresh) and takes the Id from the real rank 0 once it is up.
+    // (its own nonce is fresh) sends it no proof, only the refusal's magic, takes nothing from
+    // it and stops at once; the job forms with the real rank 0.
     let port = free_port();
     let impostor = TcpListener::bind(("127.0.0.1", port)).unwrap();
     let fake = thread::spawn(move || {
@@ -258,53 +272,192 @@ fn a_replayed_answer_is_refused_both_ways_and_the_job_still_forms() {
         stream.write_all(&rank_0_said).unwrap();
         let mut rest = Vec::new();
         let _ = stream.read_to_end(&mut rest);
-        rest // what the rank sent after the challenge: nothing
+        rest // what the rank sent after the challenge
     });
-    let (rank_1, warnings) = spawn_recorded(rank(port, 1, 2).with_token(TOKEN), 0);
-    assert!(fake.join().unwrap().is_empty(), "the rank sent no proof");
-    let got = rank(port, 0, 2)
-        .with_token(TOKEN)
-        .exchange(|| Ok::<_, std::io::Error>(id(42)))
-        .unwrap();
-    assert_eq!(got, id(42));
-    assert_eq!(rank_1.join().unwrap().unwrap(), id(42));
-    let warnings = warnings.all();
-    assert!(
-        warnings.iter().any(
-            |warning| warning.contains(&format!("peer=127.0.0.1:{port}"))
-                && warning.contains("did not prove that it knows the job token")
-        ),
-        "{warnings:#?}"
+    let started = Instant::now();
+    let error = fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(
+        fake.join().unwrap(),
+        b"BSIDXno\n",
+        "the rank sent no proof, only that the challenge failed"
     );
+    assert!(
+        matches!(&error, ExchangeError::Unauthenticated { peer, .. } if *peer == format!("127.0.0.1:{port}")),
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("did not prove that it knows the job token"),
+        "{error}"
+    );
+    let rank_0 = thread::spawn(move || {
+        rank(port, 0, 2)
+            .with_token(TOKEN)
+            .exchange(|| Ok::<_, std::io::Error>(id(42)))
+    });
+    assert_eq!(fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap(), id(42));
+    assert_eq!(rank_0.join().unwrap().unwrap(), id(42));
 }
 
 #[test]
-fn a_process_posing_as_rank_0_is_dropped_and_the_job_still_forms() {
-    // The impostor holds the port first, with a token of its own and another Id; the rank drops
-    // it, and gets the real Id once the real rank 0 listens.
+fn a_process_posing_as_rank_0_gets_nothing_and_the_rank_stops_at_once() {
+    // The impostor holds the port first, with a token of its own and another Id: the rank
+    // takes nothing from it and stops at once, with an error naming the variable, and the
+    // impostor learns only that its proof failed. The job forms once the real rank 0 listens.
     let port = free_port();
-    let impostor = thread::spawn(move || {
+    let (impostor, impostor_warnings) = spawn_recorded(
         rank(port, 0, 2)
             .with_token("not the job's")
-            .with_timeout(Duration::from_millis(600))
-            .exchange(|| Ok::<_, std::io::Error>(id(66)))
-    });
+            .with_timeout(Duration::from_millis(600)),
+        66,
+    );
     thread::sleep(Duration::from_millis(100));
-    let (rank_1, warnings) = spawn_recorded(rank(port, 1, 2).with_token(TOKEN), 0);
+    let started = Instant::now();
+    let error = fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap_err();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(
+        matches!(&error, ExchangeError::Unauthenticated { peer, .. } if *peer == format!("127.0.0.1:{port}")),
+        "{error}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("did not prove that it knows the job token")
+            && message.contains("BATCH_SIZE_EXCHANGE_TOKEN")
+            && message.contains("took nothing from it"),
+        "{message}"
+    );
     let impostor_error = impostor.join().unwrap().unwrap_err();
     assert!(
         matches!(impostor_error, ExchangeError::Timeout { rank: 0, .. }),
         "{impostor_error}"
     );
-    let got = rank(port, 0, 2)
-        .with_token(TOKEN)
-        .exchange(|| Ok::<_, std::io::Error>(id(42)))
-        .unwrap();
-    assert_eq!(rank_1.join().unwrap().unwrap(), got);
-    assert!(warnings
-        .all()
-        .iter()
-        .any(|warning| warning.contains("did not prove that it knows the job token")));
+    assert!(
+        impostor_warnings
+            .all()
+            .iter()
+            .any(|warning| warning.contains("rejected rank 0's proof of the job token")),
+        "{:#?}",
+        impostor_warnings.all()
+    );
+    let rank_0 = thread::spawn(move || {
+        rank(port, 0, 2)
+            .with_token(TOKEN)
+            .exchange(|| Ok::<_, std::io::Error>(id(42)))
+    });
+    assert_eq!(fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap(), id(42));
+    assert_eq!(rank_0.join().unwrap().unwrap(), id(42));
+}
+
+#[test]
+fn a_refusal_from_an_unproven_peer_is_never_shown_as_rank_0s() {
+    // A process on rank 0's port refuses with advice of its own: with a token the rank shows
+    // none of it; without one (nothing can be proved) it shows it quoted, as the peer's, not
+    // rank 0's.
+    const ADVICE: &str = "rank 0 says: set BATCH_SIZE_EXCHANGE_TOKEN=evil";
+    let refusing = |hello: usize| {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake = thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let _hello = read_n(&mut stream, hello);
+            stream
+                .write_all(format!("BSIDXno\n{ADVICE}\n").as_bytes())
+                .unwrap();
+        });
+        (port, fake)
+    };
+
+    let (port, fake) = refusing(HELLO);
+    let error = fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap_err();
+    fake.join().unwrap();
+    assert!(
+        matches!(&error, ExchangeError::Unauthenticated { peer, .. } if *peer == format!("127.0.0.1:{port}")),
+        "{error}"
+    );
+    let message = error.to_string();
+    assert!(!message.contains("evil"), "{message}");
+    assert!(!message.contains("rank 0 at"), "{message}");
+    assert!(
+        message.starts_with(&format!(
+            "127.0.0.1:{port} refused this rank before proving"
+        )),
+        "{message}"
+    );
+
+    let (port, fake) = refusing(8 + 4);
+    let error = fetch(rank(port, 1, 2)).unwrap_err();
+    fake.join().unwrap();
+    assert!(
+        matches!(&error, ExchangeError::UnprovenRefusal { said, .. } if said == ADVICE),
+        "{error}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.starts_with(&format!(
+            "the peer at 127.0.0.1:{port} refused this rank, but nothing proves that it is rank 0"
+        )),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("{ADVICE:?}")),
+        "quoted: {message}"
+    );
+    assert!(!message.contains("rank 0 at"), "{message}");
+}
+
+#[test]
+fn a_rank_whose_proof_rank_0_rejects_is_told_at_once() {
+    // A proxy changes one bit of the rank's proof: rank 0 (which proved itself) refuses it at
+    // once and says why, in words the rank shows as rank 0's; the rank stops, long before its
+    // timeout of 10 s. The real rank then joins directly.
+    let port = free_port();
+    let (rank_0, warnings) = spawn_recorded(rank(port, 0, 2).with_token(TOKEN), 42);
+    let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_port = proxy.local_addr().unwrap().port();
+    let tamperer = thread::spawn(move || {
+        let (mut from_rank, _) = proxy.accept().unwrap();
+        let mut to_rank_0 = connect(port);
+        to_rank_0.write_all(&read_n(&mut from_rank, HELLO)).unwrap();
+        from_rank
+            .write_all(&read_n(&mut to_rank_0, CHALLENGE))
+            .unwrap();
+        let mut proof = read_n(&mut from_rank, PROOF);
+        proof[0] ^= 1;
+        to_rank_0.write_all(&proof).unwrap();
+        let mut answer = Vec::new();
+        to_rank_0.read_to_end(&mut answer).unwrap();
+        from_rank.write_all(&answer).unwrap();
+    });
+    let started = Instant::now();
+    let error = fetch(rank(proxy_port, 1, 2).with_token(TOKEN)).unwrap_err();
+    let took = started.elapsed();
+    tamperer.join().unwrap();
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(
+        matches!(&error, ExchangeError::Refused { peer, .. } if *peer == format!("127.0.0.1:{proxy_port}")),
+        "{error}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.starts_with(&format!(
+            "rank 0 at 127.0.0.1:{proxy_port} refused this rank: this rank's proof does not \
+             match rank 0's job token"
+        )) && message.contains("BATCH_SIZE_EXCHANGE_TOKEN"),
+        "{message}"
+    );
+    assert_eq!(fetch(rank(port, 1, 2).with_token(TOKEN)).unwrap(), id(42));
+    assert_eq!(rank_0.join().unwrap().unwrap(), id(42));
+    assert!(
+        warnings
+            .all()
+            .iter()
+            .any(|warning| warning.contains("did not prove that it knows the job token")),
+        "{:#?}",
+        warnings.all()
+    );
 }
 
 /// Rank 0 and two ranks, after `silent` connections that never say a word; returns how long

@@ -5,7 +5,8 @@
 //! the Id over TCP.
 //!
 //! Rank 0 creates the Id (`ncclGetUniqueId`); the others receive the same bytes. Nothing here
-//! depends on NCCL: it moves 128 bytes, and never waits longer than its timeout.
+//! depends on NCCL: it moves 128 bytes, and returns by its timeout whatever a peer sends or how
+//! slowly (see [Time limits](self#time-limits)).
 //!
 //! ```
 //! use std::thread;
@@ -41,9 +42,25 @@
 //! on every rank. Rank 0 and each rank then prove to each other that they know it, without
 //! sending it: each side sends a fresh random nonce, and answers with an HMAC-SHA-256 of both
 //! nonces and the rank under the token; a rank checks rank 0's answer before it trusts anything,
-//! and the Id travels masked and tagged under the same key. A peer that fails (another token, no
-//! token, an answer recorded from an earlier connection, a process posing as rank 0) is dropped
-//! with a WARN naming its address, and the exchange goes on.
+//! and the Id travels masked and tagged under the same key.
+//!
+//! Rank 0 drops a peer that fails (another token, no token, an answer recorded from an earlier
+//! connection) with a WARN naming its address, tells it so at once (it learns nothing it did
+//! not know: that its proof failed), and goes on serving the others. A rank that meets a peer
+//! which does not prove the token (rank 0 with another token or none, a process posing as rank
+//! 0) takes nothing from it, sends it no proof of its own, only that its proof failed (so a
+//! rank 0 with another token logs why at once), and stops with
+//! [`ExchangeError::Unauthenticated`] naming [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE): it
+//! does not try again until its timeout, since another token is a setting that no retry
+//! mends. The price: a process that answers on rank 0's port before rank 0 can end a rank's
+//! exchange early, which it could do anyway by keeping the port; it never gets the Id nor
+//! gives a wrong one.
+//!
+//! A refusal is shown in rank 0's words ([`ExchangeError::Refused`]) only once rank 0 has
+//! proved the token. Before that, with a token, its words are not shown at all
+//! ([`ExchangeError::Unauthenticated`] lists the likely causes in this crate's own words);
+//! without a token, where nothing can be proved, they are quoted as the peer's, marked
+//! unverified ([`ExchangeError::UnprovenRefusal`]).
 //!
 //! Without a token, the exchange works as before: on one machine (`MASTER_ADDR` a loopback
 //! address) rank 0 listens on loopback only; on any other address it logs one WARN, since any
@@ -65,6 +82,26 @@
 //! [`CONNECTION_PATIENCE`] at most, and holds [`MAX_HELD_CONNECTIONS`] at once (a new one
 //! closes the one held longest).
 //!
+//! # Time limits
+//! Each limit is a deadline over every read and write it covers, not a limit per read: the
+//! socket's timeout is set from the time left before each one, so a peer that sends one byte
+//! at a time, just often enough, gains nothing.
+//!
+//! - **The exchange** ([`with_timeout`](IdExchange::with_timeout), 120 s by default): a rank
+//!   returns by it, and so does rank 0, closing every connection it still holds. Over by a few
+//!   milliseconds at most (the accept loop's pause of 2 ms, a socket's timer); the tests measure
+//!   1.50 to 1.53 s for 1.5 s against peers trickling a byte every 400 ms.
+//! - **One connection** ([`CONNECTION_PATIENCE`], 5 s, or
+//!   [`with_connection_patience`](IdExchange::with_connection_patience)): rank 0 closes a
+//!   connection that long after accepting it; a rank gives up a try that long after it began,
+//!   connecting included, and tries again while its timeout lasts. Both end with the exchange
+//!   at the latest.
+//! - **Not bounded here:** resolving `MASTER_ADDR` (the system's resolver decides how long),
+//!   and rank 0's `create`.
+//!
+//! When `accept` fails (out of file descriptors, say), rank 0 pauses before the next try, from
+//! 10 ms doubling to 1 s (never past its deadline), and logs each kind of error once.
+//!
 //! With a file, rank 0 creates it readable and writable by its owner only (0600 on unix), but
 //! the folder must not be writable by others: whoever can write there can replace the Id.
 
@@ -77,8 +114,9 @@ use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, T
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use super::deadline::{self, Deadline};
 use super::handshake::{self, Failure};
 use super::token::{self, JobToken, Keyed};
 
@@ -103,6 +141,7 @@ pub struct IdExchange {
     world_size: usize,
     local_rank: usize,
     timeout: Duration,
+    patience: Duration,
     token: Option<JobToken>,
 }
 
@@ -131,6 +170,7 @@ impl IdExchange {
             world_size,
             local_rank: rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
             token: None,
         }
     }
@@ -163,6 +203,7 @@ impl IdExchange {
             world_size,
             local_rank: rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
             token: None,
         }
     }
@@ -259,6 +300,7 @@ impl IdExchange {
             world_size,
             local_rank,
             timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
             token: lookup(TOKEN_VARIABLE)
                 .filter(|value| !value.is_empty())
                 .map(JobToken::new),
@@ -284,6 +326,24 @@ impl IdExchange {
     /// ```
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// How long one connection may last over TCP (default [`CONNECTION_PATIENCE`], 5 s),
+    /// whatever the peer sends and however slowly: rank 0 closes a connection this long after
+    /// accepting it, and a rank gives up a try this long after it began, then tries again
+    /// while its timeout lasts. Longer for links slow to answer; never longer than the
+    /// exchange's timeout, which ends every connection too. A zero is taken as 1 ms.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use batch_size_runtime::agree::IdExchange;
+    /// let exchange = IdExchange::tcp("10.0.0.1", 29500, 1, 4)
+    ///     .with_connection_patience(Duration::from_secs(10));
+    /// # let _ = exchange;
+    /// ```
+    pub fn with_connection_patience(mut self, patience: Duration) -> Self {
+        self.patience = patience.max(Duration::from_millis(1));
         self
     }
 
@@ -395,7 +455,7 @@ impl IdExchange {
 
     /// Waits for rank 0's file.
     fn read_file(&self, path: &Path) -> Result<[u8; ID_BYTES], ExchangeError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
         loop {
             match fs::read_to_string(path) {
                 Ok(text) => return parse_hex(&text, path),
@@ -407,19 +467,22 @@ impl IdExchange {
                     })
                 }
             }
-            if Instant::now() >= deadline {
+            if deadline.passed() {
                 return Err(self.timeout_error(format!(
                     "rank 0 to write the Id to {}: is rank 0 running, with the same path?",
                     path.display()
                 )));
             }
-            thread::sleep(Duration::from_millis(10));
+            thread::sleep(Duration::from_millis(10).min(deadline.left()));
         }
     }
 
     /// Rank 0: hands the Id to every other rank, then closes the port. Each connection is
-    /// served on its own thread with its own short deadline, so that a silent or slow peer
-    /// costs the ranks nothing; at most [`MAX_HELD_CONNECTIONS`] are held at once.
+    /// served on its own thread with its own deadline (the patience after it was accepted, the
+    /// exchange's at the latest), so that a silent, slow or trickling peer costs the ranks
+    /// nothing; at most [`MAX_HELD_CONNECTIONS`] are held at once. Returns by the exchange's
+    /// deadline (give or take a pause of the accept loop, 2 ms, or of a failing accept, 1 s at
+    /// most but never past the deadline).
     fn serve(&self, host: &str, port: u16, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
         let address = listen_address(host);
         let listener = TcpListener::bind((address, port)).map_err(|source| ExchangeError::Io {
@@ -459,7 +522,8 @@ impl IdExchange {
             token = self.token.is_some(),
             "waiting for the ranks to fetch the Id"
         );
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
+        let mut trouble = AcceptTrouble::default();
         let (report, reports) = mpsc::channel();
         // The connections being served, oldest first, to close when too many are held or when
         // the exchange is over.
@@ -488,7 +552,7 @@ impl IdExchange {
                 break Ok(());
             }
             // Checked before accepting: a flood of connections cannot keep rank 0 past it.
-            if Instant::now() >= deadline {
+            if deadline.passed() {
                 let missing: Vec<String> = served
                     .iter()
                     .enumerate()
@@ -518,9 +582,19 @@ impl IdExchange {
                             );
                         }
                     }
+                    trouble.recovered();
                     let connection = accepted;
                     accepted += 1;
-                    match spawn_hand_over(stream, peer, connection, &serving, &report) {
+                    // From the accept: a peer's time does not start when its thread does.
+                    let until = Deadline::after(self.patience).min(deadline);
+                    let patience = self.patience;
+                    let hand_over = HandOver {
+                        connection,
+                        peer,
+                        deadline: until,
+                        patience,
+                    };
+                    match spawn_hand_over(stream, hand_over, &serving, &report) {
                         Ok(stream) => {
                             held.insert(connection, stream);
                         }
@@ -529,11 +603,12 @@ impl IdExchange {
                     // No pause: others may be waiting in the backlog.
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                    thread::sleep(Duration::from_millis(2))
+                    thread::sleep(Duration::from_millis(2).min(deadline.left()))
                 }
-                Err(error) => tracing::warn!("accepting a rank: {error}"),
+                Err(error) => thread::sleep(trouble.failed(&error).min(deadline.left())),
             }
         };
+        trouble.summarize(port);
         // Whoever is still connected (a stranger, a rank asking twice) is done with.
         for stream in held.values() {
             let _ = stream.shutdown(Shutdown::Both);
@@ -541,12 +616,19 @@ impl IdExchange {
         outcome
     }
 
-    /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id. With a
-    /// token, every failure of the peer (one that does not prove it knows the token, a
-    /// refusal) is a WARN and another try until the timeout: a process posing as rank 0 cannot
-    /// end the exchange.
+    /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id. Each
+    /// try has its own deadline (the patience, the exchange's deadline at the latest) over all
+    /// its reads and writes, connecting included: the exchange ends by its timeout whatever a
+    /// peer sends, or how slowly.
+    ///
+    /// A try that fails on the way (nobody listens yet, the connection closed or ran out of
+    /// time) is tried again. A peer that answers wrong is an error at once, with a token too:
+    /// one that does not prove the token fails the same way on every try (another token on
+    /// rank 0 is a setting, not a passing fault), so waiting for the timeout would only delay
+    /// the error, with a WARN a second. A process posing as rank 0 can end a rank's exchange
+    /// so, as it could by keeping rank 0's port; it never gets the Id or gives a wrong one.
     fn fetch(&self, host: &str, port: u16) -> Result<[u8; ID_BYTES], ExchangeError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Deadline::after(self.timeout);
         let peer = format!("{host}:{port}");
         let key = match &self.token {
             Some(token) => Some(token.keyed().map_err(|source| ExchangeError::Io {
@@ -556,14 +638,9 @@ impl IdExchange {
             None => None,
         };
         let mut last_error = None;
-        let mut last_refusal = None;
-        let mut pause = Duration::from_millis(20);
+        let pause = Duration::from_millis(20);
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                if let Some(refusal) = last_refusal {
-                    return Err(refusal);
-                }
+            if deadline.passed() {
                 let why = last_error.map(|error: io::Error| format!(" (last: {error})"));
                 return Err(self.timeout_error(format!(
                     "rank 0 at {peer} to hand over the Id{}: is rank 0 running, and is \
@@ -571,31 +648,80 @@ impl IdExchange {
                     why.unwrap_or_default()
                 )));
             }
-            match connect(host, port, left.min(Duration::from_secs(2))) {
+            let attempt = Deadline::after(self.patience).min(deadline);
+            match connect(host, port, attempt.left()) {
                 Ok(stream) => {
-                    let patience = left.min(CONNECTION_PATIENCE);
-                    match handshake::receive(stream, self.rank, key.as_ref(), patience, &peer) {
+                    match handshake::receive(stream, self.rank, key.as_ref(), attempt, &peer) {
                         Ok(id) => return Ok(id),
-                        Err(Failure::Io(error)) => last_error = Some(error),
-                        Err(Failure::Peer(error)) if key.is_none() => return Err(error),
-                        Err(Failure::Peer(error)) => {
-                            tracing::warn!(
-                                rank = self.rank,
-                                %peer,
-                                "{error}; dropped it, trying again until the timeout"
-                            );
-                            last_refusal = Some(error);
-                            // A peer that answers wrong answers at once: no need to ask it
-                            // fifty times a second.
-                            pause = (pause * 2)
-                                .clamp(Duration::from_millis(100), Duration::from_secs(1));
+                        // "Resource temporarily unavailable" would say nothing of a peer
+                        // too slow for the try's deadline.
+                        Err(Failure::Io(error)) if deadline::is_timeout(&error) => {
+                            last_error = Some(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                format!(
+                                    "it did not finish a try within {:?}",
+                                    self.patience.min(self.timeout)
+                                ),
+                            ))
                         }
-                        Err(Failure::Local(error)) => return Err(error),
+                        Err(Failure::Io(error)) => last_error = Some(error),
+                        Err(Failure::Peer(error) | Failure::Local(error)) => return Err(error),
                     }
                 }
                 Err(error) => last_error = Some(error),
             }
-            thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            thread::sleep(pause.min(deadline.left()));
+        }
+    }
+}
+
+/// What rank 0 does about `accept` failing (out of file descriptors, say): each kind of error
+/// is logged once, not once per try, and the pause between tries grows from 10 ms to 1 s, so a
+/// lasting failure neither spins the loop nor floods the log.
+#[derive(Debug, Default)]
+struct AcceptTrouble {
+    pause: Duration,
+    seen: Vec<io::ErrorKind>,
+    failures: u64,
+}
+
+impl AcceptTrouble {
+    const FIRST_PAUSE: Duration = Duration::from_millis(10);
+    const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+
+    /// Logs `error` if its kind is new, and returns how long to pause before the next try.
+    fn failed(&mut self, error: &io::Error) -> Duration {
+        self.failures += 1;
+        if !self.seen.contains(&error.kind()) {
+            self.seen.push(error.kind());
+            tracing::warn!(
+                kind = ?error.kind(),
+                %error,
+                "rank 0 could not accept a connection; trying again with pauses growing to \
+                 {:?} (logged once for this kind of error; if it lasts, raise the limit on \
+                 open files, ulimit -n)",
+                Self::LONGEST_PAUSE
+            );
+        }
+        self.pause = (self.pause * 2).clamp(Self::FIRST_PAUSE, Self::LONGEST_PAUSE);
+        self.pause
+    }
+
+    /// A connection came: the next failure pauses briefly again (its kind is still not logged
+    /// twice).
+    fn recovered(&mut self) {
+        self.pause = Duration::ZERO;
+    }
+
+    /// One line at the end for the failures not logged one by one.
+    fn summarize(&self, port: u16) {
+        if self.failures > 0 {
+            tracing::debug!(
+                port,
+                failures = self.failures,
+                kinds = ?self.seen,
+                "accepting connections failed during the exchange"
+            );
         }
     }
 }
@@ -632,11 +758,18 @@ struct Served {
     outcome: Result<usize, String>,
 }
 
+/// One accepted connection: its number, its peer, and when it must be over.
+struct HandOver {
+    connection: u64,
+    peer: SocketAddr,
+    deadline: Deadline,
+    patience: Duration,
+}
+
 /// Serves one connection on a thread of its own; returns a handle to close it early with.
 fn spawn_hand_over(
     stream: TcpStream,
-    peer: SocketAddr,
-    connection: u64,
+    hand_over: HandOver,
     serving: &Arc<Serving>,
     report: &mpsc::Sender<Served>,
 ) -> io::Result<TcpStream> {
@@ -652,12 +785,13 @@ fn spawn_hand_over(
                 &serving.id,
                 serving.world_size,
                 serving.key.as_ref(),
-                CONNECTION_PATIENCE,
+                hand_over.deadline,
+                hand_over.patience,
             );
             // Rank 0 may be gone (timed out): nobody to tell.
             let _ = report.send(Served {
-                connection,
-                peer,
+                connection: hand_over.connection,
+                peer: hand_over.peer,
                 outcome,
             });
         })?;
@@ -755,4 +889,33 @@ fn parse_hex(text: &str, path: &Path) -> Result<[u8; ID_BYTES], ExchangeError> {
         }
     }
     Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failing_accepts_pause_longer_and_longer_and_log_each_kind_once() {
+        let mut trouble = AcceptTrouble::default();
+        let out_of_files = io::Error::from_raw_os_error(24); // EMFILE
+        let pauses: Vec<Duration> = (0..10).map(|_| trouble.failed(&out_of_files)).collect();
+        let millis: Vec<u128> = pauses.iter().map(Duration::as_millis).collect();
+        assert_eq!(
+            millis,
+            [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000],
+            "growing, bounded"
+        );
+        assert_eq!(trouble.seen.len(), 1, "one kind, logged once");
+        trouble.failed(&io::Error::from(io::ErrorKind::ConnectionAborted));
+        assert_eq!(trouble.seen.len(), 2, "a new kind is logged");
+        trouble.recovered();
+        assert_eq!(trouble.failed(&out_of_files), Duration::from_millis(10));
+        assert_eq!(
+            trouble.seen.len(),
+            2,
+            "a kind seen before is not logged again"
+        );
+        assert_eq!(trouble.failures, 12);
+    }
 }

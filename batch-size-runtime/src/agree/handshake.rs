@@ -11,12 +11,20 @@
 //! rank 0 -> rank  : BSIDXv1\n, the Id masked, its tag               (the rank checks the tag)
 //! ```
 //!
-//! Rank 0 answers a rank it will not serve with `BSIDXno\n` and a line saying why.
+//! Rank 0 answers a rank it will not serve with `BSIDXno\n` and a line saying why; a rank
+//! whose check of rank 0's proof fails sends `BSIDXno\n` alone instead of its own proof, so that
+//! a rank 0 with another token learns why at once and a process posing as rank 0 learns nothing
+//! it did not know. A rank shows a refusal's words as rank 0's only once rank 0 has proved the
+//! token (see `Proven`).
+//!
+//! Both sides read and write through a [`Bounded`] stream: one deadline for the whole
+//! connection, not a limit per read that a peer trickling bytes could renew forever.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::Duration;
 
+use super::deadline::{self, Bounded, Deadline};
 use super::token::{self, Keyed, Session, NONCE_BYTES, PROOF_BYTES, SEALED_BYTES};
 use super::wire::{
     ExchangeError, ID_BYTES, MAGIC, MAGIC_TOKEN, MAX_REASON_BYTES, REFUSED, TOKEN_VARIABLE,
@@ -25,35 +33,38 @@ use super::wire::{
 /// Why a try of a rank failed.
 #[derive(Debug)]
 pub(crate) enum Failure {
-    /// The connection failed, or closed with no answer: try again.
+    /// The connection failed, closed with no answer, or ran past the try's deadline: try again.
     Io(io::Error),
-    /// The peer answered wrong or refused: an error at once without a token; with one, a WARN
-    /// and another try (a process posing as rank 0 must not end the exchange).
+    /// The peer answered wrong, refused, or did not prove the job token: an error at once (see
+    /// `fetch` for why a rank does not try again).
     Peer(ExchangeError),
     /// This rank cannot go on (no random numbers): an error at once.
     Local(ExchangeError),
 }
 
 /// Rank 0's side of one connection: checks the greeting (and with a token, proves itself and
-/// checks the peer's proof), sends the Id; returns the rank, or why the peer was dropped.
+/// checks the peer's proof), sends the Id; returns the rank, or why the peer was dropped. Every
+/// read and write ends by `deadline` (`patience` after the connection was accepted, at most),
+/// however slowly the peer sends.
 pub(crate) fn hand_over(
-    mut stream: TcpStream,
+    stream: TcpStream,
     id: &[u8; ID_BYTES],
     world_size: usize,
     key: Option<&Keyed>,
+    deadline: Deadline,
     patience: Duration,
 ) -> Result<usize, String> {
-    let io = |error: io::Error| match error.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+    let io = |error: io::Error| {
+        if deadline::is_timeout(&error) {
             format!("it did not finish the exchange within {patience:?}")
+        } else if error.kind() == io::ErrorKind::UnexpectedEof {
+            "it closed the connection half-way".to_owned()
+        } else {
+            error.to_string()
         }
-        io::ErrorKind::UnexpectedEof => "it closed the connection half-way".to_owned(),
-        _ => error.to_string(),
     };
-    let patience = Some(patience.max(Duration::from_millis(1)));
     stream.set_nonblocking(false).map_err(io)?;
-    stream.set_read_timeout(patience).map_err(io)?;
-    stream.set_write_timeout(patience).map_err(io)?;
+    let mut stream = Bounded::new(&stream, deadline);
     let mut magic = [0u8; MAGIC.len()];
     stream.read_exact(&mut magic).map_err(io)?;
     let with_token = match &magic {
@@ -80,7 +91,7 @@ pub(crate) fn hand_over(
             answer.extend_from_slice(MAGIC);
             answer.extend_from_slice(id);
             stream.write_all(&answer).map_err(io)?;
-            let _ = stream.shutdown(Shutdown::Write);
+            close_write(&stream);
             return Ok(rank);
         }
         (false, Some(_)) => {
@@ -121,17 +132,23 @@ pub(crate) fn hand_over(
     challenge.extend_from_slice(&key.rank_0_proof(&session));
     stream.write_all(&challenge).map_err(io)?;
     let mut proof = [0u8; PROOF_BYTES];
-    stream.read_exact(&mut proof).map_err(|error| {
-        if error.kind() == io::ErrorKind::UnexpectedEof {
-            format!(
-                "rank {rank} closed the connection instead of proving that it knows the job \
-                 token (it may hold another one: is {TOKEN_VARIABLE} the same on every rank?)"
-            )
-        } else {
-            io(error)
+    let got = read_up_to(&mut stream, &mut proof).map_err(io)?;
+    if got < PROOF_BYTES {
+        // A rank that found rank 0's proof wrong says so (the refusal's magic, then the end)
+        // instead of proving itself: its token is another one.
+        if proof[..got] == REFUSED[..] {
+            return Err(format!(
+                "rank {rank} rejected rank 0's proof of the job token: it holds another token \
+                 (is {TOKEN_VARIABLE} the same on every rank?)"
+            ));
         }
-    })?;
+        return Err(format!(
+            "rank {rank} closed the connection instead of proving that it knows the job \
+             token (it may hold another one: is {TOKEN_VARIABLE} the same on every rank?)"
+        ));
+    }
     if !key.is_rank_proof(&session, &proof) {
+        // Told at once, and nothing a peer without the token did not know: its proof failed.
         refuse(
             &mut stream,
             &format!(
@@ -148,38 +165,67 @@ pub(crate) fn hand_over(
     answer.extend_from_slice(MAGIC);
     answer.extend_from_slice(&key.seal(&session, id));
     stream.write_all(&answer).map_err(io)?;
-    let _ = stream.shutdown(Shutdown::Write);
+    close_write(&stream);
     Ok(rank)
 }
 
-/// Tells the peer why it gets nothing, as far as it listens.
-fn refuse(stream: &mut TcpStream, why: &str) {
+/// Fills `buffer` until it is full or the peer ends the stream; returns how much came.
+fn read_up_to(stream: &mut impl Read, buffer: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buffer.len() {
+        match stream.read(&mut buffer[filled..]) {
+            Ok(0) => break,
+            Ok(read) => filled += read,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(filled)
+}
+
+/// Says "no more from this side", so the peer reads the end at once.
+fn close_write(stream: &Bounded<'_>) {
+    let _ = stream.stream().shutdown(Shutdown::Write);
+}
+
+/// Tells the peer why it gets nothing, as far as it listens (until the connection's deadline).
+fn refuse(stream: &mut Bounded<'_>, why: &str) {
     let mut answer = Vec::with_capacity(REFUSED.len() + why.len() + 1);
     answer.extend_from_slice(REFUSED);
     answer.extend_from_slice(why.as_bytes());
     answer.push(b'\n');
     let _ = stream.write_all(&answer);
-    let _ = stream.shutdown(Shutdown::Write);
+    close_write(stream);
+}
+
+/// Whether the peer has proved that it is rank 0 when its answer comes: what its words are
+/// worth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Proven {
+    /// No job token: nothing can be proved; its words are shown, marked unverified.
+    NoToken,
+    /// A token, and the peer has not proved it yet: its words are not shown.
+    NotYet,
+    /// The peer proved that it knows the token: it is rank 0, its words are rank 0's.
+    Yes,
 }
 
 /// A rank's side of one connection: greets (and with a token, checks rank 0's proof and proves
-/// itself), reads the Id.
+/// itself), reads the Id. Every read and write ends by `deadline`, the try's.
 pub(crate) fn receive(
-    mut stream: TcpStream,
+    stream: TcpStream,
     rank: usize,
     key: Option<&Keyed>,
-    patience: Duration,
+    deadline: Deadline,
     peer: &str,
 ) -> Result<[u8; ID_BYTES], Failure> {
-    let patience = Some(patience.max(Duration::from_millis(1)));
-    stream.set_read_timeout(patience).map_err(Failure::Io)?;
-    stream.set_write_timeout(patience).map_err(Failure::Io)?;
     let rank = u32::try_from(rank).map_err(|_| {
         Failure::Local(ExchangeError::Malformed {
             from: peer.to_owned(),
             why: format!("rank {rank} is too large"),
         })
     })?;
+    let mut stream = Bounded::new(&stream, deadline);
     let malformed = |why: &str| {
         Failure::Peer(ExchangeError::Malformed {
             from: peer.to_owned(),
@@ -199,7 +245,7 @@ pub(crate) fn receive(
         stream.write_all(&greeting).map_err(Failure::Io)?;
         // The greeting is checked as soon as it is in: another service that answers something
         // and keeps the connection open is told apart at once, not at the timeout.
-        expect(&mut stream, MAGIC, peer)?;
+        expect(&mut stream, MAGIC, peer, Proven::NoToken)?;
         let mut id = [0u8; ID_BYTES];
         read(&mut stream, &mut id, || {
             malformed("it closed the connection before the whole Id")
@@ -217,7 +263,7 @@ pub(crate) fn receive(
     greeting.extend_from_slice(&rank.to_le_bytes());
     greeting.extend_from_slice(&session_nonce);
     stream.write_all(&greeting).map_err(Failure::Io)?;
-    expect(&mut stream, MAGIC_TOKEN, peer)?;
+    expect(&mut stream, MAGIC_TOKEN, peer, Proven::NotYet)?;
     let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
     read(&mut stream, &mut challenge, || {
         malformed("it closed the connection before the whole challenge")
@@ -231,16 +277,22 @@ pub(crate) fn receive(
         .rank_0_nonce
         .copy_from_slice(&challenge[..NONCE_BYTES]);
     if !key.is_rank_0_proof(&session, &challenge[NONCE_BYTES..]) {
+        // Rank 0 is told that its proof failed, and no more: the refusal's magic, not this
+        // rank's proof. A real rank 0 with another token learns at once why this rank leaves;
+        // a process posing as rank 0 learns what it knew (it does not know the token).
+        let _ = stream.write_all(REFUSED);
+        close_write(&stream);
         return Err(unauthenticated(format!(
             "did not prove that it knows the job token: either {TOKEN_VARIABLE} differs between \
              this rank and rank 0 (it must be the same secret on every rank), or a process \
-             other than rank 0 answers on this port"
+             other than rank 0 answers on this port. This rank sent it nothing it could use, \
+             took nothing from it, and stops rather than wait for its timeout"
         )));
     }
     stream
         .write_all(&key.rank_proof(&session))
         .map_err(Failure::Io)?;
-    expect(&mut stream, MAGIC, peer)?;
+    expect(&mut stream, MAGIC, peer, Proven::Yes)?;
     let mut sealed = [0u8; SEALED_BYTES];
     read(&mut stream, &mut sealed, || {
         malformed("it closed the connection before the whole Id")
@@ -254,7 +306,7 @@ pub(crate) fn receive(
 
 /// Reads `buffer` whole; an end of stream is `short()`.
 fn read(
-    stream: &mut TcpStream,
+    stream: &mut Bounded<'_>,
     buffer: &mut [u8],
     short: impl FnOnce() -> Failure,
 ) -> Result<(), Failure> {
@@ -264,8 +316,14 @@ fn read(
     }
 }
 
-/// Reads the next 8 bytes, which must be `magic`; a refusal comes back with rank 0's reason.
-fn expect(stream: &mut TcpStream, magic: &[u8; 8], peer: &str) -> Result<(), Failure> {
+/// Reads the next 8 bytes, which must be `magic`. A refusal comes back with the peer's reason
+/// as rank 0's words only once the peer has proved that it is rank 0 (`proven`).
+fn expect(
+    stream: &mut Bounded<'_>,
+    magic: &[u8; 8],
+    peer: &str,
+    proven: Proven,
+) -> Result<(), Failure> {
     let mut got = [0u8; 8];
     match stream.read_exact(&mut got) {
         Ok(()) => {}
@@ -282,6 +340,21 @@ fn expect(stream: &mut TcpStream, magic: &[u8; 8], peer: &str) -> Result<(), Fai
         return Ok(());
     }
     if &got == REFUSED {
+        if proven == Proven::NotYet {
+            // Words from a peer that has not proved the token are not shown at all: they
+            // could be anyone's, and advice in them could be an attacker's.
+            return Err(Failure::Peer(ExchangeError::Unauthenticated {
+                peer: peer.to_owned(),
+                why: format!(
+                    "refused this rank before proving that it knows the job token, so its \
+                     reason is not trusted and not shown: either rank 0 runs with no \
+                     {TOKEN_VARIABLE}, or with another RANK or WORLD_SIZE than this rank, or a \
+                     process other than rank 0 answers on this port. Set {TOKEN_VARIABLE} to \
+                     the same secret on every rank, rank 0 included"
+                ),
+            }));
+        }
+        // Bounded by the try's deadline too: a reason trickled byte by byte ends with it.
         let mut reason = Vec::new();
         let _ = stream.take(MAX_REASON_BYTES).read_to_end(&mut reason);
         // The peer's words go into logs and errors: no control characters.
@@ -289,9 +362,15 @@ fn expect(stream: &mut TcpStream, magic: &[u8; 8], peer: &str) -> Result<(), Fai
             .chars()
             .filter(|character| !character.is_control())
             .collect();
-        return Err(Failure::Peer(ExchangeError::Refused {
-            peer: peer.to_owned(),
-            why,
+        return Err(Failure::Peer(match proven {
+            Proven::Yes => ExchangeError::Refused {
+                peer: peer.to_owned(),
+                why,
+            },
+            Proven::NoToken | Proven::NotYet => ExchangeError::UnprovenRefusal {
+                peer: peer.to_owned(),
+                said: why,
+            },
         }));
     }
     Err(Failure::Peer(ExchangeError::Malformed {

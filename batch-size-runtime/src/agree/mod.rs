@@ -55,6 +55,7 @@ pub mod nccl;
 // One concept a file: the trait, the in-process ranks, the policy wrapper, one round of the
 // protocol, the safe point inside an attempt; the Id exchange and NCCL above.
 mod collective;
+mod deadline;
 mod handshake;
 mod policy;
 mod safe_point;

@@ -28,9 +28,12 @@ pub(crate) const MAX_REASON_BYTES: u64 = 512;
 /// The variable that holds the job token (see [the exchange's Security section](crate::agree::exchange#security)).
 pub const TOKEN_VARIABLE: &str = "BATCH_SIZE_EXCHANGE_TOKEN";
 
-/// How long rank 0 waits for one peer to greet it and answer its challenge, and a rank for rank
-/// 0 to answer one try. Rank 0 serves peers concurrently, so a silent one costs the others
-/// nothing.
+/// How long one connection may last, by default, whatever the peer sends and however slowly:
+/// rank 0 closes a connection this long after accepting it, and a rank gives up a try this long
+/// after it began (connecting included), both by the exchange's own timeout at the latest.
+/// Rank 0 serves peers concurrently, so a silent or trickling one costs the others nothing.
+/// [`IdExchange::with_connection_patience`](crate::agree::IdExchange::with_connection_patience)
+/// chooses another.
 pub const CONNECTION_PATIENCE: Duration = Duration::from_secs(5);
 
 /// How many connections rank 0 holds at once; one more closes the one held longest.
@@ -93,8 +96,8 @@ pub enum ExchangeError {
         /// What was wrong.
         why: String,
     },
-    /// Rank 0 refused this rank and said why (another configuration: a token on one side only,
-    /// a rank outside the job).
+    /// Rank 0 refused this rank and said why, after proving that it knows the job token: only
+    /// then are a peer's words shown as rank 0's.
     #[error("rank 0 at {peer} refused this rank: {why}")]
     Refused {
         /// Rank 0's address.
@@ -102,7 +105,22 @@ pub enum ExchangeError {
         /// Rank 0's reason, and what to check.
         why: String,
     },
-    /// The peer did not prove that it knows the job token (until the timeout, with a token).
+    /// With no job token, the peer at rank 0's address refused this rank (a token on one side
+    /// only, a rank outside the job): nothing proves that it is rank 0, so its words are shown
+    /// as its own, quoted and marked unverified.
+    #[error(
+        "the peer at {peer} refused this rank, but nothing proves that it is rank 0 (only a job \
+         token could), so its words are unverified: {said:?}. If rank 0 runs there, do what \
+         they say; else check MASTER_ADDR and the port"
+    )]
+    UnprovenRefusal {
+        /// The peer's address.
+        peer: String,
+        /// What it said (control characters removed, 512 bytes at most).
+        said: String,
+    },
+    /// The peer did not prove that it knows the job token, or refused before it did (its words
+    /// are not shown): the rank fails at once, without waiting for its timeout.
     #[error("{peer} {why}")]
     Unauthenticated {
         /// The peer's address.
