@@ -170,8 +170,8 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
     },
     OomPattern {
         text: "DefaultCPUAllocator: can't allocate memory",
-        origin: "Accelerate's list: PyTorch's CPU allocator",
-        figures: &[],
+        origin: "Accelerate's list: PyTorch's CPU allocator (c10/core/impl/alloc_cpu.cpp: \"DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)\")",
+        figures: &[at("you tried to allocate ", Figure::Requested)],
     },
     OomPattern {
         text: "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",

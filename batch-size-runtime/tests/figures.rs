@@ -17,6 +17,7 @@ fn examples(pattern: &str) -> &'static [&'static str] {
             "out of device memory allocating 1073741824 bytes",
         ],
         "OutOfMemory { size:" => &["called `Result::unwrap()` on an `Err` value: OutOfMemory { size: 4096 }"],
+        "DefaultCPUAllocator: can't allocate memory" => &["DefaultCPUAllocator: can't allocate memory: you tried to allocate 85899345920 bytes. Error code 12 (Cannot allocate memory)"],
         "can't allocate buffer of size: " => &["can't allocate buffer of size: 1073741824"],
         "HIP out of memory" => &["HIP out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 63.98 GiB of which 1.00 GiB is free."],
         "XPU out of memory" => &["XPU out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.11 GiB of which 1.00 GiB is free."],

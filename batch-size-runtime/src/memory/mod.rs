@@ -28,11 +28,13 @@
 //! ```
 
 mod cuda;
+mod host;
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 pub use cuda::CudaBackend;
+pub use host::{HostLimit, HostLimitKind, HostMemory};
 
 /// A byte count that displays itself the way PyTorch's OOM message does (`2.22 GiB`).
 ///
@@ -391,6 +393,23 @@ impl Release {
         static CUDA: OnceLock<CudaBackend> = OnceLock::new();
         Release {
             backend: Backend::Static(CUDA.get_or_init(CudaBackend::active)),
+            hooks: Vec::new(),
+        }
+    }
+
+    /// The host's memory, for training on the CPU: [`HostMemory`] (the tightest of
+    /// `RLIMIT_AS`, the cgroup's limit and physical memory; `malloc_trim(0)` at each release).
+    /// Not the default: see [`host`](HostMemory#not-the-default).
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::Release;
+    /// let release = Release::host();
+    /// assert_eq!(release.memory_backend().memory().devices.len(), usize::from(cfg!(target_os = "linux")));
+    /// ```
+    pub fn host() -> Self {
+        static HOST: OnceLock<HostMemory> = OnceLock::new();
+        Release {
+            backend: Backend::Static(HOST.get_or_init(HostMemory::new)),
             hooks: Vec::new(),
         }
     }

@@ -44,6 +44,15 @@ use crate::StopReason;
 /// run too. It never returns a size whose own trial did not succeed, and never tries one above
 /// `with_max`.
 ///
+/// # When memory shrinks between trials
+/// A trial that runs out of memory below a size that ran (fragmentation, memory an allocator
+/// kept, another process) means less is free than when the larger one ran: that size is not
+/// kept. Whatever the phase (the margin's trial, the fastest size's), the tuner searches again
+/// below the failure, from the largest size that ran below it, and the next trial's
+/// [`rationale`](crate::Attempt::rationale) (the WARN line's reason) says which size failed
+/// after which ran. The size returned is always below every size that failed, and its trial ran
+/// last.
+///
 /// The fit is a guide, never trusted over a trial: where it has a failed size fitting, or two
 /// of its guesses failed, it is dropped for bisection (a limit that is not the device's memory);
 /// once a failure brackets the limit, a guess that does not halve the bracket is followed by a
@@ -167,8 +176,9 @@ impl Tuned {
         self.largest
     }
 
-    /// The largest size whose trial succeeded; on a rerun from the cache, the largest that
-    /// succeeded when the entry was written.
+    /// The largest size whose trial succeeded below every size that failed (a size that ran
+    /// before a smaller one failed no longer counts); on a rerun from the cache, the largest
+    /// that succeeded when the entry was written.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -456,6 +466,7 @@ impl Tuner {
             misses: 0,
             overshoots: 0,
             guessed_in: None,
+            rationale: None,
             shared: Arc::clone(&shared),
         };
         let mut search = BatchSizeSearch::new(min)
@@ -503,7 +514,7 @@ impl Tuner {
             result
         });
         result?;
-        let ran_largest = report.largest_success().unwrap_or(0);
+        let ran_largest = largest_below_failures(&report).unwrap_or(0);
         let batch_size = report.batch_size().unwrap_or(ran_largest);
         // A rerun from the cache ran one size: what was measured is in the entry.
         let (largest_fit, largest) = match report.cache_hit.map(|hit| hit.largest_fit) {
@@ -621,6 +632,8 @@ struct TunerPolicy {
     /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
     /// Brent's method: two trials at least halve the bracket, whatever the fit says.
     guessed_in: Option<f64>,
+    /// Why the last decision went below a size that had run, when it did.
+    rationale: Option<String>,
     shared: Arc<Shared>,
 }
 
@@ -745,12 +758,14 @@ impl MemoryFit {
 const FLAT_MEMORY_SPAN: usize = 16;
 
 /// The last trial's peak is no higher than that of a size at most 1/16 of it (or the other way
-/// round): the trial's memory does not depend on its size.
+/// round): the trial's memory does not depend on its size. Only trials since the memory last
+/// changed count: a small size run after another process took memory shows its memory too.
 fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
     let last = history.last().filter(|last| last.outcome.is_success())?;
     let (peak, _) = peak_bytes(last)?;
     history
         .attempts()
+        .skip(since_memory_changed(history))
         .filter(|attempt| attempt.outcome.is_success())
         .filter_map(|attempt| Some((attempt.batch_size, peak_bytes(attempt)?.0)))
         .find_map(|(size, other_peak)| {
@@ -811,7 +826,7 @@ impl TunerPolicy {
 
     /// The end of the search for the largest: the margin's size if it has not run yet.
     fn finish(&mut self, history: &SearchReport) -> Decision {
-        let largest = history.largest_success().unwrap_or(0);
+        let largest = largest_below_failures(history).unwrap_or(0);
         let target = kept_size(largest, self.margin, self.min);
         if target == 0 {
             return Decision::Accept;
@@ -898,29 +913,57 @@ impl SizePolicy for TunerPolicy {
         true
     }
 
+    fn rationale(&self) -> Option<String> {
+        self.rationale.clone()
+    }
+
     fn after(&mut self, history: &SearchReport) -> Decision {
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
+        self.rationale = None;
         if let Some(reason) = memory_does_not_grow(history) {
             return Decision::Stop(reason);
+        }
+        if let Some(ran) = ran_above_failure(history, last) {
+            // Less memory than when a larger size ran (fragmentation, memory an allocator
+            // kept, another process): never keep that size; search again below the failure.
+            // The engine's WARN line for the failure gives this rationale.
+            self.rationale = Some(format!(
+                "batch size {} ran out of memory after {ran} ran: less memory is free than \
+                 then (fragmentation, memory kept by an allocator, another process); \
+                 searching below {}",
+                last.batch_size, last.batch_size
+            ));
+            self.phase = Phase::Searching;
+            self.kept = 0;
+            self.shared.kept.store(0, Ordering::Relaxed);
+            self.guess = None;
+            self.guessed_in = None;
         }
         match self.phase {
             Phase::Confirming if last.outcome.is_success() => {
                 return self.kept(history, last.batch_size)
             }
-            Phase::Confirming | Phase::Final => return Decision::Accept,
-            Phase::Descending => return self.descend(history),
-            Phase::Searching => {}
+            Phase::Final if last.outcome.is_success() => return Decision::Accept,
+            Phase::Descending if last.outcome.is_success() => return self.descend(history),
+            // A failure after the search is below a size that ran: searched again above.
+            _ => self.phase = Phase::Searching,
         }
-        let Some(low) = history.largest_success() else {
-            // Even the first probe failed: smaller, as a shrinking search would.
+        // The smallest failure: the largest success is taken below it.
+        let high = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory())
+            .map(|attempt| attempt.batch_size)
+            .min();
+        let Some(low) = largest_below_failures(history) else {
+            // Nothing ran below the smallest failure (even the first probe failed): smaller,
+            // as a shrinking search would.
+            let failed = high.unwrap_or(last.batch_size);
             return match last.outcome {
-                Outcome::OutOfMemory { .. } if last.batch_size / 2 >= self.min => {
-                    Decision::Try(last.batch_size / 2)
-                }
+                Outcome::OutOfMemory { .. } if failed / 2 >= self.min => Decision::Try(failed / 2),
                 _ => Decision::Stop(crate::StopReason::BelowMinimum {
-                    next: last.batch_size / 2,
+                    next: failed / 2,
                     min: self.min,
                 }),
             };
@@ -932,12 +975,6 @@ impl SizePolicy for TunerPolicy {
         if self.max.is_some_and(|max| low >= max) {
             return self.finish(history);
         }
-        // The smallest failure above the largest success: a noisy trial may have failed below.
-        let high = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > low)
-            .map(|attempt| attempt.batch_size)
-            .min();
         let resolution = self.resolution(low);
         if high.is_some_and(|high| high - low <= resolution) {
             return self.finish(history);
@@ -1017,4 +1054,49 @@ fn ran_last(history: &SearchReport, size: usize) -> bool {
     history
         .last()
         .is_some_and(|last| last.outcome.is_success() && last.batch_size == size)
+}
+
+/// The largest size that ran below every size that failed: what the tuner counts as fitting.
+/// A size that ran before a smaller one failed does not count (the memory it had is gone).
+fn largest_below_failures(history: &SearchReport) -> Option<usize> {
+    let smallest_failure = history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_out_of_memory())
+        .map(|attempt| attempt.batch_size)
+        .min()
+        .unwrap_or(usize::MAX);
+    history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size < smallest_failure)
+        .map(|attempt| attempt.batch_size)
+        .max()
+}
+
+/// The largest size that ran at or above `last`'s, where `last` ran out of memory: a trial
+/// failed below a size that ran.
+fn ran_above_failure(history: &SearchReport, last: &Attempt) -> Option<usize> {
+    if !last.outcome.is_out_of_memory() {
+        return None;
+    }
+    history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size >= last.batch_size)
+        .map(|attempt| attempt.batch_size)
+        .max()
+}
+
+/// The number of trials up to and including the last failure below a size that ran before it:
+/// what ran before had other memory free.
+fn since_memory_changed(history: &SearchReport) -> usize {
+    let attempts: Vec<&Attempt> = history.attempts().collect();
+    (0..attempts.len())
+        .rev()
+        .find(|&index| {
+            let failed = attempts[index];
+            failed.outcome.is_out_of_memory()
+                && attempts[..index].iter().any(|earlier| {
+                    earlier.outcome.is_success() && earlier.batch_size >= failed.batch_size
+                })
+        })
+        .map_or(0, |index| index + 1)
 }

@@ -1,0 +1,391 @@
+//! The host's memory as a device: for training on the CPU (tch, candle or burn on CPU), where
+//! an out-of-memory is an allocation that fails under the process's address-space limit.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use super::{DeviceMemory, MemoryBackend, MemorySnapshot, ReleaseError};
+
+/// The host's memory as a device named `cpu`: the tightest of `RLIMIT_AS`, the cgroup's memory
+/// limit and physical memory, the process's use of it, the peak of each attempt, and a release
+/// that gives freed heap back to the kernel (see [below](#release)).
+///
+/// Reads Linux's `/proc` and `/sys/fs/cgroup`; elsewhere it reports no figures.
+///
+/// ```
+/// use batch_size_runtime::memory::HostMemory;
+///
+/// let host = HostMemory::new();
+/// if let Some(limit) = host.limit() {
+///     // What this process holds counts against the limit, beside what others hold.
+///     assert!(limit.own <= limit.in_use);
+/// }
+/// ```
+///
+/// # Which limit
+/// Three limits can bind a process's memory; [`HostMemory`] reads all three and reports the one
+/// with the least room left:
+///
+/// - `RLIMIT_AS` (`ulimit -v`, `prlimit --as`): the kernel refuses an `mmap` or `brk` that
+///   would take the process's *virtual* size (`VmSize`) past it, so libtorch's CPU allocator
+///   fails with "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes", an
+///   error a search can catch. Against it, "in use" is `VmSize`: that is the figure the kernel
+///   compares, reserved-but-untouched mappings (thread stacks, glibc's 64 MiB arenas) included.
+/// - A cgroup's memory limit (`memory.max` in cgroup v2, `memory.limit_in_bytes` in v1): it
+///   counts *resident* pages of every process in the cgroup, and past it the kernel's OOM
+///   killer ends the process: nothing to catch, but the figures still tell a search (and a
+///   person reading the log) how close a size came. Against it, "in use" is the cgroup's own
+///   count (`memory.current`), of which this process holds its `VmRSS`.
+/// - Physical memory (`MemTotal`, with `MemAvailable` free): resident pages again, `VmRSS`.
+///
+/// The process plays the part of a GPU's memory pool in the figures: `pool_reserved` is what
+/// it holds (`VmSize` or `VmRSS`), and the rest of what is in use belongs to others (other
+/// processes in the cgroup or on the machine), as memory outside the pool does on a GPU.
+///
+/// # Release
+/// Freed heap memory that glibc keeps in its arenas still counts against every limit. At each
+/// release [`HostMemory`] calls glibc's `malloc_trim(0)`, found at run time in the process
+/// (through `dlsym`), which gives it back to the kernel. Where it is absent (musl, jemalloc or
+/// mimalloc as the global allocator, macOS) release does nothing: those allocators return
+/// large blocks on their own, and glibc does too, at once, for every block at or above
+/// `M_MMAP_THRESHOLD` (`MALLOC_MMAP_THRESHOLD_=131072` in the environment makes every tensor
+/// such a block).
+///
+/// # Not the default
+/// [`Release::default()`](crate::memory::Release) stays CUDA's: a search cannot know whether the
+/// allocation that failed was on the host or on a GPU, and host figures beside a CUDA
+/// out-of-memory would mislead the guided policy's estimate (and cost every search with the
+/// default a few reads of `/proc`). Name it where training runs on the CPU:
+/// `release = Release::host()` in the attribute, or
+/// [`with_release(Release::host())`](crate::BatchSizeSearch::with_release).
+///
+/// ```
+/// use batch_size_runtime::memory::{MemoryBackend, Release};
+///
+/// let release = Release::host();
+/// let snapshot = release.memory_backend().memory();
+/// if cfg!(target_os = "linux") {
+///     let cpu = &snapshot.devices[0];
+///     assert_eq!(cpu.device, "cpu");
+///     assert!(cpu.free <= cpu.total);
+/// }
+/// release.memory_backend().release()?; // malloc_trim(0) where glibc has it
+/// # Ok::<(), batch_size_runtime::memory::ReleaseError>(())
+/// ```
+#[derive(Debug)]
+pub struct HostMemory {
+    /// Where procfs is mounted (`/proc`).
+    proc_root: PathBuf,
+    /// Where the cgroup hierarchy is mounted (`/sys/fs/cgroup`).
+    cgroup_root: PathBuf,
+    /// The process's counters when the peak was last reset.
+    at_reset: Mutex<Option<Counters>>,
+}
+
+/// Which limit binds the host's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HostLimitKind {
+    /// The process's address-space limit (`RLIMIT_AS`), against its virtual size.
+    AddressSpace,
+    /// The memory limit of the process's cgroup (v2 `memory.max` or v1
+    /// `memory.limit_in_bytes`, the tightest along its path), against the cgroup's use.
+    Cgroup,
+    /// The machine's memory (`MemTotal`), with `MemAvailable` free.
+    Physical,
+}
+
+/// The limit that binds now and the bytes counted against it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostLimit {
+    /// Which limit.
+    pub kind: HostLimitKind,
+    /// Its bytes.
+    pub total: u64,
+    /// Bytes in use against it (by this process and, for a cgroup or the machine, by others).
+    pub in_use: u64,
+    /// This process's share: `VmSize` against `RLIMIT_AS`, `VmRSS` otherwise.
+    pub own: u64,
+}
+
+impl HostLimit {
+    fn free(&self) -> u64 {
+        self.total.saturating_sub(self.in_use)
+    }
+}
+
+/// The process's own counters, from `/proc/self/status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Counters {
+    /// `VmSize`: the virtual size, which `RLIMIT_AS` limits.
+    virtual_size: u64,
+    /// `VmRSS`: resident bytes, which a cgroup and the machine count.
+    resident: u64,
+    /// `VmHWM`: the most resident bytes since the process started or the peak was reset.
+    resident_peak: u64,
+}
+
+impl Default for HostMemory {
+    fn default() -> Self {
+        HostMemory::new()
+    }
+}
+
+impl HostMemory {
+    /// The host's memory as this process sees it: `/proc` and `/sys/fs/cgroup`.
+    ///
+    /// ```
+    /// use batch_size_runtime::memory::{HostMemory, MemoryBackend};
+    /// let snapshot = HostMemory::new().memory();
+    /// assert!(snapshot.devices.len() <= 1);
+    /// ```
+    pub fn new() -> Self {
+        HostMemory::with_roots("/proc", "/sys/fs/cgroup")
+    }
+
+    /// Reads procfs under `proc_root` (`self/limits`, `self/status`, `self/cgroup`, `meminfo`)
+    /// and the cgroup hierarchy under `cgroup_root`: for a container that mounts them
+    /// elsewhere, and for tests that write those files.
+    ///
+    /// ```
+    /// use batch_size_runtime::memory::{HostLimitKind, HostMemory};
+    ///
+    /// let root = std::env::temp_dir().join(format!("host-doc-{}", std::process::id()));
+    /// let cgroup = root.join("cgroup/job");
+    /// std::fs::create_dir_all(root.join("proc/self"))?;
+    /// std::fs::create_dir_all(&cgroup)?;
+    /// std::fs::write(root.join("proc/self/limits"), "Max address space unlimited unlimited bytes\n")?;
+    /// std::fs::write(root.join("proc/self/status"), "VmSize:\t 4096 kB\nVmRSS:\t 1024 kB\nVmHWM:\t 2048 kB\n")?;
+    /// std::fs::write(root.join("proc/self/cgroup"), "0::/job\n")?;
+    /// std::fs::write(root.join("proc/meminfo"), "MemTotal: 1048576 kB\nMemAvailable: 524288 kB\n")?;
+    /// std::fs::write(cgroup.join("memory.max"), "8388608\n")?; // 8 MiB
+    /// std::fs::write(cgroup.join("memory.current"), "2097152\n")?;
+    ///
+    /// let limit = HostMemory::with_roots(root.join("proc"), root.join("cgroup")).limit().unwrap();
+    /// assert_eq!(limit.kind, HostLimitKind::Cgroup);
+    /// assert_eq!((limit.total, limit.in_use, limit.own), (8 << 20, 2 << 20, 1 << 20));
+    /// # std::fs::remove_dir_all(root)?;
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn with_roots(proc_root: impl Into<PathBuf>, cgroup_root: impl Into<PathBuf>) -> Self {
+        HostMemory {
+            proc_root: proc_root.into(),
+            cgroup_root: cgroup_root.into(),
+            at_reset: Mutex::new(None),
+        }
+    }
+
+    /// The limit with the least room left now, and what is in use against it; `None` where
+    /// the process's counters cannot be read (not Linux).
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::HostMemory;
+    /// if cfg!(target_os = "linux") {
+    ///     assert!(HostMemory::new().limit().is_some());
+    /// }
+    /// ```
+    pub fn limit(&self) -> Option<HostLimit> {
+        let counters = self.counters()?;
+        self.limit_with(counters)
+    }
+
+    fn limit_with(&self, counters: Counters) -> Option<HostLimit> {
+        let address_space =
+            address_space_limit(&read(&self.proc_root.join("self/limits"))?).map(|total| {
+                HostLimit {
+                    kind: HostLimitKind::AddressSpace,
+                    total,
+                    in_use: counters.virtual_size,
+                    own: counters.virtual_size,
+                }
+            });
+        let cgroup = read(&self.proc_root.join("self/cgroup"))
+            .and_then(|membership| cgroup_limit(&membership, &self.cgroup_root))
+            .map(|(total, in_use)| HostLimit {
+                kind: HostLimitKind::Cgroup,
+                total,
+                // A cgroup's count may lag a page or two behind the process's own.
+                in_use: in_use.max(counters.resident),
+                own: counters.resident,
+            });
+        let physical = read(&self.proc_root.join("meminfo"))
+            .and_then(|meminfo| {
+                Some((
+                    kilobytes(&meminfo, "MemTotal:")?,
+                    kilobytes(&meminfo, "MemAvailable:")?,
+                ))
+            })
+            .map(|(total, available)| HostLimit {
+                kind: HostLimitKind::Physical,
+                total,
+                in_use: total.saturating_sub(available).max(counters.resident),
+                own: counters.resident,
+            });
+        [address_space, cgroup, physical]
+            .into_iter()
+            .flatten()
+            .min_by_key(HostLimit::free)
+    }
+
+    fn counters(&self) -> Option<Counters> {
+        let status = read(&self.proc_root.join("self/status"))?;
+        Some(Counters {
+            virtual_size: kilobytes(&status, "VmSize:")?,
+            resident: kilobytes(&status, "VmRSS:")?,
+            resident_peak: kilobytes(&status, "VmHWM:")?,
+        })
+    }
+
+    /// The attempt's peak, counted as the binding limit counts. The kernel keeps a resettable
+    /// peak of resident bytes only (`VmHWM`; `VmPeak` cannot be reset): against `RLIMIT_AS` the
+    /// peak is the virtual size at the reset plus the resident growth since, which is what a
+    /// tensor adds once it is written (untouched reservations made during the attempt are missed).
+    fn peak(&self, kind: HostLimitKind, now: Counters) -> Option<u64> {
+        let at_reset = (*self.at_reset.lock().unwrap_or_else(PoisonError::into_inner))?;
+        let grown = now.resident_peak.saturating_sub(at_reset.resident);
+        Some(match kind {
+            HostLimitKind::AddressSpace => at_reset
+                .virtual_size
+                .saturating_add(grown)
+                .max(now.virtual_size),
+            HostLimitKind::Cgroup | HostLimitKind::Physical => now.resident_peak.max(now.resident),
+        })
+    }
+}
+
+impl MemoryBackend for HostMemory {
+    /// Gives freed heap memory back to the kernel: glibc's `malloc_trim(0)` where the process
+    /// has it, nothing otherwise (see [below](#release)).
+    fn release(&self) -> Result<(), ReleaseError> {
+        if let Some(malloc_trim) = malloc_trim() {
+            // SAFETY: glibc's `int malloc_trim(size_t pad)`, resolved from the process's own
+            // symbols; it takes no pointer and may be called at any time from any thread.
+            let trimmed = unsafe { malloc_trim(0) };
+            tracing::debug!(trimmed = trimmed != 0, "malloc_trim(0) after the attempt");
+        }
+        Ok(())
+    }
+
+    fn memory(&self) -> MemorySnapshot {
+        let Some(counters) = self.counters() else {
+            return MemorySnapshot::default();
+        };
+        let Some(limit) = self.limit_with(counters) else {
+            return MemorySnapshot::default();
+        };
+        MemorySnapshot {
+            devices: vec![DeviceMemory {
+                device: "cpu".to_owned(),
+                total: limit.total,
+                free: limit.free(),
+                pool_reserved: Some(limit.own),
+                pool_used: None,
+                peak: self.peak(limit.kind, counters),
+            }],
+        }
+    }
+
+    /// Resets the kernel's resident peak (`echo 5 > /proc/self/clear_refs`) and keeps the
+    /// counters of now; where the reset fails (an older kernel, a read-only procfs) no peak is
+    /// reported rather than one from before the attempt.
+    fn reset_peak(&self) {
+        let reset = fs::write(self.proc_root.join("self/clear_refs"), "5")
+            .ok()
+            .and_then(|()| self.counters());
+        *self.at_reset.lock().unwrap_or_else(PoisonError::into_inner) = reset;
+    }
+}
+
+type MallocTrim = unsafe extern "C" fn(usize) -> std::ffi::c_int;
+
+/// glibc's `malloc_trim`, looked up once in the symbols the process has loaded.
+fn malloc_trim() -> Option<MallocTrim> {
+    static MALLOC_TRIM: OnceLock<Option<MallocTrim>> = OnceLock::new();
+    *MALLOC_TRIM.get_or_init(|| {
+        #[cfg(unix)]
+        {
+            let this = libloading::os::unix::Library::this();
+            // SAFETY: the symbol, where present, is glibc's `int malloc_trim(size_t)`, which
+            // matches `MallocTrim`. The pointer stays valid after `this` is dropped: libc is
+            // never unloaded from a running process.
+            unsafe { this.get::<MallocTrim>(b"malloc_trim\0") }
+                .ok()
+                .map(|symbol| *symbol)
+        }
+        #[cfg(not(unix))]
+        {
+            None
+        }
+    })
+}
+
+fn read(path: &Path) -> Option<String> {
+    fs::read_to_string(path).ok()
+}
+
+/// `RLIMIT_AS`'s soft limit from `/proc/self/limits` ("Max address space  unlimited  unlimited
+/// bytes"); `None` when unlimited.
+fn address_space_limit(limits: &str) -> Option<u64> {
+    limits.lines().find_map(|line| {
+        let rest = line.strip_prefix("Max address space")?;
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// A `Key:   1234 kB` line of `/proc/self/status` or `/proc/meminfo`, in bytes.
+fn kilobytes(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let mut words = line.strip_prefix(key)?.split_whitespace();
+        let kilobytes: u64 = words.next()?.parse().ok()?;
+        kilobytes.checked_mul(1024)
+    })
+}
+
+/// The tightest memory limit along the process's cgroup path, with the bytes in use there:
+/// the cgroup itself and each ancestor (a parent's limit binds its children), in cgroup v2
+/// (the `0::/path` line) or, failing that, v1 (the line whose controllers include `memory`).
+fn cgroup_limit(membership: &str, root: &Path) -> Option<(u64, u64)> {
+    let path_of = |wanted: &dyn Fn(&str) -> bool| {
+        membership.lines().find_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+            wanted(controllers).then(|| path.trim_start_matches('/').to_owned())
+        })
+    };
+    let v2 = path_of(&|controllers| controllers.is_empty())
+        .and_then(|path| tightest(root, &path, "memory.max", "memory.current"));
+    v2.or_else(|| {
+        let path = path_of(&|controllers| controllers.split(',').any(|c| c == "memory"))?;
+        tightest(
+            &root.join("memory"),
+            &path,
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+        )
+    })
+}
+
+/// The least room over `root/path` and its ancestors up to `root`: (limit, in use). A
+/// container sees its own cgroup at the root, whatever path `/proc/self/cgroup` names: the
+/// directories that are absent are skipped.
+fn tightest(root: &Path, path: &str, limit_file: &str, usage_file: &str) -> Option<(u64, u64)> {
+    let mut dir = root.join(path);
+    let mut best: Option<(u64, u64)> = None;
+    loop {
+        let limit = read(&dir.join(limit_file)).and_then(|text| text.trim().parse::<u64>().ok());
+        // v1 writes "no limit" as a page-rounded i64::MAX, v2 as "max" (which does not parse).
+        if let Some(limit) = limit.filter(|&limit| limit < 1 << 62) {
+            let in_use = read(&dir.join(usage_file))
+                .and_then(|text| text.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            let room = limit.saturating_sub(in_use);
+            if best.is_none_or(|(l, u)| room < l.saturating_sub(u)) {
+                best = Some((limit, in_use));
+            }
+        }
+        if dir == root || !dir.pop() || !dir.starts_with(root) {
+            return best;
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! tch on the CPU under an address-space limit (RLIMIT_AS, set in a child process): libtorch's
+//! "DefaultCPUAllocator: can't allocate memory" is recognised through both tch APIs, memory is
+//! back after each failure, the size found fits in a fresh process, and results equal a run
+//! with no limit.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use std::process::Command;
+
+use batch_size_runtime::memory::Release;
+use batch_size_runtime::{find_executable_batch_size, last_report, BatchSizeSearch, Chunked};
+use batch_size_runtime::{EffectiveBatch, SearchReport};
+use real_allocators::{samples, Mlp};
+
+/// Which scenario a re-executed test binary runs, under the limit.
+const CHILD: &str = "REAL_ALLOCATORS_CHILD";
+/// Bytes of address space left to a child once libtorch is warm: some hundreds of samples fit.
+const ROOM: u64 = 160 << 20;
+const STARTING: usize = 4096;
+
+fn set_address_space_limit(bytes: u64) {
+    #[repr(C)]
+    struct Rlimit {
+        current: u64,
+        max: u64,
+    }
+    extern "C" {
+        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
+    }
+    const RLIMIT_AS: std::ffi::c_int = 9; // Linux
+    let limit = Rlimit {
+        current: bytes,
+        max: u64::MAX,
+    };
+    // SAFETY: `limit` is a valid `struct rlimit` for the duration of the call.
+    assert_eq!(unsafe { setrlimit(RLIMIT_AS, &limit) }, 0);
+}
+
+/// libtorch warmed up (its thread pool and first allocations made), then the limit set at the
+/// virtual size now plus `ROOM`: every child starts from the same room.
+fn limited_model() -> Mlp {
+    let model = Mlp::new().unwrap();
+    let (x, y) = samples(0, 4).unwrap();
+    model.f_loss_sum(&x, &y).unwrap().backward();
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let vm_kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmSize:"))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    set_address_space_limit(vm_kib * 1024 + ROOM);
+    model
+}
+
+/// Runs `scenario` in a child with `CHILD` set; returns its stdout's `key=value` lines.
+fn child(scenario: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1");
+    for (key, value) in extra {
+        command.env(key, value);
+    }
+    let output = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{scenario} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+        .lines()
+        .filter_map(|line| line.split_once('='))
+        .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
+        .collect()
+}
+
+fn value(lines: &[(String, String)], key: &str) -> String {
+    lines
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.clone())
+        .unwrap()
+}
+
+/// What every search under the limit must show: out-of-memory attempts recognised with the
+/// bytes libtorch asked for, the host's figures, and the memory back after each release.
+fn check_failures(report: &SearchReport) {
+    let failures: Vec<_> = report
+        .attempts()
+        .filter(|a| a.outcome.is_out_of_memory())
+        .collect();
+    assert!(
+        !failures.is_empty(),
+        "nothing ran out of memory: {report:?}"
+    );
+    for failed in failures {
+        assert!(
+            failed.requested.is_some_and(|bytes| bytes > 0),
+            "{failed:?}"
+        );
+        let start = failed.memory_at_start.as_ref().unwrap();
+        assert_eq!(start.devices[0].device, "cpu");
+        let after = failed.memory_after_release.as_ref().unwrap().free();
+        // Back to what was free before the attempt, within a few pages of bookkeeping.
+        assert!(
+            after + (4 << 20) >= start.free(),
+            "{} free before, {after} after",
+            start.free()
+        );
+    }
+}
+
+/// The loss sum of the first `batch_size` samples, through tch's fallible API.
+#[find_executable_batch_size(starting = STARTING, release = Release::host())]
+fn train_fallible(batch_size: usize, model: &Mlp) -> anyhow::Result<(usize, f64)> {
+    let (x, y) = samples(0, batch_size as i64)?;
+    let loss = model.f_loss_sum(&x, &y)?;
+    loss.f_backward()?;
+    Ok((batch_size, loss.f_double_value(&[])?))
+}
+
+#[test]
+fn fallible_api() {
+    if std::env::var_os(CHILD).is_none() {
+        let lines = child("fallible_api", &[]);
+        let found: usize = value(&lines, "found").parse().unwrap();
+        // Results equal a run with no limit, here.
+        let model = Mlp::new().unwrap();
+        let (_, loss) = train_fallible_at(&model, found);
+        let limited: f64 = value(&lines, "loss").parse().unwrap();
+        assert!(
+            (loss - limited).abs() <= 1e-6 * loss.abs().max(1.0),
+            "{loss} vs {limited}"
+        );
+        fits_in_a_fresh_process(found, "train");
+        return;
+    }
+    let model = limited_model();
+    let (found, loss) = train_fallible(&model).unwrap();
+    check_failures(&last_report().unwrap());
+    println!("\nfound={found}\nloss={loss}");
+}
+
+fn train_fallible_at(model: &Mlp, batch_size: usize) -> (usize, f64) {
+    let (x, y) = samples(0, batch_size as i64).unwrap();
+    let loss = model.f_loss_sum(&x, &y).unwrap();
+    loss.backward();
+    (batch_size, loss.double_value(&[]))
+}
+
+#[test]
+fn plain_api_panics() {
+    if std::env::var_os(CHILD).is_none() {
+        let lines = child("plain_api_panics", &[]);
+        fits_in_a_fresh_process(value(&lines, "found").parse().unwrap(), "infer");
+        return;
+    }
+    let model = limited_model();
+    let found: anyhow::Result<usize> = BatchSizeSearch::new(STARTING)
+        .with_release(Release::host())
+        .run_dyn(|batch_size| {
+            let (x, _) = samples(0, batch_size as i64)?;
+            let _outputs = model.forward(&x); // panics on out-of-memory
+            Ok(batch_size)
+        });
+    check_failures(&last_report().unwrap());
+    println!("\nfound={}", found.unwrap());
+}
+
+/// The size found fits in a fresh process under the same room: it is not above the largest
+/// that fits.
+fn fits_in_a_fresh_process(size: usize, mode: &str) {
+    child(
+        "one_size",
+        &[
+            ("REAL_ALLOCATORS_SIZE", size.to_string()),
+            ("REAL_ALLOCATORS_MODE", mode.to_owned()),
+        ],
+    );
+}
+
+#[test]
+fn one_size() {
+    let Some(size) = std::env::var_os("REAL_ALLOCATORS_SIZE") else {
+        return; // only as a child of the tests above
+    };
+    let size: usize = size.to_str().unwrap().parse().unwrap();
+    let model = limited_model();
+    if std::env::var("REAL_ALLOCATORS_MODE").unwrap() == "train" {
+        train_fallible_at(&model, size);
+    } else {
+        let (x, _) = samples(0, size as i64).unwrap();
+        let _outputs = model.forward(&x);
+    }
+}
+
+/// 1024 samples: an effective batch's gradient and a chunked inference, under the limit and
+/// without it.
+const SAMPLES: usize = 1024;
+
+fn effective_and_chunked(model: &mut Mlp, limited: bool) -> (f64, Vec<f32>) {
+    let release = if limited {
+        Release::host()
+    } else {
+        Release::none()
+    };
+    let mut runner = EffectiveBatch::new(SAMPLES).with_release(release.clone());
+    runner
+        .step(|plan| -> anyhow::Result<()> {
+            model.zero_grad();
+            for micro in plan.micro_batches() {
+                let (x, y) = samples(micro.range.start as i64, micro.range.len() as i64)?;
+                model.f_loss_sum(&x, &y)?.f_backward()?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    if limited {
+        check_failures(runner.last_report());
+    }
+    let gradient = model.grad_sum();
+    let outputs = Chunked::new(SAMPLES)
+        .with_starting(SAMPLES)
+        .with_release(release)
+        .run(|range| -> anyhow::Result<Vec<f32>> {
+            let (x, _) = samples(range.start as i64, range.len() as i64)?;
+            let out = tch::no_grad(|| model.f_forward(&x))?;
+            Ok(Vec::<f32>::try_from(out.f_flatten(0, -1)?)?)
+        })
+        .unwrap();
+    (gradient, outputs)
+}
+
+#[test]
+fn effective_batch_and_chunked_equal_a_run_without_limit() {
+    if std::env::var_os(CHILD).is_none() {
+        let lines = child("effective_batch_and_chunked_equal_a_run_without_limit", &[]);
+        let mut model = Mlp::new().unwrap();
+        let (gradient, outputs) = effective_and_chunked(&mut model, false);
+        let limited: f64 = value(&lines, "gradient").parse().unwrap();
+        assert!(
+            (gradient - limited).abs() <= 1e-4 * gradient.abs().max(1.0),
+            "{gradient} vs {limited}"
+        );
+        let sum: f64 = outputs.iter().map(|&o| f64::from(o)).sum();
+        let limited_sum: f64 = value(&lines, "outputs").parse().unwrap();
+        assert!(
+            (sum - limited_sum).abs() <= 1e-4 * sum.abs().max(1.0),
+            "{sum} vs {limited_sum}"
+        );
+        return;
+    }
+    let mut model = limited_model();
+    let (gradient, outputs) = effective_and_chunked(&mut model, true);
+    assert_eq!(outputs.len(), SAMPLES);
+    let sum: f64 = outputs.iter().map(|&o| f64::from(o)).sum();
+    println!("\ngradient={gradient}\noutputs={sum}");
+}
