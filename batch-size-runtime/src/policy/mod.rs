@@ -89,12 +89,15 @@ use std::fmt;
 use crate::error::StopReason;
 use crate::record::SearchReport;
 
+mod converge;
 mod evidence;
+pub(crate) mod fit;
 mod grow_back;
 mod guided;
 mod remediate;
 mod shrink;
 
+pub(crate) use converge::{even_micro, Convergence, Probing};
 pub use evidence::Evidence;
 pub(crate) use grow_back::GrowBack;
 pub use guided::Guided;

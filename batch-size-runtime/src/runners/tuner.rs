@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
 use crate::memory::Release;
+use crate::policy::fit::{peak_bytes, MemoryFit};
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 use crate::StopReason;
@@ -635,121 +636,6 @@ struct TunerPolicy {
     /// Why the last decision went below a size that had run, when it did.
     rationale: Option<String>,
     shared: Arc<Shared>,
-}
-
-/// Bytes in use during a successful trial: what was in use outside the pool before it, plus
-/// the pool's peak.
-fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
-    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
-    let end = attempt.memory_at_end.as_ref()?.devices.first()?;
-    let outside = start
-        .total
-        .saturating_sub(start.free)
-        .saturating_sub(start.pool_reserved.unwrap_or(0));
-    Some((outside.saturating_add(end.peak?), end.total))
-}
-
-/// What a failed trial is known to have needed at least: what was in use outside the pool
-/// before it, the pool's peak before the allocation that failed, and what that allocation asked
-/// for. A failure part-way through the step knows only part of it: a lower bound.
-fn needed_at_least(attempt: &Attempt) -> Option<u64> {
-    let (peak, _) = peak_bytes(attempt)?;
-    Some(peak.saturating_add(attempt.requested.unwrap_or(0)))
-}
-
-/// Memory against the batch size, from the trials' figures: the line through two successful
-/// trials, bent upwards just enough to reach what the smallest failure above them needed
-/// (attention's size² shows there, not in two small sizes). It predicts the size that fills
-/// the device; without two successes with figures and a growing peak it predicts nothing.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct MemoryFit {
-    /// The largest successful size and its peak, in bytes.
-    size: f64,
-    peak: f64,
-    /// Bytes a sample, between the two successes.
-    per_sample: f64,
-    /// The bend: bytes times (s - lower)(s - size), zero for a straight line.
-    curvature: f64,
-    /// The smaller success the line runs through.
-    lower: f64,
-    /// The device's bytes.
-    total: f64,
-}
-
-impl MemoryFit {
-    /// The fit to `history`'s trials at or below `largest`, the largest success. The line runs
-    /// from the largest success at most half of it (the slope over a wide span is not lost in
-    /// an allocator's rounding), or from the next largest where there is none.
-    fn new(history: &SearchReport, largest: usize) -> Option<Self> {
-        let mut peaks: Vec<(usize, u64, u64)> = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size <= largest)
-            .filter_map(|attempt| {
-                let (peak, total) = peak_bytes(attempt)?;
-                Some((attempt.batch_size, peak, total))
-            })
-            .collect();
-        // The highest peak of a size that ran more than once: noise counts against the fit.
-        peaks.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        peaks.dedup_by_key(|(size, _, _)| *size);
-        let &(size, peak, total) = peaks.last()?;
-        let lower = peaks
-            .iter()
-            .rev()
-            .find(|(smaller, _, _)| smaller.saturating_mul(2) <= size)
-            .or_else(|| peaks.iter().rev().nth(1))?;
-        let (lower_size, lower_peak) = (lower.0 as f64, lower.1 as f64);
-        let (size, peak, total) = (size as f64, peak as f64, total as f64);
-        let per_sample = (peak - lower_peak) / (size - lower_size);
-        if !(per_sample.is_finite() && per_sample > 0.0 && size > lower_size) {
-            return None;
-        }
-        let mut fit = MemoryFit {
-            size,
-            peak,
-            per_sample,
-            curvature: 0.0,
-            lower: lower_size,
-            total,
-        };
-        // The smallest failure above, where its figures say what it needed: the bend that
-        // makes the fit need that much there. A part-way failure shows less than it needed, and
-        // bends the fit less: it still predicts a size below that failure.
-        let failure = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > largest)
-            .filter_map(|attempt| Some((attempt.batch_size, needed_at_least(attempt)?)))
-            .min_by_key(|(size, _)| *size);
-        if let Some((failed, needed)) = failure {
-            let failed = failed as f64;
-            let span = (failed - lower_size) * (failed - size);
-            let bend = (needed as f64 - fit.bytes(failed)) / span;
-            if bend.is_finite() && bend > 0.0 {
-                fit.curvature = bend;
-            }
-        }
-        Some(fit)
-    }
-
-    /// The bytes the fit predicts at `size`.
-    fn bytes(&self, size: f64) -> f64 {
-        let above = size - self.size;
-        self.peak + self.per_sample * above + self.curvature * (size - self.lower) * above
-    }
-
-    /// The largest size whose predicted bytes fit the device.
-    fn limit(&self) -> Option<usize> {
-        let room = self.total - self.peak;
-        if room <= 0.0 {
-            return Some(self.size as usize);
-        }
-        // c·u² + b·u = room, with u the samples above the largest success; written so that a
-        // straight line (c = 0) divides without cancelling.
-        let slope = self.per_sample + self.curvature * (self.size - self.lower);
-        let above = 2.0 * room / (slope + (slope * slope + 4.0 * self.curvature * room).sqrt());
-        let limit = (self.size + above).floor();
-        (limit.is_finite() && limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
-    }
 }
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough

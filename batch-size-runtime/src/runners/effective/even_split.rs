@@ -8,19 +8,9 @@
 //! about the size that really runs: after a failure at 128 (the even split of 212), the next
 //! proposal is judged against 128, and no proposal that splits to 128 again is wasted.
 
+pub(crate) use crate::policy::even_micro;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::SearchReport;
-
-/// The largest micro-batch when `length` samples run in the fewest passes of at most `size`,
-/// split evenly: at most `size`, and `length` itself when `size` covers it. A `size` or a
-/// `length` of 0 is returned as it is (the engine refuses a size of 0 with its own reason).
-pub(crate) fn even_micro(length: usize, size: usize) -> usize {
-    if length == 0 || size == 0 {
-        return size;
-    }
-    let passes = length.div_ceil(size.min(length));
-    length.div_ceil(passes)
-}
 
 /// A size policy whose every proposal is the even split of what `inner` proposed, for a share
 /// of `length` samples (see the [module docs](self)).

@@ -41,6 +41,7 @@ use crate::engine::BatchSizeSearch;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::policy::LadderControl;
+use crate::policy::{even_micro, Convergence, Probing};
 use crate::policy::{FailedAttempt, GrowBack, Guided, Reduction};
 use crate::record::SearchReport;
 use crate::runners::remedies::Remedies;
@@ -87,7 +88,11 @@ pub struct EffectiveBatch<'r> {
     release: Option<Release>,
     shrink: Reduction<'r>,
     grow: GrowBack,
-    /// The micro size the next step starts from.
+    /// What the steps measured, and the size that fills the device by their figures.
+    convergence: Convergence,
+    /// The growth attempt the step in progress starts with, if it does.
+    probing: Option<usize>,
+    /// The micro size the next step starts from (before the even split of its share).
     next_micro: usize,
     steps: usize,
     recoveries: Vec<Recovery>,
@@ -134,6 +139,8 @@ impl<'r> EffectiveBatch<'r> {
             release: None,
             shrink: Reduction::default(),
             grow: GrowBack::new(0, effective),
+            convergence: Convergence::new(true),
+            probing: None,
             next_micro: effective,
             steps: 0,
             recoveries: Vec::new(),
@@ -271,6 +278,44 @@ impl<'r> EffectiveBatch<'r> {
     /// ```
     pub fn with_margin(mut self, margin: f64) -> Self {
         self.shrink = Reduction::Guided(Guided::new().with_margin(margin));
+        self
+    }
+
+    /// Whether the runner learns from every step (default: on). With a release that reads
+    /// figures (CUDA's pool counters, a [`SimulatedDevice`](crate::SimulatedDevice), the host's
+    /// memory), each successful step's peak and the memory in use before it fit memory against
+    /// the micro size, and the next step starts at the micro size that takes the fewest passes
+    /// the figures say fit: 1024 at a fit of 237 runs 5 passes of 205, not 8 of 128. A growth
+    /// attempt that runs out of memory is redone in place at the size that fitted, and that
+    /// size is not tried again for 16 steps (32, 64, ... while it keeps failing). It reads the
+    /// allocator's counters once after each step: no synchronize, no trim.
+    ///
+    /// Without figures nothing is learned, whatever this says: a growth attempt would be a
+    /// blind guess paid for with an out-of-memory pass, so the size that fitted is kept
+    /// ([`with_grow_after`](Self::with_grow_after) grows back blindly, by doubling).
+    ///
+    /// ```
+    /// use batch_size_runtime::{EffectiveBatch, SimulatedDevice};
+    ///
+    /// let device = SimulatedDevice::new(10_000);
+    /// let mut runner = EffectiveBatch::new(1024).with_micro(128).with_release(device.clone());
+    /// for _ in 0..4 {
+    ///     runner.step(|plan| -> anyhow::Result<()> {
+    ///         let _weights = device.alloc(1_000)?;
+    ///         for micro in plan.micro_batches() {
+    ///             let _activations = device.alloc(micro.range.len() as u64 * 30)?; // 300 fit
+    ///         }
+    ///         Ok(())
+    ///     })?;
+    /// }
+    /// assert_eq!(runner.plan().accumulation(), 4); // 4 passes of 256, from 8 of 128
+    ///
+    /// let fixed = EffectiveBatch::new(1024).with_micro(128).with_convergence(false);
+    /// # let _ = fixed;
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_convergence(mut self, learn: bool) -> Self {
+        self.convergence = Convergence::new(learn);
         self
     }
 
@@ -515,7 +560,22 @@ impl<'r> EffectiveBatch<'r> {
 
     /// The search of one step over this rank's share of `length` samples.
     fn search(&mut self, length: usize) -> BatchSizeSearch<'_> {
-        let mut search = BatchSizeSearch::new(self.next_micro.min(length).max(1))
+        // The size that fitted is kept whatever the share: a new share is split into the
+        // fewest passes of at most that size, never into a split of the last split.
+        let kept = self
+            .next_micro
+            .max(self.convergence.fitted().unwrap_or(0))
+            .min(length)
+            .max(1);
+        let kept = even_micro(length, kept);
+        // With figures, a step that needs fewer passes starts at that size: a growth attempt,
+        // followed by the size kept if it runs out of memory.
+        let probe = self
+            .convergence
+            .fewer_passes(length, kept)
+            .filter(|&probe| probe > kept);
+        self.probing = probe;
+        let mut search = BatchSizeSearch::new(probe.unwrap_or(kept))
             .with_label("effective_batch")
             .with_min(self.min_micro);
         search.settings.first_fit_at_debug = true;
@@ -547,7 +607,12 @@ impl<'r> EffectiveBatch<'r> {
             );
         }
         // The engine tries what runs: the even split of each proposal.
-        let sizes = EvenSplit::new(self.shrink.borrowed(), length, self.min_micro);
+        let probing = Probing::new(
+            self.shrink.borrowed(),
+            probe.map(|probe| (probe, kept)),
+            self.convergence.is_enabled(),
+        );
+        let sizes = EvenSplit::new(probing, length, self.min_micro);
         match &self.agreement {
             // Each rank its own micro size; an out-of-memory anywhere redoes the step everywhere.
             Some(collective) if self.uneven => {
@@ -556,6 +621,25 @@ impl<'r> EffectiveBatch<'r> {
             Some(collective) => search.with_policy(sizes).with_agreement(&**collective),
             None => search.with_policy(sizes),
         }
+    }
+
+    /// What the step measured, for the steps after it: every attempt's figures under the
+    /// settings in force at its end (a remedy applied in the step makes the others stale).
+    fn learn(&mut self, report: &SearchReport) {
+        let settings = report.last().and_then(|last| last.settings.as_ref());
+        if report
+            .attempts()
+            .any(|attempt| attempt.settings.as_ref() != settings)
+        {
+            self.convergence.forget();
+        }
+        for attempt in report
+            .attempts()
+            .filter(|attempt| attempt.settings.as_ref() == settings)
+        {
+            self.convergence.learn(attempt, attempt.batch_size);
+        }
+        self.convergence.advance();
     }
 
     /// Records how a step's search went.
@@ -593,7 +677,15 @@ impl<'r> EffectiveBatch<'r> {
                     self.grow.failed(failed);
                 }
             }
-            if report.out_of_memory_count() > 0 {
+            let probed = self.probing.take();
+            if probed.is_some_and(|probe| tried.first() == Some(&probe)) && tried.len() == 2 {
+                tracing::info!(
+                    step,
+                    tried = ?tried,
+                    micro = report.batch_size(),
+                    "a larger micro-batch did not fit in step {step}: redone in place at the size                      that fitted"
+                );
+            } else if report.out_of_memory_count() > 0 {
                 tracing::warn!(
                     step,
                     tried = ?tried,
@@ -610,6 +702,7 @@ impl<'r> EffectiveBatch<'r> {
             }
             self.recoveries.push(Recovery { step, tried });
         }
+        self.learn(&report);
         if let Some(micro) = report.batch_size() {
             self.micro = micro;
             self.next_micro = if report.len() > 1 {

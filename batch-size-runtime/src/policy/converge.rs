@@ -1,0 +1,414 @@
+//! Runners that learn from every step: a training loop is a tuner that runs for free. Each
+//! successful step (or chunk) measured its peak and the memory in use before it; a failure
+//! said what it needed at least. [`Convergence`] keeps those figures across steps, fits memory
+//! against the size ([`MemoryFit`]) and proposes the size that fills the device, so that the
+//! runner moves to the fewest passes a step needs in a step or two, confirming with as few
+//! growth attempts as the figures allow. [`Probing`] wraps a step's policy: a growth attempt
+//! that runs out of memory is followed by the size that fitted before, not by a guess.
+//!
+//! The rules, sound for any shape of memory against size:
+//! - a fit is never trusted over a trial: a size that failed caps every proposal below it, and
+//!   bends the fit down to what it needed;
+//! - the first guess, from one size, counts all the step allocated as growing with the size:
+//!   where gradients or optimizer state appear at the first step, it guesses low, and the next
+//!   size's figures straighten it;
+//! - a size that fitted and then fails (state allocated late, fragmentation, another process)
+//!   makes every earlier figure stale: they are dropped, and the runner starts learning again
+//!   from the size that runs now;
+//! - a size that failed is not tried again under the same figures, but a failure is not for
+//!   good: after [`REPROBE_AFTER`] steps (twice as long after each new failure there) it is
+//!   tried once more, as the memory missing then may be back.
+//!
+//! Without figures (no memory backend that reads them) nothing is learned here: each growth
+//! attempt would be a blind guess paid for with an out-of-memory pass, so the runners keep the
+//! size that fitted unless asked to grow back ([`GrowBack`](super::GrowBack)).
+
+use super::fit::{needed_at_least, peak_bytes, used_at_start, MemoryFit, Point};
+use super::{Decision, SizePolicy};
+use crate::error::StopReason;
+use crate::record::{Attempt, SearchReport};
+
+/// Steps (or chunks) a failed size first waits before it is tried again; doubled each time it
+/// fails again.
+pub(crate) const REPROBE_AFTER: usize = 16;
+
+/// Sizes whose figures are kept: enough for a fit over a wide span, bounded for a long run.
+const KEPT_POINTS: usize = 8;
+
+/// The smallest size that ran out of memory since the figures were last made stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Failure {
+    size: usize,
+    /// The bytes it needed at least, where the figures say.
+    needed: Option<u64>,
+    /// Steps it has held growth back.
+    held: usize,
+}
+
+/// What a runner has learned of its steps' memory; see the [module docs](self).
+#[derive(Debug, Clone)]
+pub(crate) struct Convergence {
+    enabled: bool,
+    /// The latest figures of each size that ran (the most recent peak: the state in force).
+    points: Vec<Point>,
+    /// Bytes in use before the latest success with figures.
+    used_at_start: Option<u64>,
+    /// The largest size that ran since the figures were last made stale.
+    fitted: Option<usize>,
+    failure: Option<Failure>,
+    /// Steps a failure holds growth back before it is tried again.
+    patience: usize,
+    /// The failed size being tried again, if one is.
+    reprobing: Option<usize>,
+}
+
+impl Convergence {
+    /// Learns when `enabled` (and figures come); without, keeps only the size that fitted.
+    pub(crate) fn new(enabled: bool) -> Self {
+        Convergence {
+            enabled,
+            points: Vec::new(),
+            used_at_start: None,
+            fitted: None,
+            failure: None,
+            patience: REPROBE_AFTER,
+            reprobing: None,
+        }
+    }
+
+    pub(crate) fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The largest size that ran since the figures were last made stale.
+    pub(crate) fn fitted(&self) -> Option<usize> {
+        self.fitted
+    }
+
+    /// Forgets everything: the attempts ran under other settings (a remedy was applied).
+    pub(crate) fn forget(&mut self) {
+        *self = Convergence::new(self.enabled);
+    }
+
+    /// Learns from one attempt that ran `size` (the micro-batch, or a chunk's cost).
+    pub(crate) fn learn(&mut self, attempt: &Attempt, size: usize) {
+        if attempt.outcome.is_success() {
+            self.fitted = Some(self.fitted.map_or(size, |fitted| fitted.max(size)));
+            if self.failure.is_some_and(|failure| size >= failure.size) {
+                // A size that failed fits now: the memory missing then is back.
+                self.failure = None;
+                self.patience = REPROBE_AFTER;
+            }
+            if self.reprobing.is_some_and(|retried| size >= retried) {
+                self.reprobing = None;
+                self.patience = REPROBE_AFTER;
+            }
+            if let Some((peak, total)) = peak_bytes(attempt) {
+                self.points.retain(|point| point.size != size);
+                self.points.push(Point { size, peak, total });
+                if self.points.len() > KEPT_POINTS {
+                    // The oldest goes, but never the largest: it anchors the fit.
+                    let largest = self.points.iter().map(|point| point.size).max();
+                    if let Some(index) = self
+                        .points
+                        .iter()
+                        .position(|point| Some(point.size) != largest)
+                    {
+                        self.points.remove(index);
+                    }
+                }
+                self.used_at_start = used_at_start(attempt);
+            }
+        } else if attempt.outcome.is_out_of_memory() {
+            if self.fitted.is_some_and(|fitted| size <= fitted) {
+                // A size at or below one that fitted fails now: the memory is not what it was,
+                // and the figures measured before say nothing of it.
+                self.points.clear();
+                self.used_at_start = None;
+                self.fitted = None;
+            }
+            if self.reprobing.take().is_some_and(|retried| size >= retried) {
+                // The limit is still there: wait twice as long before the next try.
+                self.patience = self.patience.saturating_mul(2);
+            }
+            let needed = needed_at_least(attempt);
+            self.failure = match self.failure {
+                Some(known) if known.size <= size => Some(known),
+                _ => Some(Failure {
+                    size,
+                    needed,
+                    held: 0,
+                }),
+            };
+        }
+    }
+
+    /// A step (or chunk) is done: a remembered failure has held growth back once more.
+    pub(crate) fn advance(&mut self) {
+        if let Some(failure) = self.failure.as_mut() {
+            failure.held += 1;
+            if failure.held >= self.patience {
+                // Long enough below it: that failure may have been the moment's.
+                self.reprobing = Some(failure.size);
+                self.failure = None;
+            }
+        }
+    }
+
+    /// The largest size the figures say fits, below every size that failed; `None` without
+    /// figures to say it.
+    pub(crate) fn limit(&self) -> Option<usize> {
+        if !self.enabled {
+            return None;
+        }
+        let failure = self
+            .failure
+            .and_then(|failure| Some((failure.size, failure.needed?)));
+        let fit = MemoryFit::from_points(&self.points, failure).or_else(|| {
+            // One size: the line through the memory in use before it.
+            let [only] = self.points.as_slice() else {
+                return None;
+            };
+            MemoryFit::through_start(*only, self.used_at_start?)
+        })?;
+        let limit = fit.limit()?;
+        Some(match self.failure {
+            Some(failure) => limit.min(failure.size.saturating_sub(1)),
+            None => limit,
+        })
+    }
+
+    /// The micro size for a step of `length` samples when it takes fewer passes than
+    /// `running`, the size it would run otherwise; `None` when the figures promise no fewer.
+    pub(crate) fn fewer_passes(&self, length: usize, running: usize) -> Option<usize> {
+        if length == 0 || running == 0 {
+            return None;
+        }
+        let limit = self.limit()?.min(length);
+        let passes_now = length.div_ceil(running.min(length));
+        (limit > 0 && length.div_ceil(limit) < passes_now).then(|| even_micro(length, limit))
+    }
+
+    /// The next chunk's budget when the figures say a larger one fits: at least 1/16 larger, so
+    /// that rounding never makes the size wander.
+    pub(crate) fn larger_budget(&self, running: usize) -> Option<usize> {
+        let limit = self.limit()?;
+        (limit > running.saturating_add(running / 16)).then_some(limit)
+    }
+}
+
+/// The largest micro-batch when `length` samples run in the fewest passes of at most `size`,
+/// split evenly: at most `size`, and `length` itself when `size` covers it. A `size` or a
+/// `length` of 0 is returned as it is (the engine refuses a size of 0 with its own reason).
+pub(crate) fn even_micro(length: usize, size: usize) -> usize {
+    if length == 0 || size == 0 {
+        return size;
+    }
+    let passes = length.div_ceil(size.min(length));
+    length.div_ceil(passes)
+}
+
+/// A step's policy whose first attempt is a growth attempt: when it runs out of memory, the
+/// size that fitted before runs next (the step is redone in place), not a guess from the
+/// failure; everything else is the inner policy's.
+#[derive(Debug)]
+pub(crate) struct Probing<P> {
+    inner: P,
+    /// The size tried first and the size that fitted before it.
+    probe: Option<(usize, usize)>,
+    /// The runner learns from the figures of each success.
+    learning: bool,
+}
+
+impl<P> Probing<P> {
+    pub(crate) fn new(inner: P, probe: Option<(usize, usize)>, learning: bool) -> Self {
+        Probing {
+            inner,
+            probe,
+            learning,
+        }
+    }
+}
+
+impl<P: SizePolicy> SizePolicy for Probing<P> {
+    fn first(&mut self, starting: usize) -> Decision {
+        self.inner.first(starting)
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        if let (Some((probe, fitted)), Some(last)) = (self.probe.take(), history.last()) {
+            if history.len() == 1
+                && last.batch_size == probe
+                && last.outcome.is_out_of_memory()
+                && fitted < probe
+            {
+                return Decision::Try(fitted);
+            }
+        }
+        self.inner.after(history)
+    }
+
+    fn ended_by_failure(&mut self, history: &SearchReport) {
+        self.inner.ended_by_failure(history)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.inner.check()
+    }
+
+    fn accepts_every_success(&self) -> bool {
+        self.inner.accepts_every_success()
+    }
+
+    fn each_success_is_new_work(&self) -> bool {
+        self.inner.each_success_is_new_work()
+    }
+
+    /// The figures of each step's success are what the runner learns from: one reading of
+    /// the allocator's counters (no synchronize), only where it learns.
+    fn reads_memory_after_success(&self) -> bool {
+        self.learning || self.inner.reads_memory_after_success()
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.inner.rationale()
+    }
+
+    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
+        self.inner.no_size_left(reason, history)
+    }
+
+    fn settings(&self) -> Option<String> {
+        self.inner.settings()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::memory::{DeviceMemory, MemorySnapshot};
+    use crate::record::Outcome;
+
+    /// An attempt on a device of 10 000 bytes with `start` bytes live before it and a peak of
+    /// `peak` (a success) or a failure asking for `requested` at that peak.
+    fn attempt(size: usize, start: u64, peak: u64, outcome: Outcome) -> Attempt {
+        let reading = |peak: u64| MemorySnapshot {
+            devices: vec![DeviceMemory {
+                device: "sim".to_owned(),
+                total: 10_000,
+                free: 10_000 - start,
+                pool_reserved: Some(start),
+                pool_used: Some(start),
+                peak: Some(peak),
+            }],
+        };
+        Attempt {
+            number: 1,
+            batch_size: size,
+            outcome,
+            duration: Default::default(),
+            memory_at_start: Some(reading(start)),
+            memory_at_end: Some(reading(peak)),
+            memory_after_release: None,
+            requested: None,
+            rationale: None,
+            settings: None,
+        }
+    }
+
+    fn ran(size: usize, start: u64, peak: u64) -> Attempt {
+        attempt(size, start, peak, Outcome::Succeeded)
+    }
+
+    fn failed(size: usize, start: u64, peak: u64) -> Attempt {
+        attempt(
+            size,
+            start,
+            peak,
+            Outcome::OutOfMemory {
+                error: "out of memory".to_owned(),
+            },
+        )
+    }
+
+    #[test]
+    fn two_sizes_find_the_fewest_passes() {
+        // 1000 bytes fixed, 30 a sample: 300 fit. A step of 1024 at 128 takes 8 passes.
+        let mut learned = Convergence::new(true);
+        learned.learn(&ran(128, 1000, 1000 + 128 * 30), 128);
+        learned.learn(&ran(64, 1000, 1000 + 64 * 30), 64);
+        assert_eq!(learned.limit(), Some(300));
+        // 4 passes of 256 (300 would still take 4).
+        assert_eq!(learned.fewer_passes(1024, 128), Some(256));
+        assert_eq!(learned.fewer_passes(1024, 256), None);
+    }
+
+    #[test]
+    fn one_size_guesses_low_where_state_appears_at_the_first_step() {
+        // Weights 1000 in use before; the first step allocates 2000 of state and 30 a sample.
+        let mut learned = Convergence::new(true);
+        learned.learn(&ran(100, 1000, 3000 + 100 * 30), 100);
+        let guess = learned.limit().unwrap();
+        assert!(guess < (10_000 - 3000) / 30 && guess > 100, "{guess}");
+    }
+
+    #[test]
+    fn a_failure_caps_and_is_tried_again_later() {
+        let mut learned = Convergence::new(true);
+        learned.learn(&ran(64, 1000, 1000 + 64 * 30), 64);
+        learned.learn(&ran(128, 1000, 1000 + 128 * 30), 128);
+        learned.learn(&failed(250, 1000, 9000), 250);
+        assert!(learned.limit().unwrap() < 250);
+        for _ in 0..REPROBE_AFTER - 1 {
+            learned.advance();
+            assert!(learned.limit().unwrap() < 250);
+        }
+        learned.advance();
+        assert_eq!(learned.limit(), Some(300), "forgotten: tried once more");
+        // It fails again: twice as long before the next try.
+        learned.learn(&failed(250, 1000, 9000), 250);
+        for _ in 0..2 * REPROBE_AFTER - 1 {
+            learned.advance();
+            assert!(learned.limit().unwrap() < 250);
+        }
+    }
+
+    #[test]
+    fn a_size_that_fitted_and_fails_makes_the_figures_stale() {
+        let mut learned = Convergence::new(true);
+        learned.learn(&ran(64, 1000, 1000 + 64 * 30), 64);
+        learned.learn(&ran(128, 1000, 1000 + 128 * 30), 128);
+        assert_eq!(learned.fitted(), Some(128));
+        // Another process took 4000 bytes: 128 no longer fits.
+        learned.learn(&failed(128, 5000, 9900), 128);
+        assert_eq!(learned.fitted(), None);
+        assert_eq!(learned.limit(), None);
+        learned.learn(&ran(96, 5000, 5000 + 96 * 30), 96);
+        assert_eq!(learned.fitted(), Some(96));
+        assert!(learned.limit().unwrap() < 128);
+    }
+
+    #[test]
+    fn nothing_is_proposed_when_off_or_without_figures() {
+        let mut off = Convergence::new(false);
+        off.learn(&ran(64, 1000, 1000 + 64 * 30), 64);
+        off.learn(&ran(128, 1000, 1000 + 128 * 30), 128);
+        assert_eq!(off.limit(), None);
+        assert_eq!(off.fitted(), Some(128));
+        let mut blind = Convergence::new(true);
+        let mut no_figures = ran(64, 0, 0);
+        no_figures.memory_at_start = None;
+        no_figures.memory_at_end = None;
+        blind.learn(&no_figures, 64);
+        assert_eq!(blind.limit(), None);
+        assert_eq!(blind.fitted(), Some(64));
+    }
+
+    #[test]
+    fn the_even_split_keeps_the_fewest_passes() {
+        assert_eq!(even_micro(1024, 237), 205);
+        assert_eq!(even_micro(256, 212), 128);
+        assert_eq!(even_micro(100, 1000), 100);
+    }
+}

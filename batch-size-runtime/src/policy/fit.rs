@@ -1,0 +1,252 @@
+//! Memory against the batch size, from what attempts measured: the tuner's trials and the
+//! steps and chunks of the runners that learn as they run ([`converge`](super::converge)).
+//!
+//! An attempt's figures are what the allocator already counts: the bytes in use outside the
+//! pool before it, and the pool's peak during it (CUDA's `USED_MEM_HIGH`, the simulated
+//! device's peak). No synchronize is needed to read them.
+
+use crate::record::{Attempt, SearchReport};
+
+/// Bytes in use during a successful attempt (what was in use outside the pool before it, plus
+/// the pool's peak), and the device's bytes.
+pub(crate) fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
+    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
+    let end = attempt.memory_at_end.as_ref()?.devices.first()?;
+    let outside = start
+        .total
+        .saturating_sub(start.free)
+        .saturating_sub(start.pool_reserved.unwrap_or(0));
+    Some((outside.saturating_add(end.peak?), end.total))
+}
+
+/// Bytes in use when the attempt started (outside the pool, plus what the pool held live),
+/// where the pool says what it held live: the part of an attempt's memory that its size did
+/// not allocate.
+pub(crate) fn used_at_start(attempt: &Attempt) -> Option<u64> {
+    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
+    let outside = start
+        .total
+        .saturating_sub(start.free)
+        .saturating_sub(start.pool_reserved.unwrap_or(0));
+    Some(outside.saturating_add(start.pool_used?))
+}
+
+/// What a failed attempt is known to have needed at least: what was in use outside the pool
+/// before it, the pool's peak before the allocation that failed, and what that allocation asked
+/// for. A failure part-way through the step knows only part of it: a lower bound.
+pub(crate) fn needed_at_least(attempt: &Attempt) -> Option<u64> {
+    let (peak, _) = peak_bytes(attempt)?;
+    Some(peak.saturating_add(attempt.requested.unwrap_or(0)))
+}
+
+/// One size that ran, with the bytes in use at its peak and the device's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Point {
+    pub(crate) size: usize,
+    pub(crate) peak: u64,
+    pub(crate) total: u64,
+}
+
+/// Memory against the batch size: the line through two successful attempts, bent upwards
+/// just enough to reach what the smallest failure above them needed (attention's size² shows
+/// there, not in two small sizes). It predicts the size that fills the device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct MemoryFit {
+    /// The largest successful size and its peak, in bytes.
+    size: f64,
+    peak: f64,
+    /// Bytes a sample, between the two successes.
+    per_sample: f64,
+    /// The bend: bytes times (s - lower)(s - size), zero for a straight line.
+    curvature: f64,
+    /// The smaller success the line runs through.
+    lower: f64,
+    /// The device's bytes.
+    total: f64,
+}
+
+impl MemoryFit {
+    /// The fit to `history`'s attempts at or below `largest`, the largest success (see
+    /// [`from_points`](Self::from_points)); the smallest failure above `largest` bends it.
+    pub(crate) fn new(history: &SearchReport, largest: usize) -> Option<Self> {
+        let points: Vec<Point> = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size <= largest)
+            .filter_map(|attempt| {
+                let (peak, total) = peak_bytes(attempt)?;
+                Some(Point {
+                    size: attempt.batch_size,
+                    peak,
+                    total,
+                })
+            })
+            .collect();
+        let failure = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > largest)
+            .filter_map(|attempt| Some((attempt.batch_size, needed_at_least(attempt)?)))
+            .min_by_key(|(size, _)| *size);
+        Self::from_points(&points, failure)
+    }
+
+    /// The line through the largest point and the largest at most half of it (the slope over a
+    /// wide span is not lost in an allocator's rounding), or the next largest where there is
+    /// none; the highest peak where a size ran more than once (noise counts against the fit).
+    /// `failure`, a size above every point with the bytes it needed at least, bends the line
+    /// up to reach it (a part-way failure shows less than it needed and bends it less: the fit
+    /// still predicts a size below that failure). `None` without two sizes whose peak grows.
+    pub(crate) fn from_points(points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
+        let mut peaks = points.to_vec();
+        peaks.sort_by(|a, b| a.size.cmp(&b.size).then(b.peak.cmp(&a.peak)));
+        peaks.dedup_by_key(|point| point.size);
+        let top = *peaks.last()?;
+        let lower = peaks
+            .iter()
+            .rev()
+            .find(|smaller| smaller.size.saturating_mul(2) <= top.size)
+            .or_else(|| peaks.iter().rev().nth(1))?;
+        Self::line(
+            (lower.size as f64, lower.peak as f64),
+            (top.size as f64, top.peak as f64),
+            top.total as f64,
+            failure,
+        )
+    }
+
+    /// The line through the bytes in use before the attempt (at size 0) and its peak: all that
+    /// the attempt allocated is counted as growing with its size. Where part of it does not
+    /// (gradients and optimizer state allocated at the first step), the line is steeper than
+    /// the truth and predicts less than fits: a safe first guess, which the next size corrects.
+    pub(crate) fn through_start(point: Point, used_at_start: u64) -> Option<Self> {
+        if point.size == 0 || used_at_start >= point.peak {
+            return None;
+        }
+        Self::line(
+            (0.0, used_at_start as f64),
+            (point.size as f64, point.peak as f64),
+            point.total as f64,
+            None,
+        )
+    }
+
+    fn line(
+        (lower_size, lower_peak): (f64, f64),
+        (size, peak): (f64, f64),
+        total: f64,
+        failure: Option<(usize, u64)>,
+    ) -> Option<Self> {
+        let per_sample = (peak - lower_peak) / (size - lower_size);
+        if !(per_sample.is_finite() && per_sample > 0.0 && size > lower_size) {
+            return None;
+        }
+        let mut fit = MemoryFit {
+            size,
+            peak,
+            per_sample,
+            curvature: 0.0,
+            lower: lower_size,
+            total,
+        };
+        if let Some((failed, needed)) = failure.filter(|&(failed, _)| failed as f64 > size) {
+            let failed = failed as f64;
+            let span = (failed - lower_size) * (failed - size);
+            let bend = (needed as f64 - fit.bytes(failed)) / span;
+            if bend.is_finite() && bend > 0.0 {
+                fit.curvature = bend;
+            }
+        }
+        Some(fit)
+    }
+
+    /// The bytes the fit predicts at `size`.
+    pub(crate) fn bytes(&self, size: f64) -> f64 {
+        let above = size - self.size;
+        self.peak + self.per_sample * above + self.curvature * (size - self.lower) * above
+    }
+
+    /// The largest size whose predicted bytes fit the device.
+    pub(crate) fn limit(&self) -> Option<usize> {
+        self.limit_within(self.total)
+    }
+
+    /// The largest size whose predicted bytes fit in `bytes`.
+    pub(crate) fn limit_within(&self, bytes: f64) -> Option<usize> {
+        let room = bytes - self.peak;
+        if room <= 0.0 {
+            return Some(self.size as usize);
+        }
+        // c·u² + b·u = room, with u the samples above the largest success; written so that a
+        // straight line (c = 0) divides without cancelling.
+        let slope = self.per_sample + self.curvature * (self.size - self.lower);
+        let above = 2.0 * room / (slope + (slope * slope + 4.0 * self.curvature * room).sqrt());
+        let limit = (self.size + above).floor();
+        (limit.is_finite() && limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn point(size: usize, peak: u64) -> Point {
+        Point {
+            size,
+            peak,
+            total: 10_000,
+        }
+    }
+
+    #[test]
+    fn a_straight_line_predicts_the_size_that_fills_the_device() {
+        // 1000 bytes fixed, 30 a sample: 300 samples fill 10 000 bytes.
+        let fit = MemoryFit::from_points(&[point(64, 2920), point(128, 4840)], None).unwrap();
+        assert_eq!(fit.limit(), Some(300));
+        assert_eq!(fit.bytes(200.0), 7000.0);
+        assert_eq!(fit.limit_within(7000.0), Some(200));
+    }
+
+    #[test]
+    fn the_highest_peak_of_a_size_counts_and_the_wide_span_is_preferred() {
+        let noisy = [
+            point(64, 2920),
+            point(128, 4840),
+            point(128, 4900),
+            point(120, 4600),
+        ];
+        let fit = MemoryFit::from_points(&noisy, None).unwrap();
+        // Through (64, 2920) and (128, 4900): never more than the noisiest reading allows.
+        assert!(fit.limit().unwrap() < 300);
+        assert_eq!(fit.bytes(128.0), 4900.0);
+    }
+
+    #[test]
+    fn a_failure_above_bends_the_line_below_it() {
+        // Linear from 64 and 128 says 300 fit; 250 failed needing 10 500 bytes.
+        let fit = MemoryFit::from_points(&[point(64, 2920), point(128, 4840)], Some((250, 10_500)))
+            .unwrap();
+        let limit = fit.limit().unwrap();
+        assert!(limit < 250 && limit > 128, "{limit}");
+        assert!((fit.bytes(250.0) - 10_500.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn no_fit_without_a_peak_that_grows() {
+        assert_eq!(MemoryFit::from_points(&[point(64, 5000)], None), None);
+        assert_eq!(
+            MemoryFit::from_points(&[point(64, 5000), point(128, 5000)], None),
+            None
+        );
+        assert_eq!(MemoryFit::through_start(point(64, 5000), 5000), None);
+    }
+
+    #[test]
+    fn the_line_through_the_start_is_never_above_the_truth_where_state_is_allocated_late() {
+        // 1000 bytes of weights in use before the first step; the step allocates 2000 bytes of
+        // gradients once and 30 a sample: at 100, a peak of 6000.
+        let first = MemoryFit::through_start(point(100, 6000), 1000).unwrap();
+        let truth = (10_000 - 3000) / 30; // 233 samples
+        let guess = first.limit().unwrap();
+        assert!(guess <= truth && guess >= 150, "{guess}");
+    }
+}
