@@ -199,6 +199,8 @@ fn one_size() {
 /// without it.
 const SAMPLES: usize = 1024;
 
+// tch's `From<Tensor> for Vec` panics on failure; `try_from` returns the error to the runner.
+#[allow(clippy::unnecessary_fallible_conversions)]
 fn effective_and_chunked(model: &mut Mlp, limited: bool) -> (f64, Vec<f32>) {
     let release = if limited {
         Release::host()
