@@ -430,15 +430,19 @@ impl Search<'_> {
                 self.finish();
             }
             Next::Size(next) => {
-                // Another attempt follows a success (a tuner, chunks): it starts, as after a
-                // failure, from released memory, so that a pool's cache is not counted twice
-                // and its readings are its own.
-                if let Err(release_error) = self.release.release() {
-                    tracing::warn!(
-                        function = self.label,
-                        error = %release_error,
-                        "could not release device memory before the next attempt"
-                    );
+                // A tuner's next trial runs the same work at another size: it starts, as after
+                // a failure, from released memory, so that a pool's cache is not counted twice
+                // and its readings are its own. The next chunk or step is new work and keeps
+                // the pool: a synchronize drains the queue and a trim makes the next chunk
+                // allocate from the driver again, for nothing.
+                if !self.policy.each_success_is_new_work() {
+                    if let Err(release_error) = self.release.release() {
+                        tracing::warn!(
+                            function = self.label,
+                            error = %release_error,
+                            "could not release device memory before the next attempt"
+                        );
+                    }
                 }
                 tracing::debug!(
                     function = self.label,
