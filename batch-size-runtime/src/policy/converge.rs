@@ -189,11 +189,11 @@ impl Convergence {
         (limit > 0 && length.div_ceil(limit) < passes_now).then(|| even_micro(length, limit))
     }
 
-    /// The next chunk's budget when the figures say a larger one fits: at least 1/16 larger, so
-    /// that rounding never makes the size wander.
+    /// The next chunk's budget when the figures say a larger one fits: at least 1/32 larger, so
+    /// that an allocator's rounding never makes the size wander.
     pub(crate) fn larger_budget(&self, running: usize) -> Option<usize> {
         let limit = self.limit()?;
-        (limit > running.saturating_add(running / 16)).then_some(limit)
+        (limit > running.saturating_add(running / 32)).then_some(limit)
     }
 }
 

@@ -27,7 +27,7 @@ use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
 use crate::error::StopReason;
 use crate::memory::Release;
-use crate::policy::{GrowBack, Guided, Reduction};
+use crate::policy::{Convergence, GrowBack, Guided, Reduction};
 use crate::record;
 
 mod attempt;
@@ -117,8 +117,9 @@ type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 /// - first chunk: all the items (`with_starting`);
 /// - minimum: 1 item (or cost unit), no maximum;
 /// - sizes after an out-of-memory chunk: the guided policy, `with_factor` for a fixed factor;
-/// - growing back: after 4 clean chunks, double, and halfway to the smallest size that failed
-///   where doubling would reach it (`with_grow_after`; 0 never grows);
+/// - growing: with a release that reads figures, toward the largest chunk they say fits
+///   (`with_convergence`); without, after 4 clean chunks, double while twice the size stays
+///   below the smallest size that failed (`with_grow_after`; 0 never grows);
 /// - release: [`Release::cuda()`].
 pub struct Chunked<'r> {
     total: usize,
@@ -128,6 +129,7 @@ pub struct Chunked<'r> {
     release: Option<Release>,
     shrink: Reduction<'r>,
     grow_after: usize,
+    learn: bool,
     cost: Option<Cost<'r>>,
     notify: Option<Notify<'r>>,
     chunks: Vec<ChunkRecord>,
@@ -162,6 +164,7 @@ impl<'r> Chunked<'r> {
             release: None,
             shrink: Reduction::default(),
             grow_after: 4,
+            learn: true,
             cost: None,
             notify: None,
             chunks: Vec::new(),
@@ -269,6 +272,37 @@ impl<'r> Chunked<'r> {
     /// ```
     pub fn with_grow_after(mut self, successes: usize) -> Self {
         self.grow_after = successes;
+        self
+    }
+
+    /// Whether the chunk size moves toward the largest chunk that fits, from what each chunk
+    /// measured (default: on): with a release that reads figures (CUDA's pool counters, a
+    /// [`SimulatedDevice`](crate::SimulatedDevice)), each chunk's peak and the memory in use
+    /// before it fit memory against the chunk's cost, and the next chunk grows to the size the
+    /// fit says fills the device, when that is at least 1/32 larger. A larger chunk that runs
+    /// out of memory is redone at the size that fitted, and that size is not tried again for
+    /// 16 chunks (32, 64, ... while it keeps failing). One reading of the allocator's counters
+    /// after each chunk: no synchronize, no trim. Without figures, or off, chunks grow back by
+    /// doubling ([`with_grow_after`](Self::with_grow_after)).
+    ///
+    /// ```
+    /// use batch_size_runtime::{Chunked, SimulatedDevice};
+    ///
+    /// let device = SimulatedDevice::new(10_000);
+    /// let mut chunked = Chunked::new(10_000).with_starting(100).with_release(device.clone());
+    /// chunked.for_each(|items| -> anyhow::Result<()> {
+    ///     let _activations = device.alloc(items.len() as u64 * 40)?; // 250 items fit
+    ///     Ok(())
+    /// })?;
+    /// let sizes: Vec<usize> = chunked.chunks().iter().map(|chunk| chunk.range.len()).collect();
+    /// assert_eq!(&sizes[..3], [100, 250, 250]);
+    ///
+    /// let doubling = Chunked::new(10_000).with_convergence(false);
+    /// # let _ = doubling;
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_convergence(mut self, learn: bool) -> Self {
+        self.learn = learn;
         self
     }
 
@@ -531,6 +565,9 @@ impl<'r> Chunked<'r> {
             inner,
             run: Arc::clone(&run),
             grow: GrowBack::new(self.grow_after, self.max.unwrap_or(usize::MAX)),
+            convergence: Convergence::new(self.learn),
+            probing: None,
+            max: self.max.unwrap_or(usize::MAX),
             agreement: self.agreement.clone(),
         };
         let mut search = BatchSizeSearch::new(starting)

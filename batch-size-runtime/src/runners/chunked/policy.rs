@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use super::progress::{lock, Run};
 use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
 use crate::error::StopReason;
-use crate::policy::{Decision, GrowBack, SizePolicy};
+use crate::policy::{Convergence, Decision, GrowBack, SizePolicy};
 use crate::record::{Outcome, SearchReport};
 
 /// The policy of one chunked run: the next chunk after each success, a smaller one after an
@@ -16,6 +16,12 @@ pub(super) struct ChunkPolicy<'r, P> {
     pub(super) inner: P,
     pub(super) run: Arc<Mutex<Run>>,
     pub(super) grow: GrowBack,
+    /// What the chunks measured, and the chunk the figures say fills the device.
+    pub(super) convergence: Convergence,
+    /// The larger chunk being tried, and the size that fitted before it.
+    pub(super) probing: Option<(usize, usize)>,
+    /// No chunk above this (`with_max`).
+    pub(super) max: usize,
     /// The other ranks whose chunks run in step with these.
     pub(super) agreement: Option<Arc<dyn Collective + 'r>>,
 }
@@ -50,6 +56,12 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
 
     fn rationale(&self) -> Option<String> {
         self.inner.rationale()
+    }
+
+    /// The figures of each chunk are what its size converges by: one reading of the
+    /// allocator's counters after it, no synchronize.
+    fn reads_memory_after_success(&self) -> bool {
+        self.convergence.is_enabled() || self.inner.reads_memory_after_success()
     }
 
     /// Each chunk after a success holds other items: a chunk that ran out of memory earlier
@@ -137,12 +149,22 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
+        let (items, cost) = {
+            let run = lock(&self.run);
+            (run.progress.current.len(), run.progress.current_cost)
+        };
+        // Memory goes with what the chunk held: its cost, not the budget it was packed to
+        // (the last chunk of a run holds less).
+        self.convergence
+            .learn(last, usize::try_from(cost).unwrap_or(usize::MAX));
+        let probed = self.probing.take();
         if last.outcome != Outcome::Succeeded {
             self.grow.failed(last.batch_size);
-            let (items, cost) = {
-                let run = lock(&self.run);
-                (run.progress.current.len(), run.progress.current_cost)
-            };
+            if let Some((_, fitted)) = probed.filter(|&(probe, _)| probe == last.batch_size) {
+                // A larger chunk than the figures had seen run did not fit: the size that
+                // fitted, at once.
+                return Decision::Try(fitted);
+            }
             if items <= 1 {
                 // Every budget packs this one item: no smaller chunk exists.
                 return Decision::Stop(StopReason::Policy(
@@ -168,6 +190,17 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
         if done {
             return Decision::Accept;
         }
-        Decision::Try(self.grow.succeeded(last.batch_size))
+        self.convergence.advance();
+        let grown = self.grow.succeeded(last.batch_size);
+        match self.convergence.larger_budget(last.batch_size) {
+            Some(limit) if limit.min(self.max) > last.batch_size => {
+                let probe = limit.min(self.max);
+                self.probing = Some((probe, last.batch_size));
+                Decision::Try(probe)
+            }
+            // With figures the fit decides; doubling is for runs without.
+            _ if self.convergence.limit().is_some() => Decision::Try(last.batch_size),
+            _ => Decision::Try(grown),
+        }
     }
 }
