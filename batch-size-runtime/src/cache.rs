@@ -217,6 +217,14 @@ fn write_entry(file: &Path, entry: &CacheEntry) -> std::io::Result<()> {
     })()
 }
 
+impl<P> Cached<P> {
+    /// Tells a hit to `hit`, which the search reads into its report.
+    pub(crate) fn telling(mut self, hit: HitSlot) -> Self {
+        self.hit = hit;
+        self
+    }
+}
+
 impl<P: SizePolicy> Cached<P> {
     /// The cache around `inner`, for a search of `label` from `starting` (no size below `min`),
     /// over the device `release` reads.
@@ -228,7 +236,6 @@ impl<P: SizePolicy> Cached<P> {
         min: usize,
         release: &Release,
         remedies: Option<Arc<dyn LadderControl>>,
-        hit: HitSlot,
     ) -> Self {
         let memory = release.memory_backend().memory();
         let (device, total) = memory
@@ -300,7 +307,7 @@ impl<P: SizePolicy> Cached<P> {
             entry,
             free_now,
             label,
-            hit,
+            hit: HitSlot::default(),
             from_cache: false,
             warned,
             remedies,

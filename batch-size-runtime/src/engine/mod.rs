@@ -733,8 +733,8 @@ impl<'r> BatchSizeSearch<'r> {
                 settings.min,
                 release,
                 remedies,
-                hit,
-            );
+            )
+            .telling(hit);
             settings.policy = ActivePolicy::Custom(Box::new(cached));
         }
         if let Some(collective) = agreement {

@@ -23,7 +23,7 @@
 //! attempt would be a blind guess paid for with an out-of-memory pass, so the runners keep the
 //! size that fitted unless asked to grow back ([`GrowBack`](super::GrowBack)).
 
-use super::fit::{needed_at_least, peak_bytes, used_at_start, MemoryFit, Point};
+use super::fit::{needed_at_least, peak_bytes, used_at_end, used_at_start, MemoryFit, Point};
 use super::{Decision, SizePolicy};
 use crate::error::StopReason;
 use crate::record::{Attempt, SearchReport};
@@ -51,7 +51,10 @@ pub(crate) struct Convergence {
     enabled: bool,
     /// The latest figures of each size that ran (the most recent peak: the state in force).
     points: Vec<Point>,
-    /// Bytes in use before the latest success with figures.
+    /// A step that allocated state it keeps: its peak with that state, until a step measures
+    /// it.
+    estimate: Option<Point>,
+    /// Bytes in use before the next step, as the latest success with figures left them.
     used_at_start: Option<u64>,
     /// The largest size that ran since the figures were last made stale.
     fitted: Option<usize>,
@@ -68,6 +71,7 @@ impl Convergence {
         Convergence {
             enabled,
             points: Vec::new(),
+            estimate: None,
             used_at_start: None,
             fitted: None,
             failure: None,
@@ -104,8 +108,28 @@ impl Convergence {
                 self.patience = REPROBE_AFTER;
             }
             if let Some((peak, total)) = peak_bytes(attempt) {
-                self.points.retain(|point| point.size != size);
-                self.points.push(Point { size, peak, total });
+                let (before, after) = (used_at_start(attempt), used_at_end(attempt));
+                let kept = after
+                    .zip(before)
+                    .map_or(0, |(after, before)| after.saturating_sub(before));
+                if kept > 0 {
+                    // The step allocated state it keeps (gradients at the first backward, an
+                    // optimizer's moments at the first step): every step after it holds that
+                    // too. The figures and sizes from before are stale. Until a step measures
+                    // it, the peak is guessed with the state added, in case it came after the
+                    // peak (an overcount where it came before: a guess on the low side).
+                    self.points.clear();
+                    self.fitted = Some(size);
+                    self.estimate = Some(Point {
+                        size,
+                        peak: peak.saturating_add(kept),
+                        total,
+                    });
+                } else {
+                    self.estimate = None;
+                    self.points.retain(|point| point.size != size);
+                    self.points.push(Point { size, peak, total });
+                }
                 if self.points.len() > KEPT_POINTS {
                     // The oldest goes, but never the largest: it anchors the fit.
                     let largest = self.points.iter().map(|point| point.size).max();
@@ -117,13 +141,15 @@ impl Convergence {
                         self.points.remove(index);
                     }
                 }
-                self.used_at_start = used_at_start(attempt);
+                // The next step starts with what this one left in use.
+                self.used_at_start = after.or(before);
             }
         } else if attempt.outcome.is_out_of_memory() {
             if self.fitted.is_some_and(|fitted| size <= fitted) {
                 // A size at or below one that fitted fails now: the memory is not what it was,
                 // and the figures measured before say nothing of it.
                 self.points.clear();
+                self.estimate = None;
                 self.used_at_start = None;
                 self.fitted = None;
             }
@@ -166,16 +192,32 @@ impl Convergence {
             .and_then(|failure| Some((failure.size, failure.needed?)));
         let fit = MemoryFit::from_points(&self.points, failure).or_else(|| {
             // One size: the line through the memory in use before it.
-            let [only] = self.points.as_slice() else {
-                return None;
+            let only = match self.points.as_slice() {
+                [only] => *only,
+                [] => self.estimate?,
+                _ => return None,
             };
-            MemoryFit::through_start(*only, self.used_at_start?)
+            MemoryFit::through_start(only, self.used_at_start?)
         })?;
         let limit = fit.limit()?;
         Some(match self.failure {
             Some(failure) => limit.min(failure.size.saturating_sub(1)),
             None => limit,
         })
+    }
+
+    /// The micro size a step of `length` samples starts at, from `kept`, the size that fitted:
+    /// the fewest passes the figures say fit where they say fewer than `kept`'s (a growth
+    /// attempt), or more where they say `kept` no longer fits (state a step allocated and kept
+    /// since): `Some((size, true))` for a growth attempt, `(size, false)` otherwise.
+    pub(crate) fn start(&self, length: usize, kept: usize) -> (usize, bool) {
+        if let Some(size) = self.fewer_passes(length, kept) {
+            return (size, true);
+        }
+        match self.limit() {
+            Some(limit) if limit > 0 && limit < kept => (even_micro(length, limit), false),
+            _ => (kept, false),
+        }
     }
 
     /// The micro size for a step of `length` samples when it takes fewer passes than

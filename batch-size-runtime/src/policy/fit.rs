@@ -23,12 +23,21 @@ pub(crate) fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
 /// where the pool says what it held live: the part of an attempt's memory that its size did
 /// not allocate.
 pub(crate) fn used_at_start(attempt: &Attempt) -> Option<u64> {
-    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
-    let outside = start
+    in_use(attempt.memory_at_start.as_ref()?.devices.first()?)
+}
+
+/// Bytes still in use when a successful attempt ended: what the next one starts with (the
+/// weights, and state the attempt allocated and kept: gradients, an optimizer's moments).
+pub(crate) fn used_at_end(attempt: &Attempt) -> Option<u64> {
+    in_use(attempt.memory_at_end.as_ref()?.devices.first()?)
+}
+
+fn in_use(reading: &crate::memory::DeviceMemory) -> Option<u64> {
+    let outside = reading
         .total
-        .saturating_sub(start.free)
-        .saturating_sub(start.pool_reserved.unwrap_or(0));
-    Some(outside.saturating_add(start.pool_used?))
+        .saturating_sub(reading.free)
+        .saturating_sub(reading.pool_reserved.unwrap_or(0));
+    Some(outside.saturating_add(reading.pool_used?))
 }
 
 /// What a failed attempt is known to have needed at least: what was in use outside the pool
@@ -173,7 +182,9 @@ impl MemoryFit {
     pub(crate) fn limit_within(&self, bytes: f64) -> Option<usize> {
         let room = bytes - self.peak;
         if room <= 0.0 {
-            return Some(self.size as usize);
+            // The largest point is over (its state grew since it ran): back along the line.
+            let below = (self.size + room / self.per_sample).floor();
+            return (below.is_finite() && below >= 1.0).then_some(below as usize);
         }
         // c·u² + b·u = room, with u the samples above the largest success; written so that a
         // straight line (c = 0) divides without cancelling.

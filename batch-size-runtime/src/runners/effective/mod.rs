@@ -569,11 +569,11 @@ impl<'r> EffectiveBatch<'r> {
             .max(1);
         let kept = even_micro(length, kept);
         // With figures, a step that needs fewer passes starts at that size: a growth attempt,
-        // followed by the size kept if it runs out of memory.
-        let probe = self
-            .convergence
-            .fewer_passes(length, kept)
-            .filter(|&probe| probe > kept);
+        // followed by the size kept if it runs out of memory. Where they say the size kept no
+        // longer fits (the last step allocated state it keeps), the step starts below it.
+        let (start, growing) = self.convergence.start(length, kept);
+        let probe = growing.then_some(start).filter(|&probe| probe > kept);
+        let kept = if growing { kept } else { start };
         self.probing = probe;
         let mut search = BatchSizeSearch::new(probe.unwrap_or(kept))
             .with_label("effective_batch")
