@@ -47,4 +47,18 @@ pub struct FakeCudaCounters {
     pub contexts_created: u64,
     /// Whether `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` is 1.
     pub memory_pools_supported: u64,
+    /// `cuMemGetInfo_v2` calls answered for this device (its context current).
+    pub mem_get_infos: u64,
+    /// `cuMemPoolGetAttribute` calls on the device's pool, whatever the attribute.
+    pub pool_attribute_reads: u64,
+    /// `cuMemPoolSetAttribute` calls on the device's pool, whatever the attribute.
+    pub pool_attribute_writes: u64,
+}
+
+impl FakeCudaCounters {
+    /// The memory queries so far: `cuMemGetInfo_v2` calls and pool attribute reads and writes.
+    #[allow(dead_code)]
+    pub fn memory_queries(&self) -> u64 {
+        self.mem_get_infos + self.pool_attribute_reads + self.pool_attribute_writes
+    }
 }

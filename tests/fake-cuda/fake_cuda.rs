@@ -1284,8 +1284,9 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
 /// `free` and `total` are null or valid for writes.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    code(enter("cuMemGetInfo_v2").and_then(|state| {
+    code(enter("cuMemGetInfo_v2").and_then(|mut state| {
         let index = state.current_device()?;
+        state.devices[index].counters.mem_get_infos += 1;
         let counters = &state.devices[index].counters;
         let free_bytes = usize::try_from(counters.free).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         let total_bytes =
@@ -1335,8 +1336,9 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
     attribute: c_uint,
     value: *mut c_void,
 ) -> CUresult {
-    code(enter("cuMemPoolGetAttribute").and_then(|state| {
+    code(enter("cuMemPoolGetAttribute").and_then(|mut state| {
         let index = state.pool_device(pool)?;
+        state.devices[index].counters.pool_attribute_reads += 1;
         let counters = &state.devices[index].counters;
         let answer = match attribute {
             POOL_RELEASE_THRESHOLD => counters.release_threshold,
@@ -1361,6 +1363,7 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(
 ) -> CUresult {
     code(enter("cuMemPoolSetAttribute").and_then(|mut state| {
         let index = state.pool_device(pool)?;
+        state.devices[index].counters.pool_attribute_writes += 1;
         if value.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
