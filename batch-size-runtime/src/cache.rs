@@ -39,6 +39,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+use crate::policy::holds_inner;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -47,10 +48,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::StopReason;
 use crate::memory::Release;
 use crate::policy::LadderControl;
-use crate::policy::{Decision, SizePolicy};
+use crate::policy::{Decision, PolicyWrapper, SizePolicy};
 use crate::record::{CacheHit, SearchReport};
 
 /// The environment variable that names the cache's folder when none is given.
@@ -407,7 +407,14 @@ impl<P> Cached<P> {
     }
 }
 
-impl<P: SizePolicy> SizePolicy for Cached<P> {
+impl<P: SizePolicy> PolicyWrapper for Cached<P> {
+    holds_inner!(P);
+
+    /// A success is remembered here before it is accepted: the engine must ask.
+    fn accepts_every_success(&self) -> bool {
+        false
+    }
+
     fn first(&mut self, starting: usize) -> Decision {
         // Cloned (once a search): restoring the remedies writes to `self`.
         match &self.entry.clone() {
@@ -442,33 +449,5 @@ impl<P: SizePolicy> SizePolicy for Cached<P> {
             }
         }
         decision
-    }
-
-    fn check(&self) -> Result<(), String> {
-        self.inner.check()
-    }
-
-    fn reads_memory_after_success(&self) -> bool {
-        self.inner.reads_memory_after_success()
-    }
-
-    fn each_success_is_new_work(&self) -> bool {
-        self.inner.each_success_is_new_work()
-    }
-
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.inner.ended_by_failure(history);
-    }
-
-    fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
-    }
-
-    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
-        self.inner.no_size_left(reason, history)
-    }
-
-    fn settings(&self) -> Option<String> {
-        self.inner.settings()
     }
 }

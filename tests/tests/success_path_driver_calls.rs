@@ -37,13 +37,12 @@ const BYTES_PER_SAMPLE: usize = 64 << 10;
 /// the pool's peak (1 `cuMemPoolSetAttribute`) and reading the figures (1 `cuMemGetInfo_v2` and
 /// 3 `cuMemPoolGetAttribute`: reserved, used, used high-water). 1 + 1 + 3 = 5, all figures the
 /// driver and the allocator already keep: no synchronize, no trim. Measured: exactly 5 for the
-/// attribute (sync and async), `BatchSizeSearch::run` and `call`, `RemediedSearch::run` and
-/// each chunk of `Chunked::run` and `run_async`.
+/// attribute (sync and async), `BatchSizeSearch::run` and `call`, and `RemediedSearch::run`.
 const MAX_QUERIES_PER_SUCCESS: u64 = 5;
 
-/// The same for a step of `EffectiveBatch`, whose convergence reads the figures once more as
-/// each step ends (1 `cuMemGetInfo_v2` and 3 `cuMemPoolGetAttribute`) to learn what the step
-/// used: 5 + 4 = 9. Measured: exactly 9.
+/// The same for a step of `EffectiveBatch` or a chunk of `Chunked`, whose convergence reads the
+/// figures once more as each step or chunk ends (1 `cuMemGetInfo_v2` and 3
+/// `cuMemPoolGetAttribute`) to learn what it used: 5 + 4 = 9. Measured: exactly 9.
 const MAX_QUERIES_PER_LEARNING_STEP: u64 = 9;
 
 /// One forward pass on `stream`: `LAYERS` stream-ordered buffers of `batch_size` samples, freed
@@ -323,7 +322,7 @@ fn chunks_add_no_synchronize_and_no_trim() {
     check_door(
         "Chunked::run",
         SIZE,
-        MAX_QUERIES_PER_SUCCESS,
+        MAX_QUERIES_PER_LEARNING_STEP,
         |stream, successes| {
             let mut chunked = Chunked::new(successes * SIZE)
                 .with_starting(SIZE)
@@ -349,7 +348,7 @@ fn async_chunks_add_no_synchronize_and_no_trim() {
     check_door(
         "Chunked::run_async",
         SIZE,
-        MAX_QUERIES_PER_SUCCESS,
+        MAX_QUERIES_PER_LEARNING_STEP,
         |stream, successes| {
             let mut chunked = Chunked::new(successes * SIZE)
                 .with_starting(SIZE)

@@ -7,7 +7,8 @@ use super::verdict::{
     SUCCEEDED,
 };
 use crate::error::StopReason;
-use crate::policy::{Decision, SizePolicy};
+use crate::policy::holds_inner;
+use crate::policy::{Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
 
 /// Which size each rank tries after an attempt that ran out of memory somewhere.
@@ -92,7 +93,14 @@ impl<P: SizePolicy, C: Collective> Agree<P, C> {
     }
 }
 
-impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
+impl<P: SizePolicy, C: Collective> PolicyWrapper for Agree<P, C> {
+    holds_inner!(P);
+
+    /// Every attempt ends with a round of the agreement, successes too: the engine must ask.
+    fn accepts_every_success(&self) -> bool {
+        false
+    }
+
     fn first(&mut self, starting: usize) -> Decision {
         if self.sizes == Sizes::Own {
             return self.inner.first(starting);
@@ -158,18 +166,6 @@ impl<P: SizePolicy, C: Collective> SizePolicy for Agree<P, C> {
     fn ended_by_failure(&mut self, history: &SearchReport) {
         self.inner.ended_by_failure(history);
         tell_failure(&self.collective);
-    }
-
-    fn check(&self) -> Result<(), String> {
-        self.inner.check()
-    }
-
-    fn reads_memory_after_success(&self) -> bool {
-        self.inner.reads_memory_after_success()
-    }
-
-    fn each_success_is_new_work(&self) -> bool {
-        self.inner.each_success_is_new_work()
     }
 
     fn rationale(&self) -> Option<String> {

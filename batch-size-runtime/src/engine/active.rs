@@ -5,7 +5,7 @@ use std::fmt;
 
 use crate::dispatch::When;
 use crate::error::StopReason;
-use crate::policy::{Decision, Reduction, SizePolicy};
+use crate::policy::{Decision, PolicyWrapper, Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
 /// The policy a search runs: one of the built-in choices, statically dispatched so that
@@ -16,39 +16,42 @@ pub(crate) enum ActivePolicy<'r> {
     Custom(Box<dyn SizePolicy + 'r>),
 }
 
-impl ActivePolicy<'_> {
-    fn policy(&self) -> &dyn SizePolicy {
+impl<'r> ActivePolicy<'r> {
+    /// The built-in shrinking policies accept every success and start at `starting`: the
+    /// engine skips asking them, which keeps the success path short (a match, no virtual call).
+    pub(crate) fn is_shrinking(&self) -> bool {
+        match self {
+            ActivePolicy::Shrink(_) => true,
+            ActivePolicy::Custom(policy) => (**policy).accepts_every_success(),
+        }
+    }
+}
+
+/// The policy a search runs is itself a policy, so that wrappers (the cache, the agreement
+/// between ranks) wrap whichever one was chosen. What it changes: the built-in ones are not
+/// asked what the engine knows they answer.
+impl<'r> PolicyWrapper for ActivePolicy<'r> {
+    type Inner = dyn SizePolicy + 'r;
+
+    fn inner(&self) -> &Self::Inner {
         match self {
             ActivePolicy::Shrink(policy) => policy,
             ActivePolicy::Custom(policy) => &**policy,
         }
     }
 
-    fn policy_mut(&mut self) -> &mut dyn SizePolicy {
+    fn inner_mut(&mut self) -> &mut Self::Inner {
         match self {
             ActivePolicy::Shrink(policy) => policy,
             ActivePolicy::Custom(policy) => &mut **policy,
         }
     }
 
-    /// The built-in shrinking policies accept every success and start at `starting`: the
-    /// engine skips asking them, which keeps the success path short (a match, no virtual call).
-    pub(crate) fn is_shrinking(&self) -> bool {
-        match self {
-            ActivePolicy::Shrink(_) => true,
-            ActivePolicy::Custom(policy) => policy.accepts_every_success(),
-        }
-    }
-}
-
-/// The policy a search runs is itself a policy, so that wrappers (the cache, the agreement
-/// between ranks) wrap whichever one was chosen.
-impl SizePolicy for ActivePolicy<'_> {
     fn first(&mut self, starting: usize) -> Decision {
         match self {
             // The built-in ones start where they are told, without a call.
             ActivePolicy::Shrink(_) => Decision::Try(starting),
-            ActivePolicy::Custom(policy) => policy.first(starting),
+            ActivePolicy::Custom(policy) => (**policy).first(starting),
         }
     }
 
@@ -59,37 +62,17 @@ impl SizePolicy for ActivePolicy<'_> {
         if succeeded && self.is_shrinking() {
             return Decision::Accept;
         }
-        self.policy_mut().after(history)
-    }
-
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.policy_mut().ended_by_failure(history)
-    }
-
-    fn check(&self) -> Result<(), String> {
-        self.policy().check()
-    }
-
-    fn reads_memory_after_success(&self) -> bool {
-        self.policy().reads_memory_after_success()
-    }
-
-    fn rationale(&self) -> Option<String> {
-        self.policy().rationale()
+        self.inner_mut().after(history)
     }
 
     fn accepts_every_success(&self) -> bool {
         self.is_shrinking()
     }
 
-    fn each_success_is_new_work(&self) -> bool {
-        self.policy().each_success_is_new_work()
-    }
-
     fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
         match self {
             ActivePolicy::Shrink(_) => Decision::Stop(reason),
-            ActivePolicy::Custom(policy) => policy.no_size_left(reason, history),
+            ActivePolicy::Custom(policy) => (**policy).no_size_left(reason, history),
         }
     }
 
@@ -97,7 +80,7 @@ impl SizePolicy for ActivePolicy<'_> {
         match self {
             // The common search asks nothing of a built-in policy on its success path.
             ActivePolicy::Shrink(_) => None,
-            ActivePolicy::Custom(policy) => policy.settings(),
+            ActivePolicy::Custom(policy) => (**policy).settings(),
         }
     }
 }

@@ -254,8 +254,7 @@ impl Search<'_> {
     pub(crate) fn begin_attempt(&mut self) -> Result<usize, NoExecutableBatchSize> {
         match std::mem::replace(&mut self.next, Next::Ended) {
             Next::Size(batch_size) => {
-                self.release.reset_peak();
-                let memory_at_start = non_empty(self.release.memory());
+                let memory_at_start = non_empty(self.release.start_attempt());
                 self.running = Some(Running {
                     batch_size,
                     started: Instant::now(),

@@ -172,6 +172,31 @@ impl MemoryBackend for CudaBackend {
         })
     }
 
+    /// Resets each pool's peak and reads each device's figures, finding the devices once: where
+    /// libcuda is not loaded, one question to the loader per attempt.
+    fn start_attempt(&self) -> MemorySnapshot {
+        let read = guarded(|| {
+            let mut devices = Vec::new();
+            for target in &self.targets()? {
+                let reading = target.with_current(|| {
+                    if let Err(failure) = reset_device_peak(target) {
+                        tracing::debug!(error = %failure, "cannot reset the CUDA pool's peak");
+                    }
+                    read_device(target)
+                });
+                match reading {
+                    Ok(memory) => devices.push(memory),
+                    Err(failure) => tracing::debug!(error = %failure, "cannot read CUDA memory"),
+                }
+            }
+            Ok(MemorySnapshot { devices })
+        });
+        read.unwrap_or_else(|failure| {
+            tracing::debug!(error = %failure, "cannot read CUDA memory");
+            MemorySnapshot::default()
+        })
+    }
+
     /// Resets each pool's peak (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`) to its current use.
     fn reset_peak(&self) {
         let reset = guarded(|| {

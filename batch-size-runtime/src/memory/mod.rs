@@ -311,6 +311,25 @@ pub trait MemoryBackend: Send + Sync + fmt::Debug {
     /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
     /// ```
     fn reset_peak(&self) {}
+
+    /// Before an attempt: starts a new peak and reads the figures, in one go (the engine calls
+    /// this at the start of every attempt, on the success path: a backend can share the work
+    /// of both, as the CUDA backend finds its devices once). Default: `reset_peak`, then
+    /// `memory`.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::MemoryBackend;
+    /// # use batch_size_runtime::SimulatedDevice;
+    /// let device = SimulatedDevice::new(100);
+    /// drop(device.alloc(70)?);
+    /// let at_start = device.start_attempt();
+    /// assert_eq!((device.peak(), at_start.free()), (0, 100));
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
+    fn start_attempt(&self) -> MemorySnapshot {
+        self.reset_peak();
+        self.memory()
+    }
 }
 
 /// A backend that releases nothing and reads nothing.
@@ -551,8 +570,8 @@ impl Release {
         self.backend.get().memory()
     }
 
-    pub(crate) fn reset_peak(&self) {
-        self.backend.get().reset_peak();
+    pub(crate) fn start_attempt(&self) -> MemorySnapshot {
+        self.backend.get().start_attempt()
     }
 }
 

@@ -24,8 +24,8 @@
 //! size that fitted unless asked to grow back ([`GrowBack`](super::GrowBack)).
 
 use super::fit::{needed_at_least, peak_bytes, used_at_end, used_at_start, MemoryFit, Point};
-use super::{Decision, SizePolicy};
-use crate::error::StopReason;
+use super::holds_inner;
+use super::{Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
 /// Steps (or chunks) a failed size first waits before it is tried again; doubled each time it
@@ -197,7 +197,7 @@ impl Convergence {
                 [] => self.estimate?,
                 _ => return None,
             };
-            MemoryFit::through_start(only, self.used_at_start?)
+            MemoryFit::through_start(only, self.used_at_start?, failure)
         })?;
         let limit = fit.limit()?;
         Some(match self.failure {
@@ -272,10 +272,8 @@ impl<P> Probing<P> {
     }
 }
 
-impl<P: SizePolicy> SizePolicy for Probing<P> {
-    fn first(&mut self, starting: usize) -> Decision {
-        self.inner.first(starting)
-    }
+impl<P: SizePolicy> PolicyWrapper for Probing<P> {
+    holds_inner!(P);
 
     fn after(&mut self, history: &SearchReport) -> Decision {
         if let (Some((probe, fitted)), Some(last)) = (self.probe.take(), history.last()) {
@@ -290,38 +288,10 @@ impl<P: SizePolicy> SizePolicy for Probing<P> {
         self.inner.after(history)
     }
 
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.inner.ended_by_failure(history)
-    }
-
-    fn check(&self) -> Result<(), String> {
-        self.inner.check()
-    }
-
-    fn accepts_every_success(&self) -> bool {
-        self.inner.accepts_every_success()
-    }
-
-    fn each_success_is_new_work(&self) -> bool {
-        self.inner.each_success_is_new_work()
-    }
-
     /// The figures of each step's success are what the runner learns from: one reading of
     /// the allocator's counters (no synchronize), only where it learns.
     fn reads_memory_after_success(&self) -> bool {
         self.learning || self.inner.reads_memory_after_success()
-    }
-
-    fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
-    }
-
-    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
-        self.inner.no_size_left(reason, history)
-    }
-
-    fn settings(&self) -> Option<String> {
-        self.inner.settings()
     }
 }
 

@@ -126,7 +126,13 @@ impl MemoryFit {
     /// the attempt allocated is counted as growing with its size. Where part of it does not
     /// (gradients and optimizer state allocated at the first step), the line is steeper than
     /// the truth and predicts less than fits: a safe first guess, which the next size corrects.
-    pub(crate) fn through_start(point: Point, used_at_start: u64) -> Option<Self> {
+    /// `failure`, a size above the point with the bytes it needed, bends it as in
+    /// [`from_points`](Self::from_points).
+    pub(crate) fn through_start(
+        point: Point,
+        used_at_start: u64,
+        failure: Option<(usize, u64)>,
+    ) -> Option<Self> {
         if point.size == 0 || used_at_start >= point.peak {
             return None;
         }
@@ -134,7 +140,7 @@ impl MemoryFit {
             (0.0, used_at_start as f64),
             (point.size as f64, point.peak as f64),
             point.total as f64,
-            None,
+            failure,
         )
     }
 
@@ -248,16 +254,19 @@ mod tests {
             MemoryFit::from_points(&[point(64, 5000), point(128, 5000)], None),
             None
         );
-        assert_eq!(MemoryFit::through_start(point(64, 5000), 5000), None);
+        assert_eq!(MemoryFit::through_start(point(64, 5000), 5000, None), None);
     }
 
     #[test]
     fn the_line_through_the_start_is_never_above_the_truth_where_state_is_allocated_late() {
         // 1000 bytes of weights in use before the first step; the step allocates 2000 bytes of
         // gradients once and 30 a sample: at 100, a peak of 6000.
-        let first = MemoryFit::through_start(point(100, 6000), 1000).unwrap();
+        let first = MemoryFit::through_start(point(100, 6000), 1000, None).unwrap();
         let truth = (10_000 - 3000) / 30; // 233 samples
         let guess = first.limit().unwrap();
         assert!(guess <= truth && guess >= 150, "{guess}");
+        // A failure above bends it below that failure's size.
+        let bent = MemoryFit::through_start(point(100, 6000), 1000, Some((170, 10_500))).unwrap();
+        assert!(bent.limit().unwrap() < 170, "{:?}", bent.limit());
     }
 }

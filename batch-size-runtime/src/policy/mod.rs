@@ -96,6 +96,7 @@ mod grow_back;
 mod guided;
 mod remediate;
 mod shrink;
+mod wrapper;
 
 pub(crate) use converge::{even_micro, Convergence, Probing};
 pub use evidence::Evidence;
@@ -103,6 +104,7 @@ pub(crate) use grow_back::GrowBack;
 pub use guided::Guided;
 pub(crate) use remediate::{Applied, LadderControl, Remediate};
 pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};
+pub(crate) use wrapper::{holds_inner, PolicyWrapper};
 
 /// What a policy wants after an attempt (or before the first).
 #[derive(Debug, Clone, PartialEq)]
@@ -189,38 +191,5 @@ pub trait SizePolicy: Send + fmt::Debug {
     /// ([`Attempt::settings`](crate::Attempt::settings)): the remedies in force. Default: `None`.
     fn settings(&self) -> Option<String> {
         None
-    }
-}
-
-impl<P: SizePolicy + ?Sized> SizePolicy for Box<P> {
-    fn first(&mut self, starting: usize) -> Decision {
-        (**self).first(starting)
-    }
-    fn after(&mut self, history: &SearchReport) -> Decision {
-        (**self).after(history)
-    }
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        (**self).ended_by_failure(history)
-    }
-    fn check(&self) -> Result<(), String> {
-        (**self).check()
-    }
-    fn reads_memory_after_success(&self) -> bool {
-        (**self).reads_memory_after_success()
-    }
-    fn accepts_every_success(&self) -> bool {
-        (**self).accepts_every_success()
-    }
-    fn each_success_is_new_work(&self) -> bool {
-        (**self).each_success_is_new_work()
-    }
-    fn rationale(&self) -> Option<String> {
-        (**self).rationale()
-    }
-    fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
-        (**self).no_size_left(reason, history)
-    }
-    fn settings(&self) -> Option<String> {
-        (**self).settings()
     }
 }

@@ -5,10 +5,11 @@
 //! [`Remedies`](crate::Remedies); the policy, the engine and the cache move them through
 //! [`LadderControl`], which knows no type.
 
+use super::holds_inner;
 use std::fmt;
 use std::sync::Arc;
 
-use super::{Decision, SizePolicy};
+use super::{Decision, PolicyWrapper, SizePolicy};
 use crate::error::StopReason;
 use crate::record::{Attempt, SearchReport};
 
@@ -93,10 +94,8 @@ impl<P> Remediate<P> {
     }
 }
 
-impl<P: SizePolicy> SizePolicy for Remediate<P> {
-    fn first(&mut self, starting: usize) -> Decision {
-        self.inner.first(starting)
-    }
+impl<P: SizePolicy> PolicyWrapper for Remediate<P> {
+    holds_inner!(P);
 
     fn after(&mut self, history: &SearchReport) -> Decision {
         self.rationale = None;
@@ -152,25 +151,9 @@ impl<P: SizePolicy> SizePolicy for Remediate<P> {
         self.inner.first(self.starting)
     }
 
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.inner.ended_by_failure(history);
-    }
-
     fn check(&self) -> Result<(), String> {
         self.ladder.check()?;
         self.inner.check()
-    }
-
-    fn accepts_every_success(&self) -> bool {
-        self.inner.accepts_every_success()
-    }
-
-    fn each_success_is_new_work(&self) -> bool {
-        self.inner.each_success_is_new_work()
-    }
-
-    fn reads_memory_after_success(&self) -> bool {
-        self.inner.reads_memory_after_success()
     }
 
     fn rationale(&self) -> Option<String> {

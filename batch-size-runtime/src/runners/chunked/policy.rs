@@ -1,12 +1,13 @@
 //! The policy of one chunked run: the next chunk after each success, a smaller one after an
 //! out-of-memory chunk, growing back after clean chunks, and (with other ranks) chunks in step.
 
+use crate::policy::holds_inner;
 use std::sync::{Arc, Mutex};
 
 use super::progress::{lock, Run};
 use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
 use crate::error::StopReason;
-use crate::policy::{Convergence, Decision, GrowBack, SizePolicy};
+use crate::policy::{Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy};
 use crate::record::{Outcome, SearchReport};
 
 /// The policy of one chunked run: the next chunk after each success, a smaller one after an
@@ -26,9 +27,12 @@ pub(super) struct ChunkPolicy<'r, P> {
     pub(super) agreement: Option<Arc<dyn Collective + 'r>>,
 }
 
-impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
-    fn check(&self) -> Result<(), String> {
-        self.inner.check()
+impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
+    holds_inner!(P);
+
+    /// After a chunk comes the next one: the engine must ask.
+    fn accepts_every_success(&self) -> bool {
+        false
     }
 
     fn first(&mut self, starting: usize) -> Decision {
@@ -52,10 +56,6 @@ impl<P: SizePolicy> SizePolicy for ChunkPolicy<'_, P> {
         if let Some(collective) = self.agreement.clone() {
             agree::tell_failure(&*collective);
         }
-    }
-
-    fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
     }
 
     /// The figures of each chunk are what its size converges by: one reading of the

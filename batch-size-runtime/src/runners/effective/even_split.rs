@@ -9,7 +9,8 @@
 //! proposal is judged against 128, and no proposal that splits to 128 again is wasted.
 
 pub(crate) use crate::policy::even_micro;
-use crate::policy::{Decision, SizePolicy};
+use crate::policy::holds_inner;
+use crate::policy::{Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
 
 /// A size policy whose every proposal is the even split of what `inner` proposed, for a share
@@ -44,7 +45,9 @@ impl<P: SizePolicy> EvenSplit<P> {
     }
 }
 
-impl<P: SizePolicy> SizePolicy for EvenSplit<P> {
+impl<P: SizePolicy> PolicyWrapper for EvenSplit<P> {
+    holds_inner!(P);
+
     fn first(&mut self, starting: usize) -> Decision {
         let first = self.inner.first(starting);
         self.even(first)
@@ -53,30 +56,6 @@ impl<P: SizePolicy> SizePolicy for EvenSplit<P> {
     fn after(&mut self, history: &SearchReport) -> Decision {
         let next = self.inner.after(history);
         self.even(next)
-    }
-
-    fn ended_by_failure(&mut self, history: &SearchReport) {
-        self.inner.ended_by_failure(history);
-    }
-
-    fn check(&self) -> Result<(), String> {
-        self.inner.check()
-    }
-
-    fn accepts_every_success(&self) -> bool {
-        self.inner.accepts_every_success()
-    }
-
-    fn each_success_is_new_work(&self) -> bool {
-        self.inner.each_success_is_new_work()
-    }
-
-    fn reads_memory_after_success(&self) -> bool {
-        self.inner.reads_memory_after_success()
-    }
-
-    fn rationale(&self) -> Option<String> {
-        self.inner.rationale()
     }
 }
 
