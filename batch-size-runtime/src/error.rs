@@ -103,6 +103,19 @@ pub enum StopReason {
     },
 }
 
+impl StopReason {
+    /// Whether the search stopped because sizes ran out of memory, so that the last
+    /// out-of-memory error, the memory at that failure and the ways to need less memory are worth
+    /// saying: not when the tuner's trials do not use the size they are given.
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            StopReason::MemoryDoesNotGrow { .. } => false,
+            StopReason::NoRemedyLeft { last, .. } => last.is_out_of_memory(),
+            _ => true,
+        }
+    }
+}
+
 impl fmt::Display for StopReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -127,7 +140,8 @@ impl fmt::Display for StopReason {
                 peak,
             } => write!(
                 f,
-                "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {peak} bytes at {larger}, no more than at {smaller})"
+                "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {} at {larger}, no more than at {smaller}.) Check that the trial builds its batch from the size it is given and runs at least one forward and backward pass, and that the release backend reads the device the trial runs on",
+                Bytes(*peak)
             ),
             StopReason::NoRemedyLeft { last, applied } if applied.is_empty() => write!(
                 f,
@@ -282,6 +296,10 @@ impl fmt::Display for NoExecutableBatchSize {
                 sizes.len(),
                 if sizes.len() == 1 { "" } else { "s" }
             )?;
+        }
+        if !self.inner.reason.is_out_of_memory() {
+            // The reason says what to check; an earlier trial's failure would mislead.
+            return Ok(());
         }
         if let Some(description) = self.inner.report.last_oom_description() {
             write!(f, ". Last out-of-memory error: {description}")?;
