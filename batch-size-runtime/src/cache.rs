@@ -27,7 +27,7 @@
 //! let train = || -> anyhow::Result<usize> {
 //!     BatchSizeSearch::new(256)
 //!         .with_cache("doc-example")
-//!         .run_dyn(|batch_size| {
+//!         .run(|batch_size| {
 //!             if batch_size > 100 { Err(OutOfMemory::new())? }
 //!             Ok(batch_size)
 //!         })

@@ -4,7 +4,7 @@
 //! use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason};
 //!
 //! let result: Result<(), anyhow::Error> = BatchSizeSearch::new(4)
-//!     .run_dyn(|_batch_size| Err(OutOfMemory::new().with_requested(1 << 30).into()));
+//!     .run(|_batch_size| Err(OutOfMemory::new().with_requested(1 << 30).into()));
 //! let error = result.unwrap_err();
 //! let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
 //! assert_eq!(none_fit.reason(), &StopReason::ReachedZero);
@@ -25,7 +25,7 @@ use crate::record::SearchReport;
 /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason};
 ///
 /// fn reason(search: BatchSizeSearch<'_>) -> StopReason {
-///     let result: Result<(), anyhow::Error> = search.run_dyn(|_| Err(OutOfMemory::new().into()));
+///     let result: Result<(), anyhow::Error> = search.run(|_| Err(OutOfMemory::new().into()));
 ///     let error = result.unwrap_err();
 ///     error.downcast_ref::<NoExecutableBatchSize>().unwrap().reason().clone()
 /// }
@@ -170,7 +170,7 @@ impl fmt::Display for StopReason {
 /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
 ///
 /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
-///     .run_dyn(|_batch_size| Err(OutOfMemory::new().into()));
+///     .run(|_batch_size| Err(OutOfMemory::new().into()));
 /// let error = result.unwrap_err();
 /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
 /// assert_eq!(none_fit.tried(), &[8, 4, 2, 1]);
@@ -215,7 +215,7 @@ impl NoExecutableBatchSize {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(4).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.tried(), &[4, 2, 1]);
@@ -229,7 +229,7 @@ impl NoExecutableBatchSize {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(4).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.reason(), &batch_size_runtime::StopReason::ReachedZero);
@@ -243,7 +243,7 @@ impl NoExecutableBatchSize {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(4).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.report().len(), 3);
@@ -262,7 +262,7 @@ impl NoExecutableBatchSize {
     /// let device = SimulatedDevice::new(1000).with_caching();
     /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
     ///     .with_release(device.clone())
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         let _weights = device.alloc(900)?;
     ///         let _batch = device.alloc(batch_size as u64 * 200)?;
     ///         Ok(())
