@@ -21,7 +21,7 @@
 use std::error::Error;
 
 use crate::error::NoExecutableBatchSize;
-use crate::kept::KeptError;
+use crate::error::KeptError;
 
 /// An error type that can be told out-of-memory or not: every
 /// `E: Error + Send + Sync + 'static` (marker [`Typed`]), `anyhow::Error` and
