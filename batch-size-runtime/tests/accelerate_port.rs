@@ -441,3 +441,21 @@ fn run_dyn_and_run_dyn_async_still_run() {
     });
     assert_eq!(block_on(future).unwrap(), 4);
 }
+
+#[test]
+#[allow(deprecated)] // the old module paths, kept one release as aliases of the crate root's names
+fn the_old_module_paths_still_name_the_same_types() {
+    use batch_size_runtime::{chunked, plan, reduce};
+    let plan: plan::BatchPlan = batch_size_runtime::BatchPlan::new(8, 4);
+    assert_eq!(plan.accumulation(), 2);
+    let _: plan::EffectiveBatch<'_> = plan::EffectiveBatch::new(8);
+    let _: chunked::Chunked<'_> = chunked::Chunked::new(10);
+    let reduction: reduce::Reduction<'_> = reduce::Reduction::Factor(0.5);
+    let fitted: anyhow::Result<usize> = BatchSizeSearch::new(100)
+        .with_reduction(reduction)
+        .run(|batch_size| {
+            if batch_size > 30 { Err(OutOfMemory::new())? }
+            Ok(batch_size)
+        });
+    assert_eq!(fitted.unwrap(), 25); // 100, 50, 25
+}
