@@ -39,8 +39,7 @@ pub(crate) mod driver;
 mod search;
 
 pub(crate) use active::{ActivePolicy, Hooks};
-#[doc(hidden)]
-pub use driver::{drive, drive_async};
+pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
 pub(crate) use search::SearchSettings;
