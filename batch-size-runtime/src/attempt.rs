@@ -95,7 +95,7 @@ impl<E: InspectError<M> + From<NoExecutableBatchSize>, M> AttemptError<M> for E 
 )]
 pub trait InspectableError {}
 
-#[diagnostic::do_not_recommend]
+// Recommended (no `do_not_recommend`): rustc's help then names the public bound, `Display`.
 impl<E: std::fmt::Display + ?Sized> InspectableError for E {}
 
 /// The marker of error types that implement [`Error`] themselves.
