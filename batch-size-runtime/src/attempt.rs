@@ -20,8 +20,7 @@
 
 use std::error::Error;
 
-use crate::error::NoExecutableBatchSize;
-use crate::error::KeptError;
+use crate::error::{KeptError, NoExecutableBatchSize};
 
 /// An error type that can be told out-of-memory or not: every
 /// `E: Error + Send + Sync + 'static` (marker [`Typed`]), `anyhow::Error` and

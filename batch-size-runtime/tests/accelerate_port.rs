@@ -32,16 +32,15 @@ fn none_fit(error: &anyhow::Error) -> &NoExecutableBatchSize {
 #[test]
 fn memory_implicit_with_factor_0_9_reproduces_accelerate() {
     let mut batch_sizes = Vec::new();
-    let result: anyhow::Result<()> =
-        BatchSizeSearch::new(128)
-            .with_factor(0.9)
-            .run(|batch_size| {
-                batch_sizes.push(batch_size);
-                if batch_size != 8 {
-                    return Err(fake_out_of_memory());
-                }
-                Ok(())
-            });
+    let result: anyhow::Result<()> = BatchSizeSearch::new(128)
+        .with_factor(0.9)
+        .run(|batch_size| {
+            batch_sizes.push(batch_size);
+            if batch_size != 8 {
+                return Err(fake_out_of_memory());
+            }
+            Ok(())
+        });
     result.unwrap();
     assert_eq!(batch_sizes, ACCELERATE_SEQUENCE);
 }
@@ -64,15 +63,16 @@ fn memory_implicit_halving_by_default() {
 fn memory_explicit_extra_arguments_pass_through() {
     let arg1 = String::from("hello");
     let mut batch_sizes = Vec::new();
-    let result: anyhow::Result<(usize, String)> = BatchSizeSearch::new(128)
-        .with_factor(0.9)
-        .run(|batch_size| {
-            batch_sizes.push(batch_size);
-            if batch_size != 8 {
-                return Err(fake_out_of_memory());
-            }
-            Ok((batch_size, arg1.clone()))
-        });
+    let result: anyhow::Result<(usize, String)> =
+        BatchSizeSearch::new(128)
+            .with_factor(0.9)
+            .run(|batch_size| {
+                batch_sizes.push(batch_size);
+                if batch_size != 8 {
+                    return Err(fake_out_of_memory());
+                }
+                Ok((batch_size, arg1.clone()))
+            });
     let (batch_size, arg) = result.unwrap();
     assert_eq!(batch_sizes, ACCELERATE_SEQUENCE);
     assert_eq!((batch_size, arg.as_str()), (8, "hello"));
@@ -97,8 +97,7 @@ fn start_zero_never_calls_the_attempt() {
 
 #[test]
 fn approach_zero_reports_reached_zero() {
-    let result: anyhow::Result<()> =
-        BatchSizeSearch::new(16).run(|_| Err(fake_out_of_memory()));
+    let result: anyhow::Result<()> = BatchSizeSearch::new(16).run(|_| Err(fake_out_of_memory()));
     let error = result.unwrap_err();
     let none_fit = none_fit(&error);
     assert_eq!(none_fit.reason(), &StopReason::ReachedZero);
@@ -265,11 +264,10 @@ fn min_and_max_attempts_stop_the_search() {
 fn an_invalid_factor_stops_before_the_first_attempt() {
     for factor in [0.0, 1.0, 1.5, -0.5, f64::NAN] {
         let mut calls = 0;
-        let result: anyhow::Result<()> =
-            BatchSizeSearch::new(10).with_factor(factor).run(|_| {
-                calls += 1;
-                Ok(())
-            });
+        let result: anyhow::Result<()> = BatchSizeSearch::new(10).with_factor(factor).run(|_| {
+            calls += 1;
+            Ok(())
+        });
         assert_eq!(calls, 0, "factor {factor}");
         let error = result.unwrap_err();
         assert!(matches!(
@@ -395,8 +393,8 @@ fn async_attempts_are_retried_and_their_panics_classified() {
 
 #[test]
 fn the_source_of_an_anyhow_search_downcasts_to_the_error_the_attempt_returned() {
-    let result: anyhow::Result<()> = BatchSizeSearch::new(2)
-        .run(|n| Err(OutOfMemory::new().with_requested(n as u64).into()));
+    let result: anyhow::Result<()> =
+        BatchSizeSearch::new(2).run(|n| Err(OutOfMemory::new().with_requested(n as u64).into()));
     let error = result.unwrap_err();
     let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     let source = none_fit.source().unwrap();
@@ -431,12 +429,16 @@ fn the_state_machine_hands_its_report_to_last_report_at_the_end() {
 #[allow(deprecated)] // the deprecated names, kept one release: the same as `run` / `run_async`
 fn run_dyn_and_run_dyn_async_still_run() {
     let fitted: anyhow::Result<usize> = BatchSizeSearch::new(16).run_dyn(|batch_size| {
-        if batch_size > 4 { Err(OutOfMemory::new())? }
+        if batch_size > 4 {
+            Err(OutOfMemory::new())?
+        }
         Ok(batch_size)
     });
     assert_eq!(fitted.unwrap(), 4);
     let future = BatchSizeSearch::new(16).run_dyn_async(|batch_size| async move {
-        if batch_size > 4 { Err(OutOfMemory::new())? }
+        if batch_size > 4 {
+            Err(OutOfMemory::new())?
+        }
         Ok::<_, anyhow::Error>(batch_size)
     });
     assert_eq!(block_on(future).unwrap(), 4);
@@ -451,11 +453,14 @@ fn the_old_module_paths_still_name_the_same_types() {
     let _: plan::EffectiveBatch<'_> = plan::EffectiveBatch::new(8);
     let _: chunked::Chunked<'_> = chunked::Chunked::new(10);
     let reduction: reduce::Reduction<'_> = reduce::Reduction::Factor(0.5);
-    let fitted: anyhow::Result<usize> = BatchSizeSearch::new(100)
-        .with_reduction(reduction)
-        .run(|batch_size| {
-            if batch_size > 30 { Err(OutOfMemory::new())? }
-            Ok(batch_size)
-        });
+    let fitted: anyhow::Result<usize> =
+        BatchSizeSearch::new(100)
+            .with_reduction(reduction)
+            .run(|batch_size| {
+                if batch_size > 30 {
+                    Err(OutOfMemory::new())?
+                }
+                Ok(batch_size)
+            });
     assert_eq!(fitted.unwrap(), 25); // 100, 50, 25
 }

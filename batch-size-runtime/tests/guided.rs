@@ -95,14 +95,15 @@ fn a_text_that_repeats_at_every_size_never_stops_the_search_early() {
     // The same with a memory backend whose readings say nothing of the attempt (a device of its
     // own): no proof either.
     let device = SimulatedDevice::new(8 * GIB);
-    let found: anyhow::Result<usize> = BatchSizeSearch::new(64)
-        .with_release(device.clone())
-        .run(|size| {
-            if size > 8 {
-                anyhow::bail!("{text}");
-            }
-            Ok(size)
-        });
+    let found: anyhow::Result<usize> =
+        BatchSizeSearch::new(64)
+            .with_release(device.clone())
+            .run(|size| {
+                if size > 8 {
+                    anyhow::bail!("{text}");
+                }
+                Ok(size)
+            });
     assert_eq!(found.unwrap(), 8);
 }
 
@@ -144,13 +145,13 @@ fn the_figures_come_from_pytorch_text_too() {
 #[test]
 fn a_fixed_part_larger_than_the_device_stops_early_with_the_figures() {
     let device = SimulatedDevice::new(16 * GIB);
-    let result = BatchSizeSearch::new(512)
-        .with_release(device.clone())
-        .run(|size| -> anyhow::Result<usize> {
+    let result = BatchSizeSearch::new(512).with_release(device.clone()).run(
+        |size| -> anyhow::Result<usize> {
             let _weights = device.alloc(20 * GIB)?; // the model alone does not fit
             let _activations = device.alloc(size as u64 * MIB)?;
             Ok(size)
-        });
+        },
+    );
     let none_fit = none_fit(result);
     assert_eq!(none_fit.tried().len(), 2, "{none_fit}");
     match none_fit.reason() {

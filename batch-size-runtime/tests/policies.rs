@@ -145,15 +145,14 @@ fn the_policy_sees_every_attempt_and_is_told_of_a_failure() {
     let policy = Script::new(&[64, 32, 16]);
     let seen = Arc::clone(&policy.seen);
     let ended = Arc::clone(&policy.ended_by_failure);
-    let result =
-        BatchSizeSearch::new(1)
-            .with_policy(policy)
-            .run(|size| -> anyhow::Result<usize> {
-                if size == 16 {
-                    anyhow::bail!("corrupt shard");
-                }
-                Err(OutOfMemory::new().into())
-            });
+    let result = BatchSizeSearch::new(1)
+        .with_policy(policy)
+        .run(|size| -> anyhow::Result<usize> {
+            if size == 16 {
+                anyhow::bail!("corrupt shard");
+            }
+            Err(OutOfMemory::new().into())
+        });
     assert_eq!(result.unwrap_err().to_string(), "corrupt shard");
     assert_eq!(seen.load(Ordering::SeqCst), 2); // after 64 and 32
     assert_eq!(ended.load(Ordering::SeqCst), 1); // 16: not out of memory
