@@ -381,11 +381,20 @@ fn rewrite(
                 (true, false) => (quote! { drive_attempts_async }, None),
                 (true, true) => (quote! { drive_attempts_async }, Some(quote! { @lending })),
             };
-            // The macro's name over the return type, where an error type that cannot be
-            // classified is reported; the path keeps its own spans (a wrong `crate = ...`).
-            let drive = spans::over(drive, &shape.ty);
-            let drive = quote! { #private::#drive! };
-            quote! { #drive(#lending #ret, #search, #attempt) }
+            // The call over the return type, where an error type that cannot be classified is
+            // reported (rustc points at the macro's call); a `crate = ...` path keeps its own
+            // spans, so that a wrong one is reported there.
+            match &args.krate {
+                None => spans::call_over(
+                    quote! { #private::#drive! },
+                    quote! { #lending #ret, #search, #attempt },
+                    &shape.ty,
+                ),
+                Some(_) => {
+                    let drive = spans::over(drive, &shape.ty);
+                    quote! { #private::#drive!(#lending #ret, #search, #attempt) }
+                }
+            }
         }
         // `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
         (None, false) => quote! { #private::drive_panics(#search, #attempt) },

@@ -20,8 +20,7 @@
 
 use std::error::Error;
 
-use crate::error::NoExecutableBatchSize;
-use crate::kept::KeptError;
+use crate::error::{KeptError, NoExecutableBatchSize};
 
 /// An error type that can be told out-of-memory or not: every
 /// `E: Error + Send + Sync + 'static` (marker [`Typed`]), `anyhow::Error` and
@@ -95,7 +94,7 @@ impl<E: InspectError<M> + From<NoExecutableBatchSize>, M> AttemptError<M> for E 
 )]
 pub trait InspectableError {}
 
-#[diagnostic::do_not_recommend]
+// Recommended (no `do_not_recommend`): rustc's help then names the public bound, `Display`.
 impl<E: std::fmt::Display + ?Sized> InspectableError for E {}
 
 /// The marker of error types that implement [`Error`] themselves.

@@ -27,7 +27,7 @@
 //! let train = || -> anyhow::Result<usize> {
 //!     BatchSizeSearch::new(256)
 //!         .with_cache("doc-example")
-//!         .run_dyn(|batch_size| {
+//!         .run(|batch_size| {
 //!             if batch_size > 100 { Err(OutOfMemory::new())? }
 //!             Ok(batch_size)
 //!         })
@@ -56,8 +56,9 @@ use crate::record::{CacheHit, SearchReport};
 /// The environment variable that names the cache's folder when none is given.
 pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";
 
-/// What is remembered of one search.
+/// What is remembered of one search. More may be remembered later: it is read, not built.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct CacheEntry {
     /// The whole key (also the check that the file is this entry's).
     pub key: String,

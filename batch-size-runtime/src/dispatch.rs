@@ -25,8 +25,7 @@ use std::fmt::{self, Display};
 use std::marker::PhantomData;
 
 use crate::attempt::{AttemptError, Dynamic, InspectError, Typed};
-use crate::error::NoExecutableBatchSize;
-use crate::kept::KeptError;
+use crate::error::{KeptError, NoExecutableBatchSize};
 use crate::oom::{self, OomKind, OomMatch};
 
 /// A search's own predicate that counts more errors as out-of-memory (`when`).

@@ -4,7 +4,7 @@
 //! use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason};
 //!
 //! let result: Result<(), anyhow::Error> = BatchSizeSearch::new(4)
-//!     .run_dyn(|_batch_size| Err(OutOfMemory::new().with_requested(1 << 30).into()));
+//!     .run(|_batch_size| Err(OutOfMemory::new().with_requested(1 << 30).into()));
 //! let error = result.unwrap_err();
 //! let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
 //! assert_eq!(none_fit.reason(), &StopReason::ReachedZero);
@@ -15,9 +15,10 @@
 use std::error::Error;
 use std::fmt;
 
-use crate::kept::KeptError;
 use crate::memory::{Bytes, MemorySnapshot};
 use crate::record::SearchReport;
+
+pub(crate) use kept::KeptError;
 
 /// Why the search stopped without finding a batch size that fits.
 ///
@@ -25,7 +26,7 @@ use crate::record::SearchReport;
 /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason};
 ///
 /// fn reason(search: BatchSizeSearch<'_>) -> StopReason {
-///     let result: Result<(), anyhow::Error> = search.run_dyn(|_| Err(OutOfMemory::new().into()));
+///     let result: Result<(), anyhow::Error> = search.run(|_| Err(OutOfMemory::new().into()));
 ///     let error = result.unwrap_err();
 ///     error.downcast_ref::<NoExecutableBatchSize>().unwrap().reason().clone()
 /// }
@@ -103,6 +104,19 @@ pub enum StopReason {
     },
 }
 
+impl StopReason {
+    /// Whether the search stopped because sizes ran out of memory, so that the last
+    /// out-of-memory error, the memory at that failure and the ways to need less memory are worth
+    /// saying: not when the tuner's trials do not use the size they are given.
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            StopReason::MemoryDoesNotGrow { .. } => false,
+            StopReason::NoRemedyLeft { last, .. } => last.is_out_of_memory(),
+            _ => true,
+        }
+    }
+}
+
 impl fmt::Display for StopReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -127,7 +141,8 @@ impl fmt::Display for StopReason {
                 peak,
             } => write!(
                 f,
-                "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {peak} bytes at {larger}, no more than at {smaller})"
+                "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {} at {larger}, no more than at {smaller}.) Check that the trial builds its batch from the size it is given and runs at least one forward and backward pass, and that the release backend reads the device the trial runs on",
+                Bytes(*peak)
             ),
             StopReason::NoRemedyLeft { last, applied } if applied.is_empty() => write!(
                 f,
@@ -156,7 +171,7 @@ impl fmt::Display for StopReason {
 /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
 ///
 /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
-///     .run_dyn(|_batch_size| Err(OutOfMemory::new().into()));
+///     .run(|_batch_size| Err(OutOfMemory::new().into()));
 /// let error = result.unwrap_err();
 /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
 /// assert_eq!(none_fit.tried(), &[8, 4, 2, 1]);
@@ -201,7 +216,7 @@ impl NoExecutableBatchSize {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(4).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.tried(), &[4, 2, 1]);
@@ -215,7 +230,7 @@ impl NoExecutableBatchSize {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(4).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.reason(), &batch_size_runtime::StopReason::ReachedZero);
@@ -229,7 +244,7 @@ impl NoExecutableBatchSize {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(4).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(4).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.report().len(), 3);
@@ -248,7 +263,7 @@ impl NoExecutableBatchSize {
     /// let device = SimulatedDevice::new(1000).with_caching();
     /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
     ///     .with_release(device.clone())
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         let _weights = device.alloc(900)?;
     ///         let _batch = device.alloc(batch_size as u64 * 200)?;
     ///         Ok(())
@@ -282,6 +297,10 @@ impl fmt::Display for NoExecutableBatchSize {
                 sizes.len(),
                 if sizes.len() == 1 { "" } else { "s" }
             )?;
+        }
+        if !self.inner.reason.is_out_of_memory() {
+            // The reason says what to check; an earlier trial's failure would mislead.
+            return Ok(());
         }
         if let Some(description) = self.inner.report.last_oom_description() {
             write!(f, ". Last out-of-memory error: {description}")?;
@@ -447,3 +466,71 @@ impl fmt::Display for OutOfMemory {
 }
 
 impl Error for OutOfMemory {}
+
+/// The last out-of-memory error of a search, kept for `NoExecutableBatchSize`'s `source()`.
+/// Public in a private module: runners' bounds name it, users cannot.
+mod kept {
+    use std::error::Error;
+
+    /// The last out-of-memory error of a search, kept for `NoExecutableBatchSize`'s `source()`.
+    ///
+    /// An `anyhow::Error` is kept as it is: turned into a `Box<dyn Error>` it would become anyhow's
+    /// own wrapper type, and `source().downcast_ref::<YourError>()` would no longer find the error
+    /// the attempt returned.
+    #[derive(Debug)]
+    pub struct KeptError(Kept);
+
+    #[derive(Debug)]
+    enum Kept {
+        Boxed(Box<dyn Error + Send + Sync + 'static>),
+        #[cfg(feature = "anyhow")]
+        Anyhow(anyhow::Error),
+    }
+
+    impl KeptError {
+        /// Keeps an error that converts into a box, unwrapping `anyhow::Error` as said above.
+        pub(crate) fn keep<E>(error: E) -> Self
+        where
+            E: Into<Box<dyn Error + Send + Sync + 'static>> + 'static,
+        {
+            #[cfg(feature = "anyhow")]
+            {
+                let mut slot = Some(error);
+                let any: &mut dyn std::any::Any = &mut slot;
+                if let Some(anyhow_error) = any
+                    .downcast_mut::<Option<anyhow::Error>>()
+                    .and_then(Option::take)
+                {
+                    return KeptError(Kept::Anyhow(anyhow_error));
+                }
+                match slot {
+                    Some(error) => KeptError(Kept::Boxed(error.into())),
+                    // Only taken above, where it was an anyhow::Error and returned.
+                    None => KeptError(Kept::Boxed("the out-of-memory error".into())),
+                }
+            }
+            #[cfg(not(feature = "anyhow"))]
+            {
+                KeptError(Kept::Boxed(error.into()))
+            }
+        }
+
+        pub(crate) fn as_error(&self) -> &(dyn Error + 'static) {
+            match &self.0 {
+                Kept::Boxed(error) => &**error,
+                // anyhow's `Deref` gives the error it was built from, downcastable to its type.
+                #[cfg(feature = "anyhow")]
+                Kept::Anyhow(error) => {
+                    let error: &(dyn Error + Send + Sync + 'static) = error.as_ref();
+                    error
+                }
+            }
+        }
+    }
+
+    impl From<Box<dyn Error + Send + Sync + 'static>> for KeptError {
+        fn from(error: Box<dyn Error + Send + Sync + 'static>) -> Self {
+            KeptError(Kept::Boxed(error))
+        }
+    }
+}

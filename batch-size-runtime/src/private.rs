@@ -12,14 +12,14 @@ pub use crate::attribute::{
     with_min, with_remedies, BatchSizeInt, ClonePerAttempt, RemediesArgument,
 };
 pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
-pub use crate::engine::driver::{AsyncAttempt, Lending, Returning};
+pub use crate::engine::driver::{drive, drive_async, AsyncAttempt, Lending, Returning};
 pub use crate::engine::BatchSizeSearch;
 pub use crate::{drive_attempts, drive_attempts_async};
 pub use core;
 
 /// Runs the search over the attempts of a function whose return type is `$ret` (written as
 /// `PhantomData::<R>`, an expression, so that the call stays an ordinary expression): both
-/// dispatch ladders, then [`drive`](crate::engine::driver::drive).
+/// dispatch ladders, then [`drive`].
 #[doc(hidden)]
 #[macro_export]
 macro_rules! drive_attempts {
@@ -28,7 +28,7 @@ macro_rules! drive_attempts {
         use $crate::__private::ladder::*;
         let ret = $ret;
         let tag = $crate::__private::tag_of(ret);
-        $crate::engine::drive(
+        $crate::__private::drive(
             $crate::__private::BatchSizeSearch::start($search),
             (&&&&&&&tag).batch_size_classify_kind(),
             (&&&&&&tag).batch_size_give_up_kind(),
@@ -54,7 +54,7 @@ macro_rules! drive_attempts_async {
         use $crate::__private::ladder::*;
         let ret = $ret;
         let tag = $crate::__private::tag_of(ret);
-        $crate::engine::drive_async(
+        $crate::__private::drive_async(
             $crate::__private::BatchSizeSearch::start($search),
             (&&&&&&&tag).batch_size_classify_kind(),
             (&&&&&&tag).batch_size_give_up_kind(),
@@ -63,8 +63,6 @@ macro_rules! drive_attempts_async {
         .await
     }};
 }
-
-use crate::engine::{drive as drive_with, drive_async as drive_async_with};
 
 /// The attempt, told that it returns `R`: the body is checked against the function's return
 /// type, so that coercions (`&String` to `&str`) and `?` conversions apply as in the function.
@@ -95,7 +93,7 @@ pub fn returning_lending<R, F: AsyncFnMut(usize) -> R>(
 
 /// A function returning `impl Trait`: not a `Result`, so only a panic can be out-of-memory.
 pub fn drive_panics<R>(search: BatchSizeSearch<'_>, attempt: impl FnMut(usize) -> R) -> R {
-    drive_with(
+    drive(
         search.start(),
         PanicOnly::new(),
         PanicWithError::new(),
@@ -109,7 +107,7 @@ pub async fn drive_panics_async<R>(
     search: BatchSizeSearch<'_>,
     attempt: impl AsyncAttempt<R>,
 ) -> R {
-    drive_async_with(
+    drive_async(
         search.start(),
         PanicOnly::new(),
         PanicWithError::new(),

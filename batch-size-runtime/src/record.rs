@@ -3,7 +3,7 @@
 //! ```
 //! use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
 //!
-//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(32).run_dyn(|batch_size| {
+//! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(32).run(|batch_size| {
 //!     if batch_size > 8 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 //! });
 //! assert_eq!(fitted.unwrap(), 8);
@@ -24,7 +24,7 @@ use crate::memory::MemorySnapshot;
 /// ```
 /// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory, Outcome};
 ///
-/// let _ = BatchSizeSearch::new(2).run_dyn(|batch_size| -> anyhow::Result<()> {
+/// let _ = BatchSizeSearch::new(2).run(|batch_size| -> anyhow::Result<()> {
 ///     match batch_size {
 ///         2 => Err(OutOfMemory::new().on_device("sim:0").into()),
 ///         _ => anyhow::bail!("data loader closed"),
@@ -67,7 +67,7 @@ pub enum Outcome {
 /// let device = SimulatedDevice::new(100);
 /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(16)
 ///     .with_release(device.clone())
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         let _batch = device.alloc(batch_size as u64 * 10)?;
 ///         Ok(batch_size)
 ///     });
@@ -142,7 +142,7 @@ impl fmt::Display for Attempt {
 /// ```
 /// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
 ///
-/// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+/// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
 ///     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 /// });
 /// assert_eq!(fitted.unwrap(), 16);
@@ -243,7 +243,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -257,7 +257,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -271,7 +271,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -374,7 +374,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -403,7 +403,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -427,7 +427,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -444,7 +444,7 @@ impl SearchReport {
     ///
     /// ```
     /// # use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+    /// # let _: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
     /// #     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     /// # });
     /// let report = last_report().unwrap(); // 64 and 32 ran out of memory, 16 fit
@@ -537,7 +537,7 @@ pub(crate) fn store_last_report(report: SearchReport) {
 /// ```
 /// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
 ///
-/// let value: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
+/// let value: Result<usize, anyhow::Error> = BatchSizeSearch::new(64).run(|batch_size| {
 ///     if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 /// });
 /// assert_eq!(value.unwrap(), 16);

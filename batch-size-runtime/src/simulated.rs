@@ -8,7 +8,7 @@
 //! let device = SimulatedDevice::new(1 << 30); // 1 GiB
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
 //!     .with_release(device.clone())
-//!     .run_dyn(|batch_size| {
+//!     .run(|batch_size| {
 //!         let _activations = device.alloc(batch_size as u64 * (24 << 20))?; // 24 MiB a sample
 //!         Ok(batch_size)
 //!     });

@@ -32,16 +32,15 @@ fn none_fit(error: &anyhow::Error) -> &NoExecutableBatchSize {
 #[test]
 fn memory_implicit_with_factor_0_9_reproduces_accelerate() {
     let mut batch_sizes = Vec::new();
-    let result: anyhow::Result<()> =
-        BatchSizeSearch::new(128)
-            .with_factor(0.9)
-            .run_dyn(|batch_size| {
-                batch_sizes.push(batch_size);
-                if batch_size != 8 {
-                    return Err(fake_out_of_memory());
-                }
-                Ok(())
-            });
+    let result: anyhow::Result<()> = BatchSizeSearch::new(128)
+        .with_factor(0.9)
+        .run(|batch_size| {
+            batch_sizes.push(batch_size);
+            if batch_size != 8 {
+                return Err(fake_out_of_memory());
+            }
+            Ok(())
+        });
     result.unwrap();
     assert_eq!(batch_sizes, ACCELERATE_SEQUENCE);
 }
@@ -49,7 +48,7 @@ fn memory_implicit_with_factor_0_9_reproduces_accelerate() {
 #[test]
 fn memory_implicit_halving_by_default() {
     let mut batch_sizes = Vec::new();
-    let result: anyhow::Result<()> = BatchSizeSearch::new(128).run_dyn(|batch_size| {
+    let result: anyhow::Result<()> = BatchSizeSearch::new(128).run(|batch_size| {
         batch_sizes.push(batch_size);
         if batch_size != 8 {
             return Err(fake_out_of_memory());
@@ -64,15 +63,16 @@ fn memory_implicit_halving_by_default() {
 fn memory_explicit_extra_arguments_pass_through() {
     let arg1 = String::from("hello");
     let mut batch_sizes = Vec::new();
-    let result: anyhow::Result<(usize, String)> = BatchSizeSearch::new(128)
-        .with_factor(0.9)
-        .run_dyn(|batch_size| {
-            batch_sizes.push(batch_size);
-            if batch_size != 8 {
-                return Err(fake_out_of_memory());
-            }
-            Ok((batch_size, arg1.clone()))
-        });
+    let result: anyhow::Result<(usize, String)> =
+        BatchSizeSearch::new(128)
+            .with_factor(0.9)
+            .run(|batch_size| {
+                batch_sizes.push(batch_size);
+                if batch_size != 8 {
+                    return Err(fake_out_of_memory());
+                }
+                Ok((batch_size, arg1.clone()))
+            });
     let (batch_size, arg) = result.unwrap();
     assert_eq!(batch_sizes, ACCELERATE_SEQUENCE);
     assert_eq!((batch_size, arg.as_str()), (8, "hello"));
@@ -81,7 +81,7 @@ fn memory_explicit_extra_arguments_pass_through() {
 #[test]
 fn start_zero_never_calls_the_attempt() {
     let mut calls = 0;
-    let result: anyhow::Result<()> = BatchSizeSearch::new(0).run_dyn(|_| {
+    let result: anyhow::Result<()> = BatchSizeSearch::new(0).run(|_| {
         calls += 1;
         Ok(())
     });
@@ -97,8 +97,7 @@ fn start_zero_never_calls_the_attempt() {
 
 #[test]
 fn approach_zero_reports_reached_zero() {
-    let result: anyhow::Result<()> =
-        BatchSizeSearch::new(16).run_dyn(|_| Err(fake_out_of_memory()));
+    let result: anyhow::Result<()> = BatchSizeSearch::new(16).run(|_| Err(fake_out_of_memory()));
     let error = result.unwrap_err();
     let none_fit = none_fit(&error);
     assert_eq!(none_fit.reason(), &StopReason::ReachedZero);
@@ -116,7 +115,7 @@ fn approach_zero_reports_reached_zero() {
 fn approach_zero_with_factor_ends_at_zero_too() {
     let result: anyhow::Result<()> = BatchSizeSearch::new(3)
         .with_factor(0.9)
-        .run_dyn(|_| Err(fake_out_of_memory()));
+        .run(|_| Err(fake_out_of_memory()));
     let error = result.unwrap_err();
     // floor(3 * 0.9) = 2, floor(2 * 0.9) = 1, floor(0.9) = 0
     assert_eq!(none_fit(&error).tried(), &[3, 2, 1]);
@@ -135,7 +134,7 @@ fn custom_reduction_keeps_its_own_state_and_sees_the_failure() {
             step += 1;
             failed.batch_size - 10 * step
         })
-        .run_dyn(|batch_size| {
+        .run(|batch_size| {
             batch_sizes.push(batch_size);
             if batch_size > 100 {
                 return Err(fake_out_of_memory());
@@ -158,7 +157,7 @@ fn a_reduction_that_does_not_shrink_stops_the_search() {
     let mut calls = 0;
     let result: anyhow::Result<()> = BatchSizeSearch::new(32)
         .with_reduce(|failed| failed.batch_size)
-        .run_dyn(|_| {
+        .run(|_| {
             calls += 1;
             Err(fake_out_of_memory())
         });
@@ -196,7 +195,7 @@ fn any_other_error_passes_through_untouched_after_one_call() {
     assert!(matches!(result, Err(TrainError::Oops(Oops))));
 
     let mut calls = 0;
-    let result: anyhow::Result<()> = BatchSizeSearch::new(128).run_dyn(|_| {
+    let result: anyhow::Result<()> = BatchSizeSearch::new(128).run(|_| {
         calls += 1;
         Err(Oops.into())
     });
@@ -235,7 +234,7 @@ fn an_oom_panic_is_retried() {
 fn min_and_max_attempts_stop_the_search() {
     let result: anyhow::Result<()> = BatchSizeSearch::new(100)
         .with_min(20)
-        .run_dyn(|_| Err(fake_out_of_memory()));
+        .run(|_| Err(fake_out_of_memory()));
     let error = result.unwrap_err();
     // Halving steps from 25 to 12, below `min`: 20 itself is tried before the search gives up.
     assert_eq!(none_fit(&error).tried(), &[100, 50, 25, 20]);
@@ -246,11 +245,11 @@ fn min_and_max_attempts_stop_the_search() {
 
     let result: anyhow::Result<()> = BatchSizeSearch::new(100)
         .with_max_attempts(2)
-        .run_dyn(|_| Err(fake_out_of_memory()));
+        .run(|_| Err(fake_out_of_memory()));
     assert_eq!(none_fit(&result.unwrap_err()).tried(), &[100, 50]);
 
     let mut calls = 0;
-    let result: anyhow::Result<()> = BatchSizeSearch::new(10).with_min(11).run_dyn(|_| {
+    let result: anyhow::Result<()> = BatchSizeSearch::new(10).with_min(11).run(|_| {
         calls += 1;
         Ok(())
     });
@@ -265,11 +264,10 @@ fn min_and_max_attempts_stop_the_search() {
 fn an_invalid_factor_stops_before_the_first_attempt() {
     for factor in [0.0, 1.0, 1.5, -0.5, f64::NAN] {
         let mut calls = 0;
-        let result: anyhow::Result<()> =
-            BatchSizeSearch::new(10).with_factor(factor).run_dyn(|_| {
-                calls += 1;
-                Ok(())
-            });
+        let result: anyhow::Result<()> = BatchSizeSearch::new(10).with_factor(factor).run(|_| {
+            calls += 1;
+            Ok(())
+        });
         assert_eq!(calls, 0, "factor {factor}");
         let error = result.unwrap_err();
         assert!(matches!(
@@ -282,7 +280,7 @@ fn an_invalid_factor_stops_before_the_first_attempt() {
 
 #[test]
 fn no_executable_batch_size_keeps_the_last_oom_as_its_source() {
-    let result: Result<(), Box<dyn Error + Send + Sync>> = BatchSizeSearch::new(4).run_dyn(|n| {
+    let result: Result<(), Box<dyn Error + Send + Sync>> = BatchSizeSearch::new(4).run(|n| {
         Err(Box::new(OutOfMemory::new().with_requested(n as u64)) as Box<dyn Error + Send + Sync>)
     });
     let error = result.unwrap_err();
@@ -314,7 +312,7 @@ fn every_attempt_is_recorded_with_memory_figures() {
     let device = SimulatedDevice::new(100 << 20).with_caching();
     let result: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
         .with_release(device.clone())
-        .run_dyn(|batch_size| {
+        .run(|batch_size| {
             let _activations = device.alloc(batch_size as u64 * (4 << 20))?;
             Ok(batch_size)
         });
@@ -353,7 +351,7 @@ fn release_gives_the_failed_attempts_memory_back() {
     let fitted: anyhow::Result<usize> = BatchSizeSearch::new(8)
         .with_policy(Halve)
         .with_release(device.clone())
-        .run_dyn(attempt);
+        .run(attempt);
     assert_eq!(fitted.unwrap(), 4);
 
     // Without it, the failed attempt's weights stay cached and nothing fits any more.
@@ -366,14 +364,14 @@ fn release_gives_the_failed_attempts_memory_back() {
     let result: anyhow::Result<usize> = BatchSizeSearch::new(8)
         .with_policy(Halve)
         .with_release(batch_size_runtime::memory::NoRelease)
-        .run_dyn(attempt);
+        .run(attempt);
     assert!(result.unwrap_err().is::<NoExecutableBatchSize>());
 }
 
 #[test]
 fn async_attempts_are_retried_and_their_panics_classified() {
     let mut batch_sizes = Vec::new();
-    let future = BatchSizeSearch::new(16).run_dyn_async(|batch_size| {
+    let future = BatchSizeSearch::new(16).run_async(|batch_size| {
         batch_sizes.push(batch_size);
         async move {
             if batch_size > 4 {
@@ -395,8 +393,8 @@ fn async_attempts_are_retried_and_their_panics_classified() {
 
 #[test]
 fn the_source_of_an_anyhow_search_downcasts_to_the_error_the_attempt_returned() {
-    let result: anyhow::Result<()> = BatchSizeSearch::new(2)
-        .run_dyn(|n| Err(OutOfMemory::new().with_requested(n as u64).into()));
+    let result: anyhow::Result<()> =
+        BatchSizeSearch::new(2).run(|n| Err(OutOfMemory::new().with_requested(n as u64).into()));
     let error = result.unwrap_err();
     let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     let source = none_fit.source().unwrap();
@@ -425,4 +423,44 @@ fn the_state_machine_hands_its_report_to_last_report_at_the_end() {
         matches!(again.reason(), StopReason::InvalidConfiguration(why) if why.contains("ended"))
     );
     assert_eq!(last_report().unwrap().batch_size(), Some(2));
+}
+
+#[test]
+#[allow(deprecated)] // the deprecated names, kept one release: the same as `run` / `run_async`
+fn run_dyn_and_run_dyn_async_still_run() {
+    let fitted: anyhow::Result<usize> = BatchSizeSearch::new(16).run_dyn(|batch_size| {
+        if batch_size > 4 {
+            Err(OutOfMemory::new())?
+        }
+        Ok(batch_size)
+    });
+    assert_eq!(fitted.unwrap(), 4);
+    let future = BatchSizeSearch::new(16).run_dyn_async(|batch_size| async move {
+        if batch_size > 4 {
+            Err(OutOfMemory::new())?
+        }
+        Ok::<_, anyhow::Error>(batch_size)
+    });
+    assert_eq!(block_on(future).unwrap(), 4);
+}
+
+#[test]
+#[allow(deprecated)] // the old module paths, kept one release as aliases of the crate root's names
+fn the_old_module_paths_still_name_the_same_types() {
+    use batch_size_runtime::{chunked, plan, reduce};
+    let plan: plan::BatchPlan = batch_size_runtime::BatchPlan::new(8, 4);
+    assert_eq!(plan.accumulation(), 2);
+    let _: plan::EffectiveBatch<'_> = plan::EffectiveBatch::new(8);
+    let _: chunked::Chunked<'_> = chunked::Chunked::new(10);
+    let reduction: reduce::Reduction<'_> = reduce::Reduction::Factor(0.5);
+    let fitted: anyhow::Result<usize> =
+        BatchSizeSearch::new(100)
+            .with_reduction(reduction)
+            .run(|batch_size| {
+                if batch_size > 30 {
+                    Err(OutOfMemory::new())?
+                }
+                Ok(batch_size)
+            });
+    assert_eq!(fitted.unwrap(), 25); // 100, 50, 25
 }

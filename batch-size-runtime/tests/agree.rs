@@ -33,7 +33,7 @@ fn ranks(
                 BatchSizeSearch::new(256)
                     .with_release(device.clone())
                     .with_policy(Agree::new(Guided::new(), collective))
-                    .run_dyn(|size| body(rank, size, &device, &inside))
+                    .run(|size| body(rank, size, &device, &inside))
             }));
             let outcome = match result {
                 Ok(Ok(size)) => Ok(size),
@@ -157,7 +157,7 @@ fn a_rank_that_never_joins_times_out_instead_of_hanging() {
         thread::spawn(move || {
             let result: anyhow::Result<usize> = BatchSizeSearch::new(8)
                 .with_policy(Agree::new(Guided::new(), collective))
-                .run_dyn(Ok);
+                .run(Ok);
             let _ = sender.send(result.map_err(|error| {
                 error
                     .downcast_ref::<NoExecutableBatchSize>()

@@ -26,7 +26,7 @@ fn search(key: &str, dir: Option<&Path>, fits: usize) -> (usize, usize) {
         search = search.with_cache_dir(dir);
     }
     let found = search
-        .run_dyn(|size| -> anyhow::Result<usize> {
+        .run(|size| -> anyhow::Result<usize> {
             if size > fits {
                 Err(OutOfMemory::new())?;
             }
@@ -87,7 +87,7 @@ fn more_room_than_when_written_starts_again_from_starting() {
             .with_cache("room")
             .with_cache_dir(&dir)
             .with_release(device.clone())
-            .run_dyn(|size| -> anyhow::Result<usize> {
+            .run(|size| -> anyhow::Result<usize> {
                 let _activations = device.alloc(size as u64 * (16 << 20))?; // 16 MiB a sample
                 Ok(size)
             })

@@ -47,7 +47,7 @@ fn search_with_min(key: &str, dir: &Path, min: usize) -> (usize, Vec<usize>, usi
             .with_min(min)
             .with_cache(key)
             .with_cache_dir(dir)
-            .run_dyn(|size| -> anyhow::Result<usize> {
+            .run(|size| -> anyhow::Result<usize> {
                 if size > 16 {
                     Err(OutOfMemory::new())?;
                 }

@@ -133,7 +133,7 @@ fn an_error_whose_display_panics_is_classified_without_panicking() {
     // Through a search: not recognised, so it comes back as it is after one attempt, and
     // nothing panicked on the way.
     let mut calls = 0;
-    let result: anyhow::Result<()> = BatchSizeSearch::new(8).run_dyn(|_| {
+    let result: anyhow::Result<()> = BatchSizeSearch::new(8).run(|_| {
         calls += 1;
         Err(anyhow::Error::new(CandleCudaError(DriverError(
             CUresult::CUDA_ERROR_OUT_OF_MEMORY,

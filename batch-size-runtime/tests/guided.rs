@@ -24,11 +24,11 @@ fn none_fit(result: anyhow::Result<usize>) -> NoExecutableBatchSize {
 #[test]
 fn without_figures_it_halves_exactly() {
     let result: anyhow::Result<usize> =
-        BatchSizeSearch::new(128).run_dyn(|_| Err(OutOfMemory::new().into()));
+        BatchSizeSearch::new(128).run(|_| Err(OutOfMemory::new().into()));
     assert_eq!(none_fit(result).tried(), &[128, 64, 32, 16, 8, 4, 2, 1]);
     // A message without figures: the same.
     let result: anyhow::Result<usize> =
-        BatchSizeSearch::new(128).run_dyn(|_| anyhow::bail!("CUDA out of memory."));
+        BatchSizeSearch::new(128).run(|_| anyhow::bail!("CUDA out of memory."));
     assert_eq!(none_fit(result).tried(), &[128, 64, 32, 16, 8, 4, 2, 1]);
 }
 
@@ -44,7 +44,7 @@ fn clear_evidence_lands_within_ten_percent_in_no_more_attempts_than_halving() {
         let largest = ((16 * GIB - fixed) / per_sample) as usize;
         let found = BatchSizeSearch::new(start)
             .with_release(device.clone())
-            .run_dyn(|size| -> anyhow::Result<usize> {
+            .run(|size| -> anyhow::Result<usize> {
                 let _weights = device.alloc(fixed)?;
                 let _activations = device.alloc(size as u64 * per_sample)?;
                 Ok(size)
@@ -74,7 +74,7 @@ fn a_text_that_repeats_at_every_size_never_stops_the_search_early() {
     // fits.
     let text = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 7.79 GiB of which 3.12 MiB is free.";
     for start in [64usize, 100, 256] {
-        let found: anyhow::Result<usize> = BatchSizeSearch::new(start).run_dyn(|size| {
+        let found: anyhow::Result<usize> = BatchSizeSearch::new(start).run(|size| {
             if size > 8 {
                 anyhow::bail!("{text}");
             }
@@ -95,14 +95,15 @@ fn a_text_that_repeats_at_every_size_never_stops_the_search_early() {
     // The same with a memory backend whose readings say nothing of the attempt (a device of its
     // own): no proof either.
     let device = SimulatedDevice::new(8 * GIB);
-    let found: anyhow::Result<usize> = BatchSizeSearch::new(64)
-        .with_release(device.clone())
-        .run_dyn(|size| {
-            if size > 8 {
-                anyhow::bail!("{text}");
-            }
-            Ok(size)
-        });
+    let found: anyhow::Result<usize> =
+        BatchSizeSearch::new(64)
+            .with_release(device.clone())
+            .run(|size| {
+                if size > 8 {
+                    anyhow::bail!("{text}");
+                }
+                Ok(size)
+            });
     assert_eq!(found.unwrap(), 8);
 }
 
@@ -110,7 +111,7 @@ fn a_text_that_repeats_at_every_size_never_stops_the_search_early() {
 fn without_the_backend_readings_a_fixed_part_too_large_is_not_proved_and_the_ladder_is_walked() {
     // The error's text alone cannot say that nothing of the attempt's own was in use: no early
     // stop, the ladder to its end as halving's, at most one attempt more.
-    let result: anyhow::Result<usize> = BatchSizeSearch::new(64).run_dyn(|_| {
+    let result: anyhow::Result<usize> = BatchSizeSearch::new(64).run(|_| {
         anyhow::bail!(
             "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 16.00 GiB of which 16.00 GiB is free."
         )
@@ -127,7 +128,7 @@ fn without_the_backend_readings_a_fixed_part_too_large_is_not_proved_and_the_lad
 #[test]
 fn the_figures_come_from_pytorch_text_too() {
     // 20 GiB total, 4 GiB in use by the model, 100 MiB a sample: 163 fit.
-    let found: anyhow::Result<usize> = BatchSizeSearch::new(256).run_dyn(|size| {
+    let found: anyhow::Result<usize> = BatchSizeSearch::new(256).run(|size| {
         let needed = size as u64 * 100 * MIB;
         if 4 * GIB + needed > 20 * GIB {
             anyhow::bail!(
@@ -144,13 +145,13 @@ fn the_figures_come_from_pytorch_text_too() {
 #[test]
 fn a_fixed_part_larger_than_the_device_stops_early_with_the_figures() {
     let device = SimulatedDevice::new(16 * GIB);
-    let result = BatchSizeSearch::new(512)
-        .with_release(device.clone())
-        .run_dyn(|size| -> anyhow::Result<usize> {
+    let result = BatchSizeSearch::new(512).with_release(device.clone()).run(
+        |size| -> anyhow::Result<usize> {
             let _weights = device.alloc(20 * GIB)?; // the model alone does not fit
             let _activations = device.alloc(size as u64 * MIB)?;
             Ok(size)
-        });
+        },
+    );
     let none_fit = none_fit(result);
     assert_eq!(none_fit.tried().len(), 2, "{none_fit}");
     match none_fit.reason() {
@@ -170,7 +171,7 @@ fn a_margin_outside_zero_one_is_refused() {
     for margin in [1.0, 1.5, -0.1, f64::NAN, f64::INFINITY] {
         let mut calls = 0;
         let result: anyhow::Result<usize> =
-            BatchSizeSearch::new(8).with_margin(margin).run_dyn(|size| {
+            BatchSizeSearch::new(8).with_margin(margin).run(|size| {
                 calls += 1;
                 Ok(size)
             });
@@ -185,7 +186,7 @@ fn a_margin_outside_zero_one_is_refused() {
         let policy = Guided::new().with_margin(margin);
         assert!(batch_size_runtime::SizePolicy::check(&policy).is_err());
     }
-    let zero: anyhow::Result<usize> = BatchSizeSearch::new(8).with_margin(0.0).run_dyn(Ok);
+    let zero: anyhow::Result<usize> = BatchSizeSearch::new(8).with_margin(0.0).run(Ok);
     assert_eq!(zero.unwrap(), 8);
 }
 
@@ -199,11 +200,11 @@ fn bad_figures_fall_back_to_halving() {
         "CUDA out of memory. Tried to allocate 0 bytes. GPU 0 has a total capacity of 0 bytes of which 0 bytes is free.",
     ] {
         let result: anyhow::Result<usize> =
-            BatchSizeSearch::new(64).run_dyn(|_| anyhow::bail!("{text}"));
+            BatchSizeSearch::new(64).run(|_| anyhow::bail!("{text}"));
         assert_eq!(none_fit(result).tried(), &[64, 32, 16, 8, 4, 2, 1], "{text}");
     }
     // A request larger than the whole device, at every size: no panic, never a size that failed.
-    let result: anyhow::Result<usize> = BatchSizeSearch::new(64).run_dyn(|size| {
+    let result: anyhow::Result<usize> = BatchSizeSearch::new(64).run(|size| {
         anyhow::bail!(
             "CUDA out of memory. Tried to allocate {} GiB. GPU 0 has a total capacity of 1.00 GiB of which 1.00 GiB is free.",
             size * 1000
@@ -241,7 +242,7 @@ proptest! {
         let result: anyhow::Result<usize> = BatchSizeSearch::new(start)
             .with_min(min)
             .with_margin(margin)
-            .run_dyn(|size| {
+            .run(|size| {
                 let (requested, total, free) = &figures[attempt % figures.len()];
                 attempt += 1;
                 if size > fits {

@@ -266,13 +266,13 @@ fn child_under_an_address_space_limit() {
     let halved: usize = BatchSizeSearch::new(1024)
         .with_policy(Halve)
         .with_release(Release::host())
-        .run_dyn(cpu_step)
+        .run(cpu_step)
         .unwrap();
     let halving = last_report().unwrap();
 
     let guided: usize = BatchSizeSearch::new(1024)
         .with_release(Release::host())
-        .run_dyn(cpu_step)
+        .run(cpu_step)
         .unwrap();
     let report = last_report().unwrap();
     println!(

@@ -64,7 +64,7 @@ fn a_size_at_or_above_one_that_failed_is_never_tried() {
     // 40 fails; the script then proposes 50 (above it): the engine stops, naming both.
     let result = BatchSizeSearch::new(1)
         .with_policy(Script::new(&[40, 50]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(
         reason(result),
         StopReason::NotSmaller {
@@ -75,7 +75,7 @@ fn a_size_at_or_above_one_that_failed_is_never_tried() {
     // Growing below the failure is fine, even after successes.
     let found = BatchSizeSearch::new(1)
         .with_policy(Script::new(&[8, 16, 40, 24]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(found.unwrap(), 24);
 }
 
@@ -83,7 +83,7 @@ fn a_size_at_or_above_one_that_failed_is_never_tried() {
 fn accept_returns_the_latest_success_even_after_a_failure() {
     let found = BatchSizeSearch::new(1)
         .with_policy(Script::new(&[8, 16, 40]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(found.unwrap(), 16);
 }
 
@@ -91,7 +91,7 @@ fn accept_returns_the_latest_success_even_after_a_failure() {
 fn accept_without_any_success_stops_with_nothing_to_accept() {
     let result = BatchSizeSearch::new(1)
         .with_policy(Script::new(&[40]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(reason(result), StopReason::NothingToAccept);
 }
 
@@ -101,23 +101,23 @@ fn min_and_max_attempts_apply_to_every_policy() {
     let below = BatchSizeSearch::new(1)
         .with_min(10)
         .with_policy(Script::new(&[40, 5]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(below.unwrap(), 10);
     let below = BatchSizeSearch::new(1)
         .with_min(10)
         .with_policy(Script::new(&[40, 5, 3]))
-        .run_dyn(fits_up_to(8));
+        .run(fits_up_to(8));
     assert_eq!(reason(below), StopReason::BelowMinimum { next: 3, min: 10 });
 
     let capped = BatchSizeSearch::new(1)
         .with_max_attempts(2)
         .with_policy(Script::new(&[1, 2, 3, 4]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(reason(capped), StopReason::MaxAttempts(2));
 
     let zero = BatchSizeSearch::new(1)
         .with_policy(Script::new(&[40, 0]))
-        .run_dyn(fits_up_to(30));
+        .run(fits_up_to(30));
     assert_eq!(reason(zero), StopReason::ReachedZero);
 }
 
@@ -128,7 +128,7 @@ fn invalid_minimum_and_cap_are_refused_not_changed() {
         BatchSizeSearch::new(8).with_max_attempts(0),
     ] {
         let mut calls = 0;
-        let result = search.run_dyn(|size| {
+        let result = search.run(|size| {
             calls += 1;
             fits_up_to(30)(size)
         });
@@ -145,15 +145,14 @@ fn the_policy_sees_every_attempt_and_is_told_of_a_failure() {
     let policy = Script::new(&[64, 32, 16]);
     let seen = Arc::clone(&policy.seen);
     let ended = Arc::clone(&policy.ended_by_failure);
-    let result =
-        BatchSizeSearch::new(1)
-            .with_policy(policy)
-            .run_dyn(|size| -> anyhow::Result<usize> {
-                if size == 16 {
-                    anyhow::bail!("corrupt shard");
-                }
-                Err(OutOfMemory::new().into())
-            });
+    let result = BatchSizeSearch::new(1)
+        .with_policy(policy)
+        .run(|size| -> anyhow::Result<usize> {
+            if size == 16 {
+                anyhow::bail!("corrupt shard");
+            }
+            Err(OutOfMemory::new().into())
+        });
     assert_eq!(result.unwrap_err().to_string(), "corrupt shard");
     assert_eq!(seen.load(Ordering::SeqCst), 2); // after 64 and 32
     assert_eq!(ended.load(Ordering::SeqCst), 1); // 16: not out of memory
@@ -165,7 +164,7 @@ fn when_and_notify_are_per_search() {
     let found: anyhow::Result<usize> = BatchSizeSearch::new(64)
         .when(|error| error.to_string().contains("arena exhausted"))
         .notify(|attempt| outcomes.push(attempt.outcome.clone()))
-        .run_dyn(|size| {
+        .run(|size| {
             if size > 16 {
                 anyhow::bail!("npu: arena exhausted");
             }
@@ -177,7 +176,7 @@ fn when_and_notify_are_per_search() {
 
     // Another search without the rule: the same error is not out-of-memory.
     let other: anyhow::Result<usize> =
-        BatchSizeSearch::new(64).run_dyn(|_| anyhow::bail!("npu: arena exhausted"));
+        BatchSizeSearch::new(64).run(|_| anyhow::bail!("npu: arena exhausted"));
     assert_eq!(other.unwrap_err().to_string(), "npu: arena exhausted");
 }
 
@@ -187,7 +186,7 @@ fn on_report_sees_the_report_of_a_search_that_found_nothing() {
     let sink = Arc::clone(&reported);
     let result: anyhow::Result<usize> = BatchSizeSearch::new(8)
         .on_report(move |report| sink.store(report.len(), Ordering::SeqCst))
-        .run_dyn(|_| Err(OutOfMemory::new().into()));
+        .run(|_| Err(OutOfMemory::new().into()));
     assert!(result.is_err());
     assert_eq!(reported.load(Ordering::SeqCst), 4); // 8, 4, 2, 1
 }

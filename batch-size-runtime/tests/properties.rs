@@ -48,7 +48,7 @@ proptest! {
         policy in policy(),
     ) {
         let mut calls = Vec::new();
-        let result: anyhow::Result<usize> = search(starting, min, &policy).run_dyn(|batch_size| {
+        let result: anyhow::Result<usize> = search(starting, min, &policy).run(|batch_size| {
             calls.push(batch_size);
             assert!(calls.len() <= 100_000, "did not terminate");
             if batch_size > fits_at {
@@ -83,7 +83,7 @@ proptest! {
         let _: anyhow::Result<()> = BatchSizeSearch::new(starting)
             .with_factor(factor)
             .with_max_attempts(3)
-            .run_dyn(|batch_size| {
+            .run(|batch_size| {
                 calls.push(batch_size);
                 Err(batch_size_runtime::OutOfMemory::new().into())
             });

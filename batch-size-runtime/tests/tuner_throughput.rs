@@ -214,6 +214,31 @@ fn a_trial_that_runs_nothing_stops_too() {
 }
 
 #[test]
+fn a_flat_trial_is_not_reported_as_out_of_memory() {
+    let device = SimulatedDevice::new(16 << 30);
+    let error = Tuner::new()
+        .with_release(device.clone())
+        .run(|_size| -> anyhow::Result<()> {
+            let _always_the_same = device.alloc(4 << 30)?;
+            Ok(())
+        })
+        .unwrap_err();
+    let message = error.to_string();
+    // What to check, with the figures that show it; nothing ran out of memory.
+    assert!(
+        message.contains("a peak of 4.00 GiB at 16, no more than at 1"),
+        "{message}"
+    );
+    assert!(
+        message.contains("Check that the trial builds its batch"),
+        "{message}"
+    );
+    assert!(!message.contains("Memory at that failure"), "{message}");
+    assert!(!message.contains("out-of-memory error"), "{message}");
+    assert!(!message.contains("Lower `min`"), "{message}");
+}
+
+#[test]
 fn small_growth_under_an_allocators_rounding_is_not_taken_for_a_flat_trial() {
     // 200 KiB a sample, every allocation rounded up to 2 MiB: 1 and 2 look the same.
     let device = SimulatedDevice::new(1 << 30).with_block_size(2 << 20);

@@ -159,7 +159,7 @@ fn plain_api_panics() {
     let model = limited_model();
     let found: anyhow::Result<usize> = BatchSizeSearch::new(STARTING)
         .with_release(Release::host())
-        .run_dyn(|batch_size| {
+        .run(|batch_size| {
             let (x, _) = samples(0, batch_size as i64)?;
             let _outputs = model.forward(&x); // panics on out-of-memory
             Ok(batch_size)

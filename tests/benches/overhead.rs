@@ -1,7 +1,7 @@
 //! What `#[find_executable_batch_size]` costs when the first attempt fits: the same body called
 //! directly, through the attribute with nothing to release, through the attribute with its
 //! default release (CUDA, which does nothing where libcuda is absent or unused), and through
-//! the engine's `run_dyn`.
+//! the engine's `run`.
 //!
 //! `cargo bench -p batch-size-tests --bench overhead -- --warm-up-time 1 --measurement-time 3`
 
@@ -44,7 +44,7 @@ fn attribute_plain_return(batch_size: usize, input: &[u32]) -> usize {
 fn engine_release_none(input: &[u32]) -> anyhow::Result<usize> {
     BatchSizeSearch::new(64)
         .with_release(Release::none())
-        .run_dyn(|batch_size| body(batch_size, input))
+        .run(|batch_size| body(batch_size, input))
 }
 
 fn overhead(c: &mut Criterion) {

@@ -565,13 +565,13 @@ fn a_failing_release_never_hides_the_attempts_error() -> TestResult {
 }
 
 #[test]
-fn run_dyn_with_anyhow_releases_the_same_way() -> TestResult {
+fn run_with_anyhow_releases_the_same_way() -> TestResult {
     let cuda = FakeCuda::session(1, CAPACITY)?;
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
     let model = model();
 
-    let fitted: anyhow::Result<usize> = BatchSizeSearch::new(STARTING).run_dyn(|batch_size| {
+    let fitted: anyhow::Result<usize> = BatchSizeSearch::new(STARTING).run(|batch_size| {
         assert_eq!(cuda.counters(0).pool_reserved, 0);
         Ok(model.step(&stream, batch_size)?)
     });
@@ -580,7 +580,7 @@ fn run_dyn_with_anyhow_releases_the_same_way() -> TestResult {
     assert_eq!(cuda.counters(0).trims, 2);
     let none_fit: anyhow::Result<usize> = BatchSizeSearch::new(STARTING)
         .with_min(32)
-        .run_dyn(|batch_size| Ok(model.step(&stream, batch_size)?));
+        .run(|batch_size| Ok(model.step(&stream, batch_size)?));
     let error = none_fit.err().ok_or("a size fitted")?;
     let none_fit = error
         .downcast_ref::<NoExecutableBatchSize>()

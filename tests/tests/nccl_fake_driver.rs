@@ -79,7 +79,7 @@ fn four_ranks_on_mixed_gpus_agree_over_nccl() -> TestResult {
                 let model = model();
                 BatchSizeSearch::new(64)
                     .with_agreement(&nccl)
-                    .run_dyn(|batch_size| -> anyhow::Result<usize> {
+                    .run(|batch_size| -> anyhow::Result<usize> {
                         Ok(model.step(&stream, batch_size)?)
                     })
                     .map_err(|error| error.to_string())
@@ -412,7 +412,7 @@ fn child_rank() {
     let model = model();
     match BatchSizeSearch::new(64)
         .with_agreement(&nccl)
-        .run_dyn(|batch_size| -> anyhow::Result<usize> { Ok(model.step(&stream, batch_size)?) })
+        .run(|batch_size| -> anyhow::Result<usize> { Ok(model.step(&stream, batch_size)?) })
     {
         Ok(size) => println!("@AGREED {size}"),
         Err(error) => println!("@FAILED {error}"),

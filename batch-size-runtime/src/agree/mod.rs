@@ -25,7 +25,7 @@
 //!         thread::spawn(move || {
 //!             BatchSizeSearch::new(128)
 //!                 .with_policy(Agree::new(Halve, rank))
-//!                 .run_dyn(|size| -> anyhow::Result<usize> {
+//!                 .run(|size| -> anyhow::Result<usize> {
 //!                     if size > fits { Err(OutOfMemory::new())? }
 //!                     Ok(size)
 //!                 })

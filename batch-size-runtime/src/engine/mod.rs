@@ -12,7 +12,7 @@
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(256)
 //!     .with_factor(0.9)
 //!     .with_release(device.clone())
-//!     .run_dyn(|batch_size| {
+//!     .run(|batch_size| {
 //!         let _activations = device.alloc(batch_size as u64 * (5 << 20))?; // 5 MiB a sample
 //!         Ok(batch_size)
 //!     });
@@ -39,8 +39,7 @@ pub(crate) mod driver;
 mod search;
 
 pub(crate) use active::{ActivePolicy, Hooks};
-#[doc(hidden)]
-pub use driver::{drive, drive_async};
+pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
 pub(crate) use search::SearchSettings;
@@ -60,7 +59,7 @@ pub(crate) use search::SearchSettings;
 ///
 /// let trained: Result<usize, anyhow::Error> = BatchSizeSearch::new(128)
 ///     .with_min(8)
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         if batch_size > 32 {
 ///             return Err(OutOfMemory::new().into()); // what your framework returns
 ///         }
@@ -119,7 +118,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(64).with_min(16).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(64).with_min(16).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
     /// assert_eq!(error.tried(), &[64, 32, 16]);
@@ -141,7 +140,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)
     ///     .with_factor(0.9)
     ///     .with_max_attempts(5)
-    ///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     .run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
     /// assert_eq!(error.tried(), &[128, 115, 103, 92, 82]);
@@ -158,7 +157,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
     /// let result: Result<usize, anyhow::Error> = BatchSizeSearch::new(100)
     ///     .with_reduce(|failed| failed.batch_size - 10)
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         if batch_size > 75 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     ///     });
     /// assert_eq!(result.unwrap(), 70);
@@ -178,7 +177,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let minus_eight = Reduction::Custom(Box::new(|failed| failed.batch_size - 8));
     /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(32)
     ///     .with_reduction(minus_eight)
-    ///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     .run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let none_fit = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
     /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
@@ -194,7 +193,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory, StopReason};
     /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(64).with_max_attempts(2).run_dyn(|_| Err(OutOfMemory::new().into()));
+    ///     BatchSizeSearch::new(64).with_max_attempts(2).run(|_| Err(OutOfMemory::new().into()));
     /// let error = result.unwrap_err();
     /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
     /// assert_eq!(error.reason(), &StopReason::MaxAttempts(2));
@@ -214,7 +213,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let device = SimulatedDevice::new(100);
     /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
     ///     .with_release(device.clone())
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         let _batch = device.alloc(batch_size as u64 * 2)?;
     ///         Ok(batch_size)
     ///     });
@@ -258,7 +257,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(150)
     ///     .with_margin(0.2)
     ///     .with_release(device.clone())
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         let _activations = device.alloc(batch_size as u64 * (8 << 20))?; // 8 MiB a sample
     ///         Ok(batch_size)
     ///     });
@@ -280,7 +279,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// for _ in 0..2 {
     ///     let fitted: anyhow::Result<usize> = BatchSizeSearch::new(64)
     ///         .with_cache("with_cache doc")
-    ///         .run_dyn(|batch_size| {
+    ///         .run(|batch_size| {
     ///             if batch_size > 20 { Err(OutOfMemory::new())? }
     ///             Ok(batch_size)
     ///         });
@@ -309,7 +308,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(8)
     ///     .with_cache("with_cache_dir doc")
     ///     .with_cache_dir(&dir)
-    ///     .run_dyn(Ok);
+    ///     .run(Ok);
     /// assert_eq!(fitted?, 8);
     /// assert!(std::fs::read_dir(&dir)?.count() >= 1);
     /// # Ok::<(), anyhow::Error>(())
@@ -332,7 +331,7 @@ impl<'r> BatchSizeSearch<'r> {
     ///
     /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(128)
     ///     .with_policy(Factor(0.75))
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         if batch_size > 80 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     ///     });
     /// assert_eq!(fitted.unwrap(), 72); // 128, 96, 72
@@ -360,7 +359,7 @@ impl<'r> BatchSizeSearch<'r> {
     ///         scope.spawn(move || {
     ///             BatchSizeSearch::new(128)
     ///                 .with_agreement(rank)
-    ///                 .run_dyn(|size| -> anyhow::Result<usize> {
+    ///                 .run(|size| -> anyhow::Result<usize> {
     ///                     if size > fits { Err(OutOfMemory::new())? }
     ///                     Ok(size)
     ///                 })
@@ -386,7 +385,7 @@ impl<'r> BatchSizeSearch<'r> {
     ///
     /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
     ///     .when(|error| error.to_string().contains("arena exhausted"))
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         if batch_size > 16 { anyhow::bail!("my_accel: arena exhausted") }
     ///         Ok(batch_size)
     ///     });
@@ -409,7 +408,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let mut seen = Vec::new();
     /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
     ///     .notify(|attempt| seen.push((attempt.batch_size, attempt.outcome.is_success())))
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     ///     });
     /// assert_eq!(fitted.unwrap(), 16);
@@ -432,7 +431,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let (reports, received) = mpsc::channel();
     /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
     ///     .on_report(move |report| reports.send(report.clone()).unwrap())
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         if batch_size > 16 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     ///     });
     /// assert_eq!(fitted.unwrap(), 16);
@@ -508,21 +507,9 @@ impl<'r> BatchSizeSearch<'r> {
         )
     }
 
-    /// The same as [`run`](Self::run), which now takes `anyhow::Error` and
-    /// `Box<dyn Error + Send + Sync>` too; kept for the code that calls it.
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchSizeSearch;
-    /// type BoxError = Box<dyn std::error::Error + Send + Sync>;
-    ///
-    /// let fitted: Result<usize, BoxError> = BatchSizeSearch::new(64).run_dyn(|batch_size| {
-    ///     if batch_size > 16 {
-    ///         return Err("CUDA out of memory. Tried to allocate 2.00 GiB".into()); // as text
-    ///     }
-    ///     Ok(batch_size)
-    /// });
-    /// assert_eq!(fitted.unwrap(), 16);
-    /// ```
+    /// The same as [`run`](Self::run), which takes the same error types; kept one release for
+    /// the code that calls it.
+    #[deprecated(note = "call `run` / `run_async`: they take the same error types")]
     #[inline]
     pub fn run_dyn<T, E, M, F>(self, attempt: F) -> Result<T, E>
     where
@@ -604,29 +591,9 @@ impl<'r> BatchSizeSearch<'r> {
         .await
     }
 
-    /// The same as [`run_async`](Self::run_async); kept for the code that calls it.
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchSizeSearch;
-    /// # fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    /// #     let mut future = std::pin::pin!(future);
-    /// #     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    /// #     loop {
-    /// #         if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut context) {
-    /// #             break value;
-    /// #         }
-    /// #     }
-    /// # }
-    /// let search = BatchSizeSearch::new(32).run_dyn_async(|batch_size| async move {
-    ///     if batch_size > 8 {
-    ///         anyhow::bail!("CUDA out of memory. Tried to allocate 1.00 GiB");
-    ///     }
-    ///     Ok(batch_size)
-    /// });
-    /// let fitted: anyhow::Result<usize> = block_on(search); // any executor
-    /// assert_eq!(fitted?, 8);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
+    /// The same as [`run_async`](Self::run_async), which takes the same error types; kept one
+    /// release for the code that calls it.
+    #[deprecated(note = "call `run` / `run_async`: they take the same error types")]
     pub async fn run_dyn_async<T, E, M, Fut>(
         self,
         attempt: impl FnMut(usize) -> Fut,

@@ -14,7 +14,7 @@
 //! let device = SimulatedDevice::new(1000).with_caching();
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
 //!     .with_release(device.clone())
-//!     .run_dyn(|batch_size| {
+//!     .run(|batch_size| {
 //!         let _weights = device.alloc(300)?;
 //!         let _batch = device.alloc(batch_size as u64 * 100)?;
 //!         Ok(batch_size)
@@ -206,7 +206,7 @@ impl fmt::Display for MemorySnapshot {
 /// // The failed release is logged; the search goes on.
 /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
 ///     .with_release(BusyPool)
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         if batch_size > 2 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 ///     });
 /// assert_eq!(fitted.unwrap(), 2);
@@ -267,7 +267,7 @@ impl ReleaseError {
 /// let pool = MyPool::default();
 /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
 ///     .with_release(pool.clone())
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         if batch_size > 2 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 ///     });
 /// assert_eq!(fitted.unwrap(), 2);
@@ -476,7 +476,7 @@ impl Release {
     ///     .with_release(Release::hook(|| {
     ///         CLEANUPS.fetch_add(1, Ordering::Relaxed); // e.g. B::memory_cleanup(&device)
     ///     }))
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         if batch_size > 2 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     ///     });
     /// assert_eq!(fitted.unwrap(), 2);
@@ -535,7 +535,7 @@ impl Release {
     ///     .with_hook(|| RAN.lock().unwrap().push("second".to_owned()));
     ///
     /// let fitted: Result<usize, anyhow::Error> =
-    ///     BatchSizeSearch::new(2).with_release(release).run_dyn(|batch_size| {
+    ///     BatchSizeSearch::new(2).with_release(release).run(|batch_size| {
     ///         if batch_size > 1 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
     ///     });
     /// assert_eq!(fitted.unwrap(), 1);

@@ -72,7 +72,7 @@ impl Evidence {
     /// let device = SimulatedDevice::new(1000);
     /// let _: anyhow::Result<usize> = BatchSizeSearch::new(64)
     ///     .with_release(device.clone())
-    ///     .run_dyn(|batch_size| {
+    ///     .run(|batch_size| {
     ///         let _weights = device.alloc(200)?;
     ///         let _batch = device.alloc(batch_size as u64 * 20)?;
     ///         Ok(batch_size)

@@ -56,7 +56,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(512)
 ///     .with_policy(Guided::new())
 ///     .with_release(device.clone())
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         let _weights = device.alloc(4 << 30)?; // 4 GiB
 ///         let _activations = device.alloc(batch_size as u64 * (100 << 20))?; // 100 MiB a sample
 ///         Ok(batch_size)
@@ -117,7 +117,7 @@ impl Guided {
     /// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, StopReason};
     ///
     /// let result: anyhow::Result<usize> =
-    ///     BatchSizeSearch::new(8).with_policy(Guided::new().with_margin(1.5)).run_dyn(Ok);
+    ///     BatchSizeSearch::new(8).with_policy(Guided::new().with_margin(1.5)).run(Ok);
     /// let error = result.unwrap_err();
     /// let reason = error.downcast_ref::<NoExecutableBatchSize>().unwrap().reason();
     /// assert!(matches!(reason, StopReason::InvalidConfiguration(_)));

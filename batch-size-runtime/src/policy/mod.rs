@@ -39,7 +39,7 @@
 //!
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(100)
 //!     .with_policy(ThreeQuarters)
-//!     .run_dyn(|batch_size| {
+//!     .run(|batch_size| {
 //!         if batch_size > 50 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 //!     });
 //! assert_eq!(fitted.unwrap(), 42); // 100, 75, 56, 42
@@ -70,7 +70,7 @@
 //!
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(1)
 //!     .with_policy(Doubling)
-//!     .run_dyn(|batch_size| {
+//!     .run(|batch_size| {
 //!         if batch_size > 20 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 //!     });
 //! assert_eq!(fitted.unwrap(), 16); // 1, 2, 4, 8, 16 ran; 32 did not

@@ -18,7 +18,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)
 ///     .with_policy(Halve)
 ///     .with_max_attempts(4)
-///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+///     .run(|_| Err(OutOfMemory::new().into()));
 /// let error = result.unwrap_err();
 /// assert_eq!(error.downcast_ref::<NoExecutableBatchSize>().unwrap().tried(), &[128, 64, 32, 16]);
 /// ```
@@ -46,7 +46,7 @@ impl SizePolicy for Halve {
 /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)
 ///     .with_policy(Factor(0.9))
 ///     .with_max_attempts(5)
-///     .run_dyn(|_| Err(OutOfMemory::new().into()));
+///     .run(|_| Err(OutOfMemory::new().into()));
 /// let error = result.unwrap_err();
 /// assert_eq!(
 ///     error.downcast_ref::<NoExecutableBatchSize>().unwrap().tried(),
@@ -92,7 +92,7 @@ impl SizePolicy for Factor {
 ///
 /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(100)
 ///     .with_policy(Reduce::new(|failed| failed.batch_size - 30))
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         if batch_size > 50 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
 ///     });
 /// assert_eq!(fitted.unwrap(), 40); // 100, 70, 40
@@ -157,7 +157,7 @@ fn shrink(history: &SearchReport, next: impl FnOnce(&FailedAttempt<'_>) -> usize
 ///         seen.push((failed.attempt, failed.batch_size, failed.requested, free));
 ///         failed.batch_size - 16
 ///     })
-///     .run_dyn(|batch_size| {
+///     .run(|batch_size| {
 ///         let _batch = device.alloc(batch_size as u64 * 25)?;
 ///         Ok(batch_size)
 ///     });
@@ -194,7 +194,7 @@ pub(crate) type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize
 ///     let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)
 ///         .with_reduction(reduction)
 ///         .with_max_attempts(4)
-///         .run_dyn(|_| Err(OutOfMemory::new().into()));
+///         .run(|_| Err(OutOfMemory::new().into()));
 ///     let error = result.unwrap_err();
 ///     error.downcast_ref::<NoExecutableBatchSize>().unwrap().tried().to_vec()
 /// }

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
+use crate::error::StopReason;
 use crate::memory::Release;
 use crate::policy::fit::{peak_bytes, MemoryFit};
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
-use crate::StopReason;
 
 /// Finds the largest batch size whose trial runs, in few trials.
 ///
@@ -848,7 +848,7 @@ impl SizePolicy for TunerPolicy {
             let failed = high.unwrap_or(last.batch_size);
             return match last.outcome {
                 Outcome::OutOfMemory { .. } if failed / 2 >= self.min => Decision::Try(failed / 2),
-                _ => Decision::Stop(crate::StopReason::BelowMinimum {
+                _ => Decision::Stop(StopReason::BelowMinimum {
                     next: failed / 2,
                     min: self.min,
                 }),

@@ -12,7 +12,7 @@
 //! let rank = NcclRank::from_exchange(&exchange, context.new_stream()?)?;
 //! let batch_size = BatchSizeSearch::new(512)
 //!     .with_agreement(&rank)
-//!     .run_dyn(|batch_size| -> anyhow::Result<usize> {
+//!     .run(|batch_size| -> anyhow::Result<usize> {
 //!         // forward and backward at `batch_size`; then `safe_point(&rank, ...)`; then the
 //!         // gradient all-reduce and the optimizer step
 //!         Ok(batch_size)

@@ -13,7 +13,7 @@
 //!   declared changes in force, made afresh.
 //! - Every remedy applied is logged at WARN (what, why, the failure's figures), is on each
 //!   attempt's record ([`Attempt::settings`](crate::Attempt::settings)), and comes back with
-//!   the result ([`Remedied`]).
+//!   the result ([`Remedied`], with why each was applied: [`Remedied::reasons`]).
 //! - With a cache key the settings are remembered with the size: a rerun starts from both.
 //! - When no remedy is left the search stops with [`StopReason::NoRemedyLeft`](crate::StopReason::NoRemedyLeft), naming every
 //!   remedy applied and the figures of the failure that led to each.
@@ -276,6 +276,7 @@ impl<S: Clone + Send + 'static> Remedies<S> {
             batch_size,
             settings: ladder.settings().clone(),
             applied: ladder.in_force(),
+            reasons: ladder.applied().iter().map(ToString::to_string).collect(),
         }
     }
 
@@ -293,6 +294,7 @@ pub struct Remedied<S> {
     batch_size: usize,
     settings: S,
     applied: Vec<String>,
+    reasons: Vec<String>,
 }
 
 impl<S> Remedied<S> {
@@ -315,6 +317,32 @@ impl<S> Remedied<S> {
     /// empty when none was needed.
     pub fn applied(&self) -> &[String] {
         &self.applied
+    }
+
+    /// Each remedy applied, in order, with the failure that led to it and its figures, as
+    /// [`StopReason::NoRemedyLeft`](crate::StopReason::NoRemedyLeft) names them when none is
+    /// left: "activation checkpointing (batch size 1 ran out of memory, needing at least …)". A
+    /// knob lowered twice is there twice; empty when none was needed.
+    ///
+    /// ```
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Remedies, Remedy};
+    ///
+    /// let remedies = Remedies::new(false)
+    ///     .then(Remedy::switch("activation checkpointing", |on: &mut bool| *on = true));
+    /// let (_, ran) = BatchSizeSearch::new(4)
+    ///     .with_remedies(&remedies)
+    ///     .run(|attempt| {
+    ///         if !*attempt.settings() { Err(OutOfMemory::new())? }
+    ///         Ok::<_, anyhow::Error>(attempt.batch_size())
+    ///     })?;
+    /// assert_eq!(
+    ///     ran.reasons(),
+    ///     ["activation checkpointing (batch size 1 ran out of memory)"]
+    /// );
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn reasons(&self) -> &[String] {
+        &self.reasons
     }
 }
 
