@@ -76,8 +76,8 @@ pub enum StopReason {
     InvalidConfiguration(String),
     /// The policy accepted before any attempt had succeeded: there is no value to return.
     NothingToAccept,
-    /// The policy stopped the search, saying why (for example: the part of memory that does not
-    /// depend on the batch size already exceeds the device).
+    /// Your own policy stopped the search, saying why. (This crate's policies stop with the
+    /// variants that say what happened, so that code can tell them apart.)
     Policy(String),
     /// The ranks of a data-parallel job stopped together without a size: another rank failed
     /// with an error that is not out-of-memory, or the ranks could not reach each other
@@ -93,6 +93,27 @@ pub enum StopReason {
         larger: usize,
         /// The peak bytes at the larger size.
         peak: u64,
+    },
+    /// The guided policy's proof from two failures: the part of memory that does not depend on
+    /// the batch size does not fit (both sizes failed on their first allocation, asking for
+    /// the same bytes), so no smaller size can. A remedy may still help.
+    FixedMemoryDoesNotFit {
+        /// The two sizes that failed alike, the smaller last.
+        sizes: (usize, usize),
+        /// What their first allocation asked for.
+        requested: u64,
+        /// The bytes free on the device for it.
+        free: u64,
+        /// The device's bytes.
+        capacity: u64,
+    },
+    /// The ranks of an uneven split ran a step, but could not agree on their shares of the
+    /// next: the step's result came back to the caller, this error at the step after it.
+    SharesNotAgreed {
+        /// The step that ran, from 0.
+        after_step: usize,
+        /// What failed between the ranks.
+        error: String,
     },
     /// No size fit, even with every remedy the search was allowed ([`Remedies`](crate::Remedies))
     /// applied in turn.
@@ -110,7 +131,7 @@ impl StopReason {
     /// saying: not when the tuner's trials do not use the size they are given.
     fn is_out_of_memory(&self) -> bool {
         match self {
-            StopReason::MemoryDoesNotGrow { .. } => false,
+            StopReason::MemoryDoesNotGrow { .. } | StopReason::SharesNotAgreed { .. } => false,
             StopReason::NoRemedyLeft { last, .. } => last.is_out_of_memory(),
             _ => true,
         }
@@ -135,6 +156,22 @@ impl fmt::Display for StopReason {
                 f.write_str("the policy accepted before any attempt succeeded")
             }
             StopReason::Policy(why) | StopReason::Agreement(why) => f.write_str(why),
+            StopReason::FixedMemoryDoesNotFit {
+                sizes: (earlier, latest),
+                requested,
+                free,
+                capacity,
+            } => write!(
+                f,
+                "the part of memory that does not depend on the batch size does not fit: sizes {earlier} and {latest} both failed on their first allocation, asking for {} with {} of the device's {} free",
+                Bytes(*requested),
+                Bytes(*free),
+                Bytes(*capacity),
+            ),
+            StopReason::SharesNotAgreed { after_step, error } => write!(
+                f,
+                "step {after_step} ran, but the ranks could not agree on their shares of the next step: {error}"
+            ),
             StopReason::MemoryDoesNotGrow {
                 smaller,
                 larger,
@@ -285,6 +322,14 @@ impl NoExecutableBatchSize {
 
 impl fmt::Display for NoExecutableBatchSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let StopReason::SharesNotAgreed { .. } = &self.inner.reason {
+            // Not a search that found no size: the step ran.
+            return write!(
+                f,
+                "{}. The ranks cannot go on in step: see the other ranks' logs",
+                self.inner.reason
+            );
+        }
         write!(f, "No executable batch size found: {}", self.inner.reason)?;
         if self.inner.tried.is_empty() {
             f.write_str("; no size was tried")?;

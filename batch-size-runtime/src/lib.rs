@@ -226,11 +226,6 @@ pub mod cache;
 mod dispatch;
 pub mod engine;
 pub mod error;
-// `engine/search.rs` and `runners/chunked/attempt.rs` still import the kept error from here:
-// it lives in `error`.
-mod kept {
-    pub(crate) use crate::error::KeptError;
-}
 pub mod memory;
 pub mod oom;
 mod panic_filter;

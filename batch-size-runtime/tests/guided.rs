@@ -120,7 +120,7 @@ fn without_the_backend_readings_a_fixed_part_too_large_is_not_proved_and_the_lad
     assert!(none_fit.tried().len() <= 8, "{none_fit}"); // halving: 7
     assert_eq!(none_fit.tried().last(), Some(&1), "{none_fit}");
     assert!(
-        !matches!(none_fit.reason(), StopReason::Policy(_)),
+        !matches!(none_fit.reason(), StopReason::FixedMemoryDoesNotFit { .. }),
         "{none_fit}"
     );
 }
@@ -155,7 +155,9 @@ fn a_fixed_part_larger_than_the_device_stops_early_with_the_figures() {
     let none_fit = none_fit(result);
     assert_eq!(none_fit.tried().len(), 2, "{none_fit}");
     match none_fit.reason() {
-        StopReason::Policy(why) => {
+        reason @ StopReason::FixedMemoryDoesNotFit { capacity, .. } => {
+            assert_eq!(*capacity, 16 * GIB);
+            let why = reason.to_string();
             assert!(why.contains("does not depend on the batch size"), "{why}");
             assert!(
                 why.contains("20.00 GiB") && why.contains("16.00 GiB"),

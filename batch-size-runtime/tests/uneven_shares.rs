@@ -15,7 +15,9 @@ use std::thread;
 use std::time::Duration;
 
 use batch_size_runtime::agree::{Collective, ThreadRank, ThreadRanks};
-use batch_size_runtime::{BatchPlan, EffectiveBatch, OutOfMemory, SimulatedDevice};
+use batch_size_runtime::{
+    BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
+};
 
 /// Activations of one sample.
 const PER_SAMPLE: u64 = 1 << 20;
@@ -373,4 +375,59 @@ fn every_rank_computes_the_same_shares() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(gathered, vec![vec![0, 5, 10]; 3]);
+}
+
+/// One rank whose all-gather fails: the step's agreement works, the shares' does not.
+#[derive(Debug)]
+struct GatherFails(ThreadRank);
+
+impl Collective for GatherFails {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce(
+        &self,
+        values: &mut [u64],
+        op: batch_size_runtime::agree::ReduceOp,
+    ) -> Result<(), batch_size_runtime::agree::AgreementError> {
+        self.0.all_reduce(values, op)
+    }
+    fn all_gather(&self, _: u64) -> Result<Vec<u64>, batch_size_runtime::agree::AgreementError> {
+        Err(batch_size_runtime::agree::AgreementError::Failed(
+            "the network went down".to_owned(),
+        ))
+    }
+}
+
+#[test]
+fn shares_that_cannot_be_agreed_after_a_step_are_their_own_error() {
+    let rank = ThreadRanks::new(1).remove(0);
+    let mut runner = EffectiveBatch::new(64)
+        .with_agreement(GatherFails(rank))
+        .with_uneven_shares();
+    let mut ran = 0;
+    let error = runner
+        .step(|_| -> anyhow::Result<()> {
+            ran += 1;
+            Ok(())
+        })
+        .unwrap_err();
+    assert_eq!(ran, 1, "the step ran");
+    let error = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    assert!(
+        matches!(
+            error.reason(),
+            StopReason::SharesNotAgreed { after_step: 0, error } if error.contains("network went down")
+        ),
+        "{error}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.starts_with("step 0 ran, but the ranks could not agree"),
+        "{message}"
+    );
+    assert!(!message.contains("No executable batch size"), "{message}");
 }

@@ -11,12 +11,23 @@ fn body(batch_size: usize, input: &[u32]) -> anyhow::Result<usize> {
 fn attribute_release_none(batch_size: usize, input: &[u32]) -> anyhow::Result<usize> {
     body(batch_size, input)
 }
+#[find_executable_batch_size(starting = 64)]
+fn attribute_default_release(batch_size: usize, input: &[u32]) -> anyhow::Result<usize> {
+    body(batch_size, input)
+}
+/// `overhead_probe default` calls the attribute with the default release (CUDA's, which finds
+/// no libcuda here); without an argument, with `Release::none()`.
 fn main() {
     let input = vec![1u32; 4];
+    let default_release = std::env::args().nth(1).as_deref() == Some("default");
     let mut total = 0usize;
     for _ in 0..100_000 {
-        total =
-            total.wrapping_add(attribute_release_none(std::hint::black_box(&input)).unwrap_or(0));
+        let result = if default_release {
+            attribute_default_release(std::hint::black_box(&input))
+        } else {
+            attribute_release_none(std::hint::black_box(&input))
+        };
+        total = total.wrapping_add(result.unwrap_or(0));
     }
     println!("{total}");
 }

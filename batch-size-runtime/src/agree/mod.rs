@@ -72,5 +72,5 @@ pub use threads::{ThreadRank, ThreadRanks};
 
 // `Chunked` agrees without the `Agree` wrapper: it speaks the protocol directly.
 pub(crate) use verdict::{
-    agreed_start, disagreement, round, tell_failure, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED,
+    agreed_start, disagreement, round, tell_failure, Proposal, RankOutcome, Said,
 };

@@ -3,10 +3,8 @@
 
 use super::collective::Collective;
 use super::verdict::{
-    agreed_start, disagreement, round, tell_failure, Said, Verdict, FAILED, OUT_OF_MEMORY,
-    SUCCEEDED,
+    agreed_start, disagreement, round, tell_failure, Proposal, RankOutcome, Said, Verdict,
 };
-use crate::error::StopReason;
 use crate::policy::holds_inner;
 use crate::policy::{Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
@@ -68,11 +66,9 @@ impl<P: SizePolicy, C: Collective> Agree<P, C> {
     fn own_size(&mut self, verdict: &Verdict, own: Decision, ran: Option<usize>) -> Decision {
         self.overruled = None;
         match verdict.outcome {
-            FAILED => verdict.failed(),
-            _ if verdict.all_stop() => Decision::Stop(StopReason::Policy(
-                "a rank ran out of memory and has no smaller size left".to_owned(),
-            )),
-            OUT_OF_MEMORY => match ran {
+            RankOutcome::Failed => verdict.failed(),
+            _ if verdict.all_stop() => verdict.no_size_left(),
+            RankOutcome::OutOfMemory => match ran {
                 // Another rank ran out of memory: the attempt is one step of every rank, so
                 // this rank redoes it too, at the size that fitted here.
                 Some(size) => {
@@ -106,8 +102,8 @@ impl<P: SizePolicy, C: Collective> PolicyWrapper for Agree<P, C> {
             return self.inner.first(starting);
         }
         let proposal = match self.inner.first(starting) {
-            Decision::Try(size) => size as u64,
-            _ => 0,
+            Decision::Try(size) => Proposal::Size(size),
+            _ => Proposal::NoneLeft,
         };
         agreed_start(&self.collective, proposal)
     }
@@ -129,9 +125,9 @@ impl<P: SizePolicy, C: Collective> PolicyWrapper for Agree<P, C> {
                 last.filter(|_| succeeded).map(|l| l.batch_size),
             );
         }
-        self.overruled = (verdict.outcome != SUCCEEDED
+        self.overruled = (verdict.outcome != RankOutcome::Succeeded
             && verdict.smallest_proposal != proposal
-            && verdict.smallest_proposal != 0)
+            && verdict.smallest_proposal != Proposal::NoneLeft)
             .then(|| {
                 let own = match own {
                     Decision::Try(size) => format!("this rank proposed {size}"),
@@ -144,16 +140,14 @@ impl<P: SizePolicy, C: Collective> PolicyWrapper for Agree<P, C> {
                 )
             });
         match verdict.outcome {
-            FAILED => verdict.failed(),
-            _ if verdict.all_stop() => Decision::Stop(StopReason::Policy(
-                "a rank ran out of memory and has no smaller size left".to_owned(),
-            )),
+            RankOutcome::Failed => verdict.failed(),
+            _ if verdict.all_stop() => verdict.no_size_left(),
             // Every rank retries at the same size, the ones that succeeded too: the attempt
             // is one step of the same training on every rank.
-            OUT_OF_MEMORY => Decision::Try(verdict.smallest_proposal as usize),
+            RankOutcome::OutOfMemory => verdict.smallest_proposal.try_or(verdict.no_size_left()),
             // Everyone succeeded and every policy asks for more (a tuner, chunks): go on
             // together, at the smallest proposal.
-            _ if verdict.all_continue => Decision::Try(verdict.smallest_proposal as usize),
+            _ if verdict.all_continue => verdict.smallest_proposal.try_or(Decision::Accept),
             // Everyone succeeded and some policy is done: all end here, at the size that just
             // ran on every rank (a rank that wanted more accepts it too).
             _ => match own {

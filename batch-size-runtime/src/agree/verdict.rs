@@ -7,28 +7,80 @@ use super::collective::{AgreementError, Collective, ReduceOp};
 use crate::error::StopReason;
 use crate::policy::Decision;
 
-/// Outcome codes, ordered so that MAX picks the most serious.
-pub(crate) const SUCCEEDED: u64 = 0;
-pub(crate) const OUT_OF_MEMORY: u64 = 1;
-pub(crate) const FAILED: u64 = 2;
+/// How an attempt ended on a rank, ordered so that the MAX all-reduce of the codes picks the
+/// most serious.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RankOutcome {
+    Succeeded = 0,
+    OutOfMemory = 1,
+    /// An error or a panic that is not out-of-memory.
+    Failed = 2,
+}
+
+impl RankOutcome {
+    fn from_wire(code: u64) -> RankOutcome {
+        match code {
+            0 => RankOutcome::Succeeded,
+            1 => RankOutcome::OutOfMemory,
+            _ => RankOutcome::Failed,
+        }
+    }
+}
+
+/// The size a rank's policy would try next, ordered so that the MIN all-reduce of the codes
+/// picks "none left" over any size, and any size over "none needed".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Proposal {
+    /// Out of memory with no smaller size left (0 on the wire).
+    NoneLeft,
+    Size(usize),
+    /// The rank needs no further attempt (`u64::MAX` on the wire).
+    NoneNeeded,
+}
+
+impl Proposal {
+    fn to_wire(self) -> u64 {
+        match self {
+            Proposal::NoneLeft => 0,
+            Proposal::Size(size) => (size as u64).clamp(1, u64::MAX - 1),
+            Proposal::NoneNeeded => u64::MAX,
+        }
+    }
+
+    fn from_wire(code: u64) -> Proposal {
+        match code {
+            0 => Proposal::NoneLeft,
+            u64::MAX => Proposal::NoneNeeded,
+            size => Proposal::Size(usize::try_from(size).unwrap_or(usize::MAX)),
+        }
+    }
+
+    /// A size a rank proposed, as a decision; without one, `otherwise`.
+    pub(crate) fn try_or(self, otherwise: Decision) -> Decision {
+        match self {
+            Proposal::Size(size) => Decision::Try(size),
+            _ => otherwise,
+        }
+    }
+}
 
 /// One round of the agreement: exchanges what this rank says after an attempt; every rank gets
 /// the same [`Verdict`].
 pub(crate) fn round(collective: &dyn Collective, said: Said) -> Result<Verdict, AgreementError> {
-    let failed_rank = if said.outcome == FAILED {
+    let failed_rank = if said.outcome == RankOutcome::Failed {
         collective.rank() as u64 + 1
     } else {
         0
     };
     let continues = u64::from(said.continues);
-    let mut most = [said.outcome, failed_rank, continues];
+    let mut most = [said.outcome as u64, failed_rank, continues];
     collective.all_reduce(&mut most, ReduceOp::Max)?;
-    let mut least = [said.proposal, continues];
+    let mut least = [said.proposal.to_wire(), continues];
     collective.all_reduce(&mut least, ReduceOp::Min)?;
     Ok(Verdict {
-        outcome: most[0],
+        outcome: RankOutcome::from_wire(most[0]),
         failed_rank: (most[1] > 0).then(|| (most[1] - 1) as usize),
-        smallest_proposal: least[0],
+        smallest_proposal: Proposal::from_wire(least[0]),
         all_continue: least[1] == 1,
         any_continue: most[2] == 1,
     })
@@ -37,10 +89,9 @@ pub(crate) fn round(collective: &dyn Collective, said: Said) -> Result<Verdict, 
 /// What one rank says after an attempt.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Said {
-    /// [`SUCCEEDED`], [`OUT_OF_MEMORY`] or [`FAILED`].
-    pub(crate) outcome: u64,
-    /// The size its policy would try next (`u64::MAX` for none, 0 for none left).
-    pub(crate) proposal: u64,
+    pub(crate) outcome: RankOutcome,
+    /// The size its policy would try next.
+    pub(crate) proposal: Proposal,
     /// Whether its policy asks for another attempt after a success (a tuner, chunks).
     pub(crate) continues: bool,
 }
@@ -49,10 +100,10 @@ pub(crate) struct Said {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Verdict {
     /// The most serious outcome of any rank.
-    pub(crate) outcome: u64,
+    pub(crate) outcome: RankOutcome,
     /// The highest rank that failed with an error that is not out-of-memory.
     pub(crate) failed_rank: Option<usize>,
-    pub(crate) smallest_proposal: u64,
+    pub(crate) smallest_proposal: Proposal,
     /// Whether every rank asked for another attempt.
     pub(crate) all_continue: bool,
     /// Whether any rank asked for another attempt.
@@ -63,11 +114,15 @@ impl Said {
     /// After an attempt that succeeded or ran out of memory, its policy having decided `own`.
     pub(crate) fn after_attempt(succeeded: bool, own: &Decision) -> Said {
         Said {
-            outcome: if succeeded { SUCCEEDED } else { OUT_OF_MEMORY },
+            outcome: if succeeded {
+                RankOutcome::Succeeded
+            } else {
+                RankOutcome::OutOfMemory
+            },
             proposal: match own {
-                Decision::Try(size) => *size as u64,
-                _ if succeeded => u64::MAX,
-                _ => 0,
+                Decision::Try(size) => Proposal::Size(*size),
+                _ if succeeded => Proposal::NoneNeeded,
+                _ => Proposal::NoneLeft,
             },
             continues: matches!(own, Decision::Try(_)),
         }
@@ -75,17 +130,18 @@ impl Said {
 }
 
 /// The first size every rank tries: the smallest of the ranks' `proposal`s (0: none).
-pub(crate) fn agreed_start(collective: &dyn Collective, proposal: u64) -> Decision {
+pub(crate) fn agreed_start(collective: &dyn Collective, proposal: Proposal) -> Decision {
     let said = Said {
-        outcome: SUCCEEDED,
+        outcome: RankOutcome::Succeeded,
         proposal,
         continues: true,
     };
     match round(collective, said) {
-        Ok(verdict) if verdict.smallest_proposal == 0 => Decision::Stop(StopReason::Policy(
-            "a rank had no size to start from".to_owned(),
-        )),
-        Ok(verdict) => Decision::Try(verdict.smallest_proposal as usize),
+        Ok(verdict) => verdict
+            .smallest_proposal
+            .try_or(Decision::Stop(StopReason::Agreement(
+                "a rank had no size to start from".to_owned(),
+            ))),
         Err(error) => disagreement(&error),
     }
 }
@@ -94,8 +150,8 @@ pub(crate) fn agreed_start(collective: &dyn Collective, proposal: u64) -> Decisi
 /// they answer no longer matters here.
 pub(crate) fn tell_failure(collective: &dyn Collective) {
     let said = Said {
-        outcome: FAILED,
-        proposal: 0,
+        outcome: RankOutcome::Failed,
+        proposal: Proposal::NoneLeft,
         continues: false,
     };
     let _ = round(collective, said);
@@ -104,7 +160,14 @@ pub(crate) fn tell_failure(collective: &dyn Collective) {
 impl Verdict {
     /// Whether every rank stops here: a rank ran out of memory with no smaller size left.
     pub(crate) fn all_stop(&self) -> bool {
-        self.outcome == OUT_OF_MEMORY && self.smallest_proposal == 0
+        self.outcome == RankOutcome::OutOfMemory && self.smallest_proposal == Proposal::NoneLeft
+    }
+
+    /// The stop when a rank ran out of memory with no smaller size left: every rank stops.
+    pub(crate) fn no_size_left(&self) -> Decision {
+        Decision::Stop(StopReason::Agreement(
+            "a rank ran out of memory and has no smaller size left".to_owned(),
+        ))
     }
 
     /// The stop for a rank that failed otherwise.

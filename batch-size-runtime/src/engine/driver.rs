@@ -57,8 +57,11 @@ where
     C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
-    let finished = drive_ended(search, &classify, give_up.last_error(), attempt);
-    returned_or_given_up(finished.published(), &give_up)
+    // The public edge: the report goes from the search to `last_report()` in one move.
+    let mut search = search;
+    let ended = run_loop(&mut search, &classify, give_up.last_error(), attempt);
+    search.publish_report();
+    returned_or_given_up(ended, &give_up)
 }
 
 /// [`drive`] for a runner that reads the report itself: the value and the report, nothing
@@ -92,8 +95,10 @@ where
     C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
-    let finished = drive_ended_async(search, &classify, give_up.last_error(), attempt).await;
-    returned_or_given_up(finished.published(), &give_up)
+    let mut search = search;
+    let ended = run_loop_async(&mut search, &classify, give_up.last_error(), attempt).await;
+    search.publish_report();
+    returned_or_given_up(ended, &give_up)
 }
 
 #[inline]
@@ -107,24 +112,15 @@ fn returned_or_given_up<R, E, G: GiveUp<R, Error = E, Output = R>>(
     }
 }
 
-/// The loop, for runners that act on how the search ended.
+/// The loop, for runners that act on how the search ended: its end and its report, as values.
 #[inline]
 pub(crate) fn drive_ended<R, C: Classify<R>>(
     mut search: Search<'_>,
     classify: &C,
     last_error: LastError,
-    mut attempt: impl FnMut(usize) -> R,
+    attempt: impl FnMut(usize) -> R,
 ) -> Finished<R, C::Error> {
-    let mut driver = Driver::new(&mut search, classify, last_error);
-    let ended = loop {
-        let batch_size = match driver.begin() {
-            Ok(batch_size) => batch_size,
-            Err(ended) => break ended,
-        };
-        if let Some(ended) = driver.record(unwind::catch_attempt(|| attempt(batch_size))) {
-            break ended;
-        }
-    };
+    let ended = run_loop(&mut search, classify, last_error, attempt);
     let report = search.take_report();
     Finished { ended, report }
 }
@@ -134,20 +130,51 @@ pub(crate) async fn drive_ended_async<R, C: Classify<R>>(
     mut search: Search<'_>,
     classify: &C,
     last_error: LastError,
-    mut attempt: impl AsyncAttempt<R>,
+    attempt: impl AsyncAttempt<R>,
 ) -> Finished<R, C::Error> {
-    let mut driver = Driver::new(&mut search, classify, last_error);
-    let ended = loop {
-        let batch_size = match driver.begin() {
-            Ok(batch_size) => batch_size,
-            Err(ended) => break ended,
-        };
-        if let Some(ended) = driver.record(CatchUnwind::new(attempt.start(batch_size)).await) {
-            break ended;
-        }
-    };
+    let ended = run_loop_async(&mut search, classify, last_error, attempt).await;
     let report = search.take_report();
     Finished { ended, report }
+}
+
+/// The one loop: begin an attempt, run it under `catch_unwind`, record how it ended, until the
+/// search ends. The report stays in the search, for the caller to take or publish.
+#[inline]
+fn run_loop<R, C: Classify<R>>(
+    search: &mut Search<'_>,
+    classify: &C,
+    last_error: LastError,
+    mut attempt: impl FnMut(usize) -> R,
+) -> Ended<R, C::Error> {
+    let mut driver = Driver::new(search, classify, last_error);
+    loop {
+        let batch_size = match driver.begin() {
+            Ok(batch_size) => batch_size,
+            Err(ended) => return ended,
+        };
+        if let Some(ended) = driver.record(unwind::catch_attempt(|| attempt(batch_size))) {
+            return ended;
+        }
+    }
+}
+
+/// [`run_loop`] over attempts that return futures.
+async fn run_loop_async<R, C: Classify<R>>(
+    search: &mut Search<'_>,
+    classify: &C,
+    last_error: LastError,
+    mut attempt: impl AsyncAttempt<R>,
+) -> Ended<R, C::Error> {
+    let mut driver = Driver::new(search, classify, last_error);
+    loop {
+        let batch_size = match driver.begin() {
+            Ok(batch_size) => batch_size,
+            Err(ended) => return ended,
+        };
+        if let Some(ended) = driver.record(CatchUnwind::new(attempt.start(batch_size)).await) {
+            return ended;
+        }
+    }
 }
 
 /// An attempt of an async search. Two forms, because rustc cannot yet prove the future of a

@@ -9,8 +9,8 @@ use std::time::Instant;
 use super::{ActivePolicy, Hooks};
 use crate::cache::HitSlot;
 use crate::dispatch::OomRules;
+use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
-use crate::kept::KeptError;
 use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
 use crate::policy::{Decision, SizePolicy};
@@ -95,9 +95,9 @@ pub struct Search<'r> {
     next: Next,
     running: Option<Running>,
     report: SearchReport,
-    /// The report once the search ended: the driver takes it as a value; a loop of the user's
-    /// own publishes it to `last_report()` (the public methods below).
-    finished: Option<SearchReport>,
+    /// The search ended and `report` is whole: the driver takes it as a value; a loop of the
+    /// user's own publishes it to `last_report()` (the public methods below).
+    finished: bool,
     /// Where the cache policy says it returned a cached size, read into the report at the end.
     cache_hit: Option<HitSlot>,
     last_error: Option<KeptError>,
@@ -169,7 +169,7 @@ impl<'r> Search<'r> {
             next,
             running: None,
             report: SearchReport::default(),
-            finished: None,
+            finished: false,
             cache_hit,
             last_error: None,
             smallest_failed: None,
@@ -245,7 +245,7 @@ impl Search<'_> {
     /// ```
     pub fn begin(&mut self) -> Result<usize, NoExecutableBatchSize> {
         let begun = self.begin_attempt();
-        self.publish();
+        self.publish_report();
         begun
     }
 
@@ -308,7 +308,7 @@ impl Search<'_> {
     /// is returned for [`NoExecutableBatchSize`].
     fn finish_report(&mut self) -> SearchReport {
         self.finish();
-        self.finished.clone().unwrap_or_default()
+        self.report.clone()
     }
 
     /// The search is over: the report goes to `on_report` and waits for the caller, moved, not
@@ -320,22 +320,26 @@ impl Search<'_> {
         if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);
         }
-        self.finished = Some(std::mem::take(&mut self.report));
+        self.finished = true;
     }
 
     /// The report of the search that ended, as a value (empty while it runs). The runners and
     /// the public edges that own the search take it here; nothing is stored on the way.
     #[inline]
     pub(crate) fn take_report(&mut self) -> SearchReport {
-        self.finished.take().unwrap_or_default()
+        if std::mem::take(&mut self.finished) {
+            std::mem::take(&mut self.report)
+        } else {
+            SearchReport::default()
+        }
     }
 
     /// For a loop of the user's own: once the search ended, its report goes to
     /// [`last_report()`](crate::last_report), as every public edge does.
     #[inline]
-    fn publish(&mut self) {
-        if let Some(report) = self.finished.take() {
-            record::store_last_report(report);
+    pub(crate) fn publish_report(&mut self) {
+        if std::mem::take(&mut self.finished) {
+            record::store_last_report(std::mem::take(&mut self.report));
         }
     }
 
@@ -385,7 +389,7 @@ impl Search<'_> {
     /// ```
     pub fn succeeded(&mut self) {
         self.record_success();
-        self.publish();
+        self.publish_report();
     }
 
     /// [`succeeded`](Self::succeeded) for the engine's driver.
@@ -468,7 +472,7 @@ impl Search<'_> {
     /// ```
     pub fn failed(&mut self, error: &(dyn Error + 'static)) {
         self.failed_with(oom::describe(error));
-        self.publish();
+        self.publish_report();
     }
 
     pub(crate) fn failed_with(&mut self, description: String) {
@@ -496,7 +500,7 @@ impl Search<'_> {
     /// ```
     pub fn panicked(&mut self, payload: PanicPayload) {
         self.record_panic(payload);
-        self.publish();
+        self.publish_report();
     }
 
     /// [`panicked`](Self::panicked) for the engine's driver. A panic that is not out-of-memory
@@ -511,7 +515,7 @@ impl Search<'_> {
                 self.notify_last();
                 self.next = Next::Ended;
                 self.finish();
-                self.publish();
+                self.publish_report();
                 std::panic::resume_unwind(payload)
             }
         }
@@ -542,7 +546,7 @@ impl Search<'_> {
         error: Option<Box<dyn Error + Send + Sync + 'static>>,
     ) {
         self.record_out_of_memory(found, error.map(KeptError::from));
-        self.publish();
+        self.publish_report();
     }
 
     pub(crate) fn record_out_of_memory(&mut self, found: OomMatch, error: Option<KeptError>) {
@@ -595,7 +599,7 @@ impl Search<'_> {
                 StopReason::ReachedZero
                     | StopReason::BelowMinimum { .. }
                     | StopReason::NotSmaller { .. }
-                    | StopReason::Policy(_)
+                    | StopReason::FixedMemoryDoesNotFit { .. }
             )
         );
         if !remediable {

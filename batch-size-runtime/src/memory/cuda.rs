@@ -64,7 +64,7 @@ impl CudaBackend {
     ///
     /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(8)
     ///     .with_release(CudaBackend::active()) // the default, spelled out
-    ///     .run_dyn(|batch_size| Ok(batch_size));
+    ///     .run(|batch_size| Ok(batch_size));
     /// assert_eq!(fitted.unwrap(), 8);
     /// ```
     pub fn active() -> Self {

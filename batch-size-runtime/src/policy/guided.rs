@@ -336,14 +336,14 @@ impl SizePolicy for Guided {
 
         if let Some((earlier, latest)) = fixed_part_does_not_fit(&failures) {
             self.rationale = None;
-            return Decision::Stop(StopReason::Policy(format!(
-                "the part of memory that does not depend on the batch size does not fit: sizes {} and {} both failed on their first allocation, asking for {} with {} of the device's {} free",
-                earlier.size,
-                latest.size,
-                Bytes(latest.requested),
-                Bytes(latest.capacity.saturating_sub(latest.used_at_start.unwrap_or(0))),
-                Bytes(latest.capacity),
-            )));
+            return Decision::Stop(StopReason::FixedMemoryDoesNotFit {
+                sizes: (earlier.size, latest.size),
+                requested: latest.requested,
+                free: latest
+                    .capacity
+                    .saturating_sub(latest.used_at_start.unwrap_or(0)),
+                capacity: latest.capacity,
+            });
         }
 
         // Sizes from `proved` up fail: at or above a failure, or proved by a failure's bytes.

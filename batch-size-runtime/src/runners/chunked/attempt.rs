@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use crate::attempt::InspectError;
 use crate::dispatch::{Classify, Judged, Kept, OomRules};
-use crate::kept::KeptError;
+use crate::error::KeptError;
 
 /// How one chunk's call ended, when it did not succeed.
 #[derive(Debug)]

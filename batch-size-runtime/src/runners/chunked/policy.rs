@@ -5,7 +5,7 @@ use crate::policy::holds_inner;
 use std::sync::{Arc, Mutex};
 
 use super::progress::{lock, Run};
-use crate::agree::{self, Collective, Said, FAILED, OUT_OF_MEMORY, SUCCEEDED};
+use crate::agree::{self, Collective, Proposal, RankOutcome, Said};
 use crate::error::StopReason;
 use crate::policy::{Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy};
 use crate::record::{Outcome, SearchReport};
@@ -40,7 +40,7 @@ impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
             return Decision::Try(starting);
         };
         // Every rank starts its first chunk at the smallest starting size of all.
-        agree::agreed_start(&*collective, starting as u64)
+        agree::agreed_start(&*collective, Proposal::Size(starting))
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {
@@ -92,31 +92,32 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             Err(error) => return agree::disagreement(&error),
         };
         match verdict.outcome {
-            FAILED => verdict.failed(),
-            OUT_OF_MEMORY => {
+            RankOutcome::Failed => verdict.failed(),
+            RankOutcome::OutOfMemory => {
                 if succeeded {
                     self.take_back_last_chunk(history.last().map_or(0, |last| last.batch_size));
                 }
-                match verdict.smallest_proposal {
-                    0 => Decision::Stop(StopReason::Policy(
+                verdict
+                    .smallest_proposal
+                    .try_or(Decision::Stop(StopReason::Agreement(
                         "a rank ran out of memory on a chunk of one item".to_owned(),
-                    )),
-                    size => Decision::Try(size as usize),
-                }
+                    )))
             }
-            _ if !done => Decision::Try(verdict.smallest_proposal as usize),
+            _ if !done => verdict.smallest_proposal.try_or(Decision::Accept),
             _ => {
                 // Done here: answer the others' verdicts until every rank is done, or until
                 // they all stop (one ran out of memory with no smaller chunk left).
                 let mut verdict = verdict;
                 while verdict.any_continue && !verdict.all_stop() {
                     let idle = Said {
-                        outcome: SUCCEEDED,
-                        proposal: u64::MAX,
+                        outcome: RankOutcome::Succeeded,
+                        proposal: Proposal::NoneNeeded,
                         continues: false,
                     };
                     verdict = match agree::round(collective, idle) {
-                        Ok(verdict) if verdict.outcome == FAILED => return Decision::Accept,
+                        Ok(verdict) if verdict.outcome == RankOutcome::Failed => {
+                            return Decision::Accept
+                        }
                         Ok(verdict) => verdict,
                         Err(error) => return agree::disagreement(&error),
                     };
@@ -167,9 +168,8 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             }
             if items <= 1 {
                 // Every budget packs this one item: no smaller chunk exists.
-                return Decision::Stop(StopReason::Policy(
-                    "a chunk of one item ran out of memory".to_owned(),
-                ));
+                // (The run says which item: `ChunkError::ItemTooLarge`.)
+                return Decision::Stop(StopReason::ReachedZero);
             }
             // A budget that packs the same items again would fail again: below their cost.
             let below = usize::try_from(cost.saturating_sub(1)).unwrap_or(usize::MAX);
@@ -177,7 +177,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
                 Decision::Try(budget) => Decision::Try(budget.min(below).max(1)),
                 // Two budgets that packed the same items look like memory that does not depend
                 // on the size; for chunks it is the items' own: halve instead.
-                Decision::Stop(StopReason::Policy(_)) => {
+                Decision::Stop(StopReason::FixedMemoryDoesNotFit { .. }) => {
                     Decision::Try((last.batch_size / 2).min(below).max(1))
                 }
                 other => other,

@@ -793,11 +793,14 @@ impl<'r> EffectiveBatch<'r> {
         let value = result?;
         self.last_plan = Some(BatchPlan::for_share(effective, share, self.micro));
         if let Err(error) = self.rebalance(elapsed) {
+            // The step ran; the next cannot: its own error, saying so (not "no size fits").
             let report = self.last_report.clone();
+            tracing::error!(step = self.steps.saturating_sub(1), %error, "the ranks could not agree on their shares of the next step");
             return Err(E::no_size_fits(NoExecutableBatchSize::new(
-                StopReason::Agreement(format!(
-                    "the ranks could not agree on their shares of the global batch: {error}"
-                )),
+                StopReason::SharesNotAgreed {
+                    after_step: self.steps.saturating_sub(1),
+                    error: error.to_string(),
+                },
                 report,
                 None,
             )));
