@@ -10,6 +10,7 @@ use crate::engine::BatchSizeSearch;
 /// parameter's type `P` can hold (a policy's larger proposal runs as the largest that has not
 /// failed); a negative `starting` stops it before its first attempt, saying why.
 #[doc(hidden)]
+#[inline]
 pub fn search<'r, P: BatchSizeInt>(
     label: &'static str,
     starting: Result<usize, String>,
@@ -37,6 +38,7 @@ pub fn starting_of<S: BatchSizeInt>(starting: S) -> Result<usize, String> {
 
 /// `min = EXPR` of any integer type; 0 or below is an invalid configuration.
 #[doc(hidden)]
+#[inline]
 pub fn with_min<'r, M: BatchSizeInt>(search: BatchSizeSearch<'r>, min: M) -> BatchSizeSearch<'r> {
     match min.to_batch_size("min") {
         Ok(min) => search.with_min(min),

@@ -91,6 +91,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(never.reason(), &StopReason::StartedAtZero);
     /// assert!(never.tried().is_empty());
     /// ```
+    #[inline]
     pub fn new(starting: usize) -> Self {
         BatchSizeSearch {
             settings: SearchSettings {
@@ -123,6 +124,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
     /// assert_eq!(error.tried(), &[64, 32, 16]);
     /// ```
+    #[inline]
     pub fn with_min(mut self, min: usize) -> Self {
         if min == 0 {
             self.invalidate("`min` must be at least 1, got 0".to_owned());
@@ -198,6 +200,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
     /// assert_eq!(error.reason(), &StopReason::MaxAttempts(2));
     /// ```
+    #[inline]
     pub fn with_max_attempts(mut self, max_attempts: usize) -> Self {
         if max_attempts == 0 {
             self.invalidate("`max_attempts` must be at least 1, got 0".to_owned());
@@ -220,6 +223,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted.unwrap(), 47); // 50 fill the device; 5 % is kept free
     /// assert_eq!(device.release_count(), 1); // once, after 64 ran out of memory
     /// ```
+    #[inline]
     pub fn with_release(mut self, release: impl Into<Release>) -> Self {
         self.settings.release = Some(release.into());
         self
@@ -233,6 +237,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// let search = BatchSizeSearch::new(8).with_label("train_epoch");
     /// assert_eq!(search.call(|batch_size| batch_size).unwrap(), 8);
     /// ```
+    #[inline]
     pub fn with_label(mut self, label: &'static str) -> Self {
         self.settings.label = label;
         self
@@ -657,6 +662,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert!(matches!(error.reason(), StopReason::InvalidConfiguration(_)));
     /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
     /// ```
+    #[inline]
     pub fn start(self) -> Search<'r> {
         let BatchSizeSearch {
             mut settings,
