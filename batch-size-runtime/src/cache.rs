@@ -328,10 +328,9 @@ impl<P: SizePolicy> Cached<P> {
         let earlier_failure = earlier.and_then(|entry| entry.failed_at);
         // With remedies, only the failures under the settings that fit bound the size.
         let failed_now = if self.remedies.is_some() {
-            let settings = history.last().and_then(|last| last.settings.as_ref());
             history
-                .attempts()
-                .filter(|a| a.outcome.is_out_of_memory() && a.settings.as_ref() == settings)
+                .under_final_settings()
+                .filter(|a| a.outcome.is_out_of_memory())
                 .map(|a| a.batch_size)
                 .min()
         } else {

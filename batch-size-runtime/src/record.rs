@@ -309,6 +309,19 @@ impl SearchReport {
         self.totals.elided
     }
 
+    /// The attempts made under the settings in force at the end (the remedies in force when
+    /// the last attempt ran): what failed under other settings bounds nothing now.
+    pub(crate) fn under_final_settings(&self) -> impl Iterator<Item = &Attempt> + '_ {
+        let settings = self.last().and_then(|last| last.settings.as_ref());
+        self.attempts()
+            .filter(move |attempt| attempt.settings.as_ref() == settings)
+    }
+
+    /// Whether the settings changed during the search (a remedy was applied).
+    pub(crate) fn settings_changed(&self) -> bool {
+        self.under_final_settings().count() != self.attempts().count()
+    }
+
     /// The attempts numbered after `number`, as a report of their own (what a policy sees of
     /// the attempts made under the settings in force, after a remedy).
     pub(crate) fn since(&self, number: usize) -> SearchReport {

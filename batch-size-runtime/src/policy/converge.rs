@@ -63,6 +63,8 @@ pub(crate) struct Convergence {
     patience: usize,
     /// The failed size being tried again, if one is.
     reprobing: Option<usize>,
+    /// The size of the latest success: what runs under the memory in use now.
+    last_ran: Option<usize>,
 }
 
 impl Convergence {
@@ -77,6 +79,7 @@ impl Convergence {
             failure: None,
             patience: REPROBE_AFTER,
             reprobing: None,
+            last_ran: None,
         }
     }
 
@@ -97,6 +100,7 @@ impl Convergence {
     /// Learns from one attempt that ran `size` (the micro-batch, or a chunk's cost).
     pub(crate) fn learn(&mut self, attempt: &Attempt, size: usize) {
         if attempt.outcome.is_success() {
+            self.last_ran = Some(size);
             self.fitted = Some(self.fitted.map_or(size, |fitted| fitted.max(size)));
             if self.failure.is_some_and(|failure| size >= failure.size) {
                 // A size that failed fits now: the memory missing then is back.
@@ -206,17 +210,21 @@ impl Convergence {
         })
     }
 
-    /// The micro size a step of `length` samples starts at, from `kept`, the size that fitted:
-    /// the fewest passes the figures say fit where they say fewer than `kept`'s (a growth
-    /// attempt), or more where they say `kept` no longer fits (state a step allocated and kept
-    /// since): `Some((size, true))` for a growth attempt, `(size, false)` otherwise.
-    pub(crate) fn start(&self, length: usize, kept: usize) -> (usize, bool) {
-        if let Some(size) = self.fewer_passes(length, kept) {
-            return (size, true);
-        }
-        match self.limit() {
-            Some(limit) if limit > 0 && limit < kept => (even_micro(length, limit), false),
-            _ => (kept, false),
+    /// The micro size a step of `length` samples starts at, from `kept`, the size the runner
+    /// would keep: the fewest passes the figures say fit where they say fewer than `kept`'s, or
+    /// more where they say `kept` no longer fits (state a step allocated and kept since). With
+    /// the size to fall back to when the start is above the size that last ran (a growth
+    /// attempt): that size's even split, which ran under the figures in force.
+    pub(crate) fn start(&self, length: usize, kept: usize) -> (usize, Option<usize>) {
+        let size = match (self.fewer_passes(length, kept), self.limit()) {
+            (Some(size), _) => size,
+            (None, Some(limit)) if limit > 0 && limit < kept => even_micro(length, limit),
+            _ => kept,
+        };
+        let ran = self.last_ran.map(|ran| even_micro(length, ran.min(length)));
+        match ran {
+            Some(ran) if size > ran => (size, Some(ran)),
+            _ => (size, None),
         }
     }
 

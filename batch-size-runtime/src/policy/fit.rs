@@ -5,7 +5,8 @@
 //! pool before it, and the pool's peak during it (CUDA's `USED_MEM_HIGH`, the simulated
 //! device's peak). No synchronize is needed to read them.
 
-use crate::record::{Attempt, SearchReport};
+use super::Evidence;
+use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Bytes in use during a successful attempt (what was in use outside the pool before it, plus
 /// the pool's peak), and the device's bytes.
@@ -40,12 +41,21 @@ fn in_use(reading: &crate::memory::DeviceMemory) -> Option<u64> {
     Some(outside.saturating_add(reading.pool_used?))
 }
 
-/// What a failed attempt is known to have needed at least: what was in use outside the pool
-/// before it, the pool's peak before the allocation that failed, and what that allocation asked
-/// for. A failure part-way through the step knows only part of it: a lower bound.
+/// What a failed attempt is known to have needed at least: what was in use when the
+/// allocation failed plus what it asked for, where the error says both (the memory in use then
+/// is not the attempt's peak: what a step frees before it fails, attention's scores say, was
+/// counted in the peak); else the larger of the attempt's peak and what was in use before it
+/// plus what the failing allocation asked for. A failure part-way through the step knows only
+/// part of it: a lower bound.
 pub(crate) fn needed_at_least(attempt: &Attempt) -> Option<u64> {
+    if let Outcome::OutOfMemory { error } = &attempt.outcome {
+        if let Some(needed) = Evidence::from_text(error).needed_at_least() {
+            return Some(needed);
+        }
+    }
     let (peak, _) = peak_bytes(attempt)?;
-    Some(peak.saturating_add(attempt.requested.unwrap_or(0)))
+    let start = used_at_start(attempt).unwrap_or(0);
+    Some(peak.max(start.saturating_add(attempt.requested.unwrap_or(0))))
 }
 
 /// One size that ran, with the bytes in use at its peak and the device's bytes.

@@ -571,11 +571,10 @@ impl<'r> EffectiveBatch<'r> {
         // With figures, a step that needs fewer passes starts at that size: a growth attempt,
         // followed by the size kept if it runs out of memory. Where they say the size kept no
         // longer fits (the last step allocated state it keeps), the step starts below it.
-        let (start, growing) = self.convergence.start(length, kept);
-        let probe = growing.then_some(start).filter(|&probe| probe > kept);
-        let kept = if growing { kept } else { start };
-        self.probing = probe;
-        let mut search = BatchSizeSearch::new(probe.unwrap_or(kept))
+        let (start, fallback) = self.convergence.start(length, kept);
+        let probe = fallback.map(|fitted| (start, fitted));
+        self.probing = probe.map(|(start, _)| start);
+        let mut search = BatchSizeSearch::new(start)
             .with_label("effective_batch")
             .with_min(self.min_micro);
         search.settings.first_fit_at_debug = true;
@@ -607,11 +606,7 @@ impl<'r> EffectiveBatch<'r> {
             );
         }
         // The engine tries what runs: the even split of each proposal.
-        let probing = Probing::new(
-            self.shrink.borrowed(),
-            probe.map(|probe| (probe, kept)),
-            self.convergence.is_enabled(),
-        );
+        let probing = Probing::new(self.shrink.borrowed(), probe, self.convergence.is_enabled());
         let sizes = EvenSplit::new(probing, length, self.min_micro);
         match &self.agreement {
             // Each rank its own micro size; an out-of-memory anywhere redoes the step everywhere.
@@ -626,17 +621,10 @@ impl<'r> EffectiveBatch<'r> {
     /// What the step measured, for the steps after it: every attempt's figures under the
     /// settings in force at its end (a remedy applied in the step makes the others stale).
     fn learn(&mut self, report: &SearchReport) {
-        let settings = report.last().and_then(|last| last.settings.as_ref());
-        if report
-            .attempts()
-            .any(|attempt| attempt.settings.as_ref() != settings)
-        {
+        if report.settings_changed() {
             self.convergence.forget();
         }
-        for attempt in report
-            .attempts()
-            .filter(|attempt| attempt.settings.as_ref() == settings)
-        {
+        for attempt in report.under_final_settings() {
             self.convergence.learn(attempt, attempt.batch_size);
         }
         self.convergence.advance();
@@ -653,17 +641,14 @@ impl<'r> EffectiveBatch<'r> {
                 .attempts()
                 .map(|attempt| attempt.batch_size)
                 .collect();
-            let settings = report.last().and_then(|last| last.settings.as_ref());
-            if report
-                .attempts()
-                .any(|attempt| attempt.settings.as_ref() != settings)
-            {
+            if report.settings_changed() {
                 // A remedy was applied in this step: the failures before it ran under other
                 // settings and bound nothing now.
                 self.grow.forget_failures();
-                for attempt in report.attempts().filter(|attempt| {
-                    attempt.outcome.is_out_of_memory() && attempt.settings.as_ref() == settings
-                }) {
+                for attempt in report
+                    .under_final_settings()
+                    .filter(|attempt| attempt.outcome.is_out_of_memory())
+                {
                     self.grow.failed(attempt.batch_size);
                 }
             } else if self.uneven {
