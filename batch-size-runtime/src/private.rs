@@ -11,7 +11,7 @@ pub use crate::attribute::{
     batch_size_as, plan, remedies_handle, search, starting_of, with_effective, with_max_attempts,
     with_min, with_remedies, BatchSizeInt, ClonePerAttempt, RemediesArgument,
 };
-pub use crate::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
+pub use crate::engine::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
 pub use crate::engine::driver::{drive, drive_async, AsyncAttempt, Lending, Returning};
 pub use crate::engine::BatchSizeSearch;
 pub use crate::{drive_attempts, drive_attempts_async};

@@ -5,8 +5,7 @@ use super::collective::Collective;
 use super::verdict::{
     agreed_start, disagreement, round, tell_failure, Proposal, RankOutcome, Said, Verdict,
 };
-use crate::policy::holds_inner;
-use crate::policy::{Decision, PolicyWrapper, SizePolicy};
+use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
 
 /// Which size each rank tries after an attempt that ran out of memory somewhere.

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::dispatch::When;
+use crate::engine::dispatch::When;
 use crate::error::StopReason;
 use crate::policy::{Decision, PolicyWrapper, Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};

@@ -9,7 +9,7 @@ use std::future::Future;
 
 use super::Search;
 use crate::attempt::InspectableError;
-use crate::dispatch::{Classify, GiveUp, Judged, LastError};
+use crate::engine::dispatch::{Classify, GiveUp, Judged, LastError};
 use crate::error::NoExecutableBatchSize;
 use crate::record::{self, SearchReport};
 use crate::unwind::{self, CatchUnwind, PanicPayload};

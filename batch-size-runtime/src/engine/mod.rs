@@ -26,7 +26,7 @@ use std::sync::Arc;
 use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
 use crate::cache::{CacheSettings, Cached, HitSlot};
-use crate::dispatch::{Kept, LastError, PanicOnly};
+use crate::engine::dispatch::{Kept, LastError, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
@@ -35,6 +35,7 @@ use crate::policy::{LadderControl, Remediate};
 use crate::record::{Attempt, SearchReport};
 
 mod active;
+pub(crate) mod dispatch;
 pub(crate) mod driver;
 mod search;
 

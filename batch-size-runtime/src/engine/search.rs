@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::{ActivePolicy, Hooks};
 use crate::cache::HitSlot;
-use crate::dispatch::OomRules;
+use crate::engine::dispatch::OomRules;
 use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::{Bytes, MemorySnapshot, Release};

@@ -24,8 +24,7 @@
 //! size that fitted unless asked to grow back ([`GrowBack`](super::GrowBack)).
 
 use super::fit::{needed_at_least, peak_bytes, used_at_end, used_at_start, MemoryFit, Point};
-use super::holds_inner;
-use super::{Decision, PolicyWrapper, SizePolicy};
+use super::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
 /// Steps (or chunks) a failed size first waits before it is tried again; doubled each time it

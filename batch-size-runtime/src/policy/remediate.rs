@@ -5,11 +5,10 @@
 //! [`Remedies`](crate::Remedies); the policy, the engine and the cache move them through
 //! [`LadderControl`], which knows no type.
 
-use super::holds_inner;
 use std::fmt;
 use std::sync::Arc;
 
-use super::{Decision, PolicyWrapper, SizePolicy};
+use super::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::error::StopReason;
 use crate::record::{Attempt, SearchReport};
 

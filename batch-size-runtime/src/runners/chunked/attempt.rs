@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use crate::attempt::InspectError;
-use crate::dispatch::{Classify, Judged, Kept, OomRules};
+use crate::engine::dispatch::{Classify, Judged, Kept, OomRules};
 use crate::error::KeptError;
 
 /// How one chunk's call ended, when it did not succeed.

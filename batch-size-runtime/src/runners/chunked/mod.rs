@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::agree::Collective;
 use crate::attempt::AttemptError;
-use crate::dispatch::LastError;
+use crate::engine::dispatch::LastError;
 use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
 use crate::error::StopReason;

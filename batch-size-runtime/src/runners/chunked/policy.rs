@@ -1,13 +1,12 @@
 //! The policy of one chunked run: the next chunk after each success, a smaller one after an
 //! out-of-memory chunk, growing back after clean chunks, and (with other ranks) chunks in step.
 
-use crate::policy::holds_inner;
 use std::sync::{Arc, Mutex};
 
 use super::progress::{lock, Run};
 use crate::agree::{self, Collective, Proposal, RankOutcome, Said};
 use crate::error::StopReason;
-use crate::policy::{Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy};
+use crate::policy::{holds_inner, Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy};
 use crate::record::{Outcome, SearchReport};
 
 /// The policy of one chunked run: the next chunk after each success, a smaller one after an

@@ -9,8 +9,7 @@
 //! proposal is judged against 128, and no proposal that splits to 128 again is wasted.
 
 pub(crate) use crate::policy::even_micro;
-use crate::policy::holds_inner;
-use crate::policy::{Decision, PolicyWrapper, SizePolicy};
+use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
 
 /// A size policy whose every proposal is the even split of what `inner` proposed, for a share

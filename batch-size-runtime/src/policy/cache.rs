@@ -39,7 +39,6 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
-use crate::policy::holds_inner;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -50,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::memory::Release;
 use crate::policy::LadderControl;
-use crate::policy::{Decision, PolicyWrapper, SizePolicy};
+use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{CacheHit, SearchReport};
 
 /// The environment variable that names the cache's folder when none is given.

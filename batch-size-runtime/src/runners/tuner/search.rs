@@ -1,0 +1,468 @@
+//! The tuner's search, as a size policy: bracket the largest size that fits (grow, jump to
+//! the fitted limit, bisect), confirm the margin's size, and for the fastest size descend by
+//! powers of two; never keep a size above one that failed.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::throughput::{fastest, Shared};
+use super::Choice;
+use crate::error::StopReason;
+use crate::policy::fit::{peak_bytes, MemoryFit};
+use crate::policy::{Decision, SizePolicy};
+use crate::record::{Attempt, Outcome, SearchReport};
+
+/// The size kept with the margin below `largest`.
+pub(super) fn kept_size(largest: usize, margin: f64, min: usize) -> usize {
+    let target = ((largest as f64) * (1.0 - margin)).floor() as usize;
+    target.max(min).min(largest)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    /// Bracketing the largest size that fits: growing, jumping to the fitted limit, bisecting.
+    Searching,
+    /// The margin's size is being confirmed.
+    Confirming,
+    /// For the fastest size: powers of two below the margin's size, downwards.
+    Descending,
+    /// The fastest size runs last, so that it is the search's answer (and the cache's).
+    Final,
+}
+
+#[derive(Debug)]
+pub(super) struct TunerPolicy {
+    min: usize,
+    max: Option<usize>,
+    margin: f64,
+    max_trials: usize,
+    phase: Phase,
+    choice: Choice,
+    tolerance: f64,
+    /// The margin's size, once it ran.
+    kept: usize,
+    /// While descending: the last size measured.
+    below: usize,
+    /// The last size the memory fit chose, and whether it expected that trial to fit.
+    guess: Option<(usize, bool)>,
+    /// Before any failure: trials the fit got wrong the costly way (expected to fail, they
+    /// fit, or they fit with more than the margin to spare). Each doubles the least step above
+    /// the largest success, so that a fit that does not describe the trial costs a few trials,
+    /// not a crawl.
+    misses: u32,
+    /// Trials the fit expected to fit that failed. At two the fit is dropped for bisection:
+    /// what fails is not explained by the memory the trials use (a limit that is not the
+    /// device's memory, an allocator that cannot use all of it).
+    overshoots: u32,
+    /// Once bracketed: the bracket's width in ratio (ln(high / low)) when the fit chose the
+    /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
+    /// Brent's method: two trials at least halve the bracket, whatever the fit says.
+    guessed_in: Option<f64>,
+    /// Why the last decision went below a size that had run, when it did.
+    rationale: Option<String>,
+    shared: Arc<Shared>,
+}
+
+/// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
+/// apart that a small model's growth is not lost in an allocator's rounding (2 MiB blocks hide
+/// under 140 KiB a sample at 16×).
+const FLAT_MEMORY_SPAN: usize = 16;
+
+/// The last trial's peak is no higher than that of a size at most 1/16 of it (or the other way
+/// round): the trial's memory does not depend on its size. Only trials since the memory last
+/// changed count: a small size run after another process took memory shows its memory too.
+fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
+    let last = history.last().filter(|last| last.outcome.is_success())?;
+    let (peak, _) = peak_bytes(last)?;
+    history
+        .attempts()
+        .skip(since_memory_changed(history))
+        .filter(|attempt| attempt.outcome.is_success())
+        .filter_map(|attempt| Some((attempt.batch_size, peak_bytes(attempt)?.0)))
+        .find_map(|(size, other_peak)| {
+            let (smaller, larger, small_peak, large_peak) = if size < last.batch_size {
+                (size, last.batch_size, other_peak, peak)
+            } else {
+                (last.batch_size, size, peak, other_peak)
+            };
+            (larger >= smaller.saturating_mul(FLAT_MEMORY_SPAN) && large_peak <= small_peak)
+                .then_some(StopReason::MemoryDoesNotGrow {
+                    smaller,
+                    larger,
+                    peak: large_peak,
+                })
+        })
+}
+
+/// The largest power of two below `size` (0 for 1 and 0).
+fn power_of_two_below(size: usize) -> usize {
+    match size {
+        0 | 1 => 0,
+        _ => 1 << (usize::BITS - 1 - (size - 1).leading_zeros()),
+    }
+}
+
+impl TunerPolicy {
+    /// The search from `min` (never above `max`), keeping `margin` below the largest size
+    /// that ran, in at most `max_trials` trials; for `choice`, within `tolerance` of the best
+    /// speed, which the trials record in `shared`.
+    pub(super) fn new(
+        min: usize,
+        max: Option<usize>,
+        margin: f64,
+        max_trials: usize,
+        choice: Choice,
+        tolerance: f64,
+        shared: Arc<Shared>,
+    ) -> Self {
+        TunerPolicy {
+            min,
+            max,
+            margin,
+            max_trials,
+            phase: Phase::Searching,
+            choice,
+            tolerance,
+            kept: 0,
+            below: 0,
+            guess: None,
+            misses: 0,
+            overshoots: 0,
+            guessed_in: None,
+            rationale: None,
+            shared,
+        }
+    }
+
+    fn cap(&self, size: usize) -> usize {
+        self.max.map_or(size, |max| size.min(max))
+    }
+
+    /// Whether the fit's last guess held: a failure where it expected a fit is an overshoot; a
+    /// fit where it expected a failure, or a fit with more than the margin to spare by the
+    /// fit's own new reckoning, is a miss.
+    fn score_guess(&mut self, last: &Attempt, limit: Option<usize>) {
+        let Some((size, expected_to_fit)) = self.guess.take() else {
+            return;
+        };
+        if last.batch_size != size {
+            return;
+        }
+        if !last.outcome.is_success() {
+            self.overshoots += u32::from(expected_to_fit);
+            return;
+        }
+        let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.margin));
+        if !expected_to_fit || spare {
+            self.misses += 1;
+        }
+    }
+
+    /// How close the largest success and the smallest failure must be for the search to stop:
+    /// a quarter of the margin (at least 1), so that the margin's size stays within about 1 %
+    /// of the largest that fits less the margin. Bisecting further would refine a size the
+    /// margin then takes 5 % off.
+    fn resolution(&self, low: usize) -> usize {
+        ((low as f64 * self.margin / 4.0).floor() as usize).max(1)
+    }
+
+    /// The end of the search for the largest: the margin's size if it has not run yet.
+    fn finish(&mut self, history: &SearchReport) -> Decision {
+        let largest = largest_below_failures(history).unwrap_or(0);
+        let target = kept_size(largest, self.margin, self.min);
+        if target == 0 {
+            return Decision::Accept;
+        }
+        if ran_last(history, target) {
+            return self.kept(history, target);
+        }
+        self.phase = Phase::Confirming;
+        Decision::Try(target)
+    }
+
+    /// The margin's size ran: the answer, or the start of the search for the fastest.
+    fn kept(&mut self, history: &SearchReport, size: usize) -> Decision {
+        self.kept = size;
+        self.shared.kept.store(size, Ordering::Relaxed);
+        if self.choice == Choice::Largest {
+            return Decision::Accept;
+        }
+        self.phase = Phase::Descending;
+        self.below = size;
+        self.descend(history)
+    }
+
+    /// Powers of two below the margin's size, downwards, until one is slower than the best by
+    /// more than the tolerance; sizes measured already are not run again.
+    fn descend(&mut self, history: &SearchReport) -> Decision {
+        if history
+            .last()
+            .is_some_and(|last| !last.outcome.is_success())
+        {
+            return self.conclude(history);
+        }
+        let throughput = self.shared.throughput();
+        let rate = |size: usize| {
+            throughput
+                .iter()
+                .find(|(measured, _)| *measured == size)
+                .map(|(_, rate)| *rate)
+        };
+        let best = throughput
+            .iter()
+            .filter(|(size, _)| *size <= self.kept)
+            .map(|(_, rate)| *rate)
+            .fold(0.0, f64::max);
+        loop {
+            if self.below < self.kept
+                && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.tolerance))
+            {
+                return self.conclude(history);
+            }
+            let next = power_of_two_below(self.below);
+            if next < self.min || next == 0 {
+                return self.conclude(history);
+            }
+            self.below = next;
+            if rate(next).is_none() {
+                // One trial is kept for the fastest size.
+                if history.len() + 2 > self.max_trials {
+                    return self.conclude(history);
+                }
+                return Decision::Try(next);
+            }
+        }
+    }
+
+    /// The fastest size runs last, unless it just ran or no trial is left.
+    fn conclude(&mut self, history: &SearchReport) -> Decision {
+        let chosen =
+            fastest(&self.shared.throughput(), self.kept, self.tolerance).unwrap_or(self.kept);
+        if ran_last(history, chosen) || history.len() >= self.max_trials {
+            return Decision::Accept;
+        }
+        self.phase = Phase::Final;
+        Decision::Try(chosen)
+    }
+}
+
+impl SizePolicy for TunerPolicy {
+    fn first(&mut self, starting: usize) -> Decision {
+        Decision::Try(self.cap(starting.max(self.min)))
+    }
+
+    fn reads_memory_after_success(&self) -> bool {
+        true
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.rationale.clone()
+    }
+
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        let Some(last) = history.last() else {
+            return Decision::Accept;
+        };
+        self.rationale = None;
+        if let Some(reason) = memory_does_not_grow(history) {
+            return Decision::Stop(reason);
+        }
+        if let Some(ran) = ran_above_failure(history, last) {
+            // Less memory than when a larger size ran (fragmentation, memory an allocator
+            // kept, another process): never keep that size; search again below the failure.
+            // The engine's WARN line for the failure gives this rationale.
+            self.rationale = Some(format!(
+                "batch size {} ran out of memory after {ran} ran: less memory is free than \
+                 then (fragmentation, memory kept by an allocator, another process); \
+                 searching below {}",
+                last.batch_size, last.batch_size
+            ));
+            self.phase = Phase::Searching;
+            self.kept = 0;
+            self.shared.kept.store(0, Ordering::Relaxed);
+            self.guess = None;
+            self.guessed_in = None;
+        }
+        match self.phase {
+            Phase::Confirming if last.outcome.is_success() => {
+                return self.kept(history, last.batch_size)
+            }
+            Phase::Final if last.outcome.is_success() => return Decision::Accept,
+            Phase::Descending if last.outcome.is_success() => return self.descend(history),
+            // A failure after the search is below a size that ran: searched again above.
+            _ => self.phase = Phase::Searching,
+        }
+        // The smallest failure: the largest success is taken below it.
+        let high = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory())
+            .map(|attempt| attempt.batch_size)
+            .min();
+        let Some(low) = largest_below_failures(history) else {
+            // Nothing ran below the smallest failure (even the first probe failed): smaller,
+            // as a shrinking search would.
+            let failed = high.unwrap_or(last.batch_size);
+            return match last.outcome {
+                Outcome::OutOfMemory { .. } if failed / 2 >= self.min => Decision::Try(failed / 2),
+                _ => Decision::Stop(StopReason::BelowMinimum {
+                    next: failed / 2,
+                    min: self.min,
+                }),
+            };
+        };
+        // One trial is kept for the margin's size.
+        if history.len() + 1 >= self.max_trials {
+            return self.finish(history);
+        }
+        if self.max.is_some_and(|max| low >= max) {
+            return self.finish(history);
+        }
+        let resolution = self.resolution(low);
+        if high.is_some_and(|high| high - low <= resolution) {
+            return self.finish(history);
+        }
+        let limit = MemoryFit::new(history, low).and_then(|fit| fit.limit());
+        self.score_guess(last, limit);
+        // A fit that has a failed size fitting, or whose guesses failed twice, does not
+        // describe the trial: bisect.
+        let limit = limit
+            .filter(|&limit| high.is_none_or(|high| limit < high))
+            .filter(|_| self.overshoots < 2);
+        let mut guess = None;
+        let next = match (limit, high) {
+            // Growing: the fit's limit, or a step above the largest success where the fit puts
+            // the limit closer than that (a failure there ends the search).
+            (Some(limit), None) => {
+                let step = resolution
+                    .saturating_mul(1usize.checked_shl(self.misses).unwrap_or(usize::MAX));
+                guess = Some(limit);
+                limit
+                    .max(low.saturating_add(step))
+                    .min(low.saturating_mul(FARTHEST_JUMP))
+            }
+            // Bracketed: the fit's limit, unless its last trial left the bracket more than half
+            // as wide (in ratio) as it found it.
+            (Some(limit), Some(high)) => {
+                let width = (high as f64 / low as f64).ln();
+                if self
+                    .guessed_in
+                    .take()
+                    .is_some_and(|before| width > before / 2.0)
+                {
+                    geometric_middle(low, high)
+                } else {
+                    self.guessed_in = Some(width);
+                    guess = Some(limit);
+                    limit.max(low.saturating_add(resolution))
+                }
+            }
+            // Without figures: grow, then bisect. A failure far above the limit costs no more
+            // than one just above it (it fails at its first large allocation).
+            (None, None) => low.saturating_mul(GROWTH),
+            (None, Some(high)) => {
+                self.guessed_in = None;
+                geometric_middle(low, high)
+            }
+        };
+        let next = self.cap(next).min(high.map_or(usize::MAX, |high| high - 1));
+        if next <= low {
+            return self.finish(history);
+        }
+        self.guess = guess.map(|limit| (next, next <= limit));
+        Decision::Try(next)
+    }
+}
+
+/// Without figures, how much larger each trial is until one fails.
+const GROWTH: usize = 4;
+
+/// The farthest the fit may send the next trial, as a multiple of the largest success: a
+/// slope fitted to small sizes and lost in an allocator's rounding could otherwise ask for
+/// millions of samples (and the host memory to build them).
+const FARTHEST_JUMP: usize = 128;
+
+/// The geometric middle of a bracket, strictly inside it where there is room: a bracket of
+/// 16 to 64 is halved in ratio (32), not in width (40).
+fn geometric_middle(low: usize, high: usize) -> usize {
+    let middle = ((low as f64) * (high as f64)).sqrt().floor() as usize;
+    middle.clamp(
+        low.saturating_add(1),
+        high.saturating_sub(1).max(low.saturating_add(1)),
+    )
+}
+
+/// Whether the last trial ran `size` and succeeded.
+fn ran_last(history: &SearchReport, size: usize) -> bool {
+    history
+        .last()
+        .is_some_and(|last| last.outcome.is_success() && last.batch_size == size)
+}
+
+/// The largest size that ran below every size that failed: what the tuner counts as fitting.
+/// A size that ran before a smaller one failed does not count (the memory it had is gone).
+pub(super) fn largest_below_failures(history: &SearchReport) -> Option<usize> {
+    let smallest_failure = history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_out_of_memory())
+        .map(|attempt| attempt.batch_size)
+        .min()
+        .unwrap_or(usize::MAX);
+    history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size < smallest_failure)
+        .map(|attempt| attempt.batch_size)
+        .max()
+}
+
+/// The largest size that ran at or above `last`'s, where `last` ran out of memory: a trial
+/// failed below a size that ran.
+fn ran_above_failure(history: &SearchReport, last: &Attempt) -> Option<usize> {
+    if !last.outcome.is_out_of_memory() {
+        return None;
+    }
+    history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size >= last.batch_size)
+        .map(|attempt| attempt.batch_size)
+        .max()
+}
+
+/// The number of trials up to and including the last failure below a size that ran before it:
+/// what ran before had other memory free.
+fn since_memory_changed(history: &SearchReport) -> usize {
+    let attempts: Vec<&Attempt> = history.attempts().collect();
+    (0..attempts.len())
+        .rev()
+        .find(|&index| {
+            let failed = attempts[index];
+            failed.outcome.is_out_of_memory()
+                && attempts[..index].iter().any(|earlier| {
+                    earlier.outcome.is_success() && earlier.batch_size >= failed.batch_size
+                })
+        })
+        .map_or(0, |index| index + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_margin_is_taken_off_and_never_below_min() {
+        assert_eq!(kept_size(100, 0.05, 1), 95);
+        assert_eq!(kept_size(10, 0.5, 8), 8);
+        assert_eq!(kept_size(3, 0.05, 8), 3, "never above the size that ran");
+    }
+
+    #[test]
+    fn powers_of_two_and_middles_in_ratio() {
+        assert_eq!(power_of_two_below(1), 0);
+        assert_eq!(power_of_two_below(65), 64);
+        assert_eq!(power_of_two_below(64), 32);
+        let middle = geometric_middle(16, 64);
+        assert!(
+            middle > 16 && middle < 64 && middle.abs_diff(32) <= 1,
+            "{middle}"
+        );
+    }
+}
