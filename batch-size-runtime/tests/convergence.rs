@@ -18,7 +18,7 @@ use proptest::prelude::*;
 #[path = "common/training.rs"]
 mod training;
 
-use training::{largest_fit, Model, Shape, DEVICE, GIB, MIB, SHAPES};
+use training::{largest_fit, mean_gradient, Model, Shape, DEVICE, GIB, MIB, SHAPES};
 
 /// The passes of each of `steps` steps, and the micro-batches started in attempts that ran out
 /// of memory.
@@ -72,26 +72,6 @@ fn switched_off_the_runner_keeps_the_first_steps_size() {
     );
     let (learning, _) = train(shape, 4096, 12, true);
     assert!(learning[11] < passes[11], "{learning:?} against {passes:?}");
-}
-
-/// A linear model `y = w · x` with a mean squared error; sample `i` of step `s` is a
-/// deterministic function of both.
-fn sample(step: usize, i: usize) -> ([f64; 2], f64) {
-    let a = ((step * 7919 + i * 104_729) % 1000) as f64 / 500.0 - 1.0;
-    let b = ((step * 31 + i * 613) % 997) as f64 / 498.5 - 1.0;
-    ([a, b], 3.0 * a - 0.5 * b + 0.25)
-}
-
-fn mean_gradient(w: &[f64; 2], step: usize, samples: Range<usize>) -> [f64; 2] {
-    let count = samples.len() as f64;
-    let mut gradient = [0.0; 2];
-    for i in samples {
-        let (x, y) = sample(step, i);
-        let error = w[0] * x[0] + w[1] * x[1] - y;
-        gradient[0] += 2.0 * error * x[0] / count;
-        gradient[1] += 2.0 * error * x[1] / count;
-    }
-    gradient
 }
 
 /// Trains the linear model for `steps` steps of `effective` samples on a device of

@@ -15,9 +15,14 @@ use std::thread;
 use std::time::Duration;
 
 use batch_size_runtime::agree::{Collective, ThreadRank, ThreadRanks};
+
+#[path = "common/training.rs"]
+mod training;
+
 use batch_size_runtime::{
     BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
 };
+use training::mean_gradient;
 
 /// Activations of one sample.
 const PER_SAMPLE: u64 = 1 << 20;
@@ -33,26 +38,6 @@ struct Gpu {
 
 const fn gpu(holds: u64, per_sample: u64) -> Gpu {
     Gpu { holds, per_sample }
-}
-
-/// A linear model `y = w · x` with a mean squared error; sample `i` of step `s` is a
-/// deterministic function of both.
-fn sample(step: usize, i: usize) -> ([f64; 2], f64) {
-    let a = ((step * 7919 + i * 104_729) % 1000) as f64 / 500.0 - 1.0;
-    let b = ((step * 31 + i * 613) % 997) as f64 / 498.5 - 1.0;
-    ([a, b], 3.0 * a - 0.5 * b + 0.25)
-}
-
-fn mean_gradient(w: &[f64; 2], step: usize, samples: Range<usize>) -> [f64; 2] {
-    let count = samples.len() as f64;
-    let mut gradient = [0.0; 2];
-    for i in samples {
-        let (x, y) = sample(step, i);
-        let error = w[0] * x[0] + w[1] * x[1] - y;
-        gradient[0] += 2.0 * error * x[0] / count;
-        gradient[1] += 2.0 * error * x[1] / count;
-    }
-    gradient
 }
 
 /// A SUM all-reduce of two floats between threads (the gradient all-reduce of the test).

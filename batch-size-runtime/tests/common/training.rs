@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 use std::cell::{Cell, RefCell};
+use std::ops::Range;
 
 use batch_size_runtime::{BatchPlan, OutOfMemory, SimAllocation, SimulatedDevice};
 
@@ -177,4 +178,24 @@ pub fn largest_fit(shape: Shape) -> usize {
         }
     }
     low
+}
+
+/// A linear model `y = w · x` with a mean squared error; sample `i` of step `s` is a
+/// deterministic function of both.
+pub fn sample(step: usize, i: usize) -> ([f64; 2], f64) {
+    let a = ((step * 7919 + i * 104_729) % 1000) as f64 / 500.0 - 1.0;
+    let b = ((step * 31 + i * 613) % 997) as f64 / 498.5 - 1.0;
+    ([a, b], 3.0 * a - 0.5 * b + 0.25)
+}
+
+pub fn mean_gradient(w: &[f64; 2], step: usize, samples: Range<usize>) -> [f64; 2] {
+    let count = samples.len() as f64;
+    let mut gradient = [0.0; 2];
+    for i in samples {
+        let (x, y) = sample(step, i);
+        let error = w[0] * x[0] + w[1] * x[1] - y;
+        gradient[0] += 2.0 * error * x[0] / count;
+        gradient[1] += 2.0 * error * x[1] / count;
+    }
+    gradient
 }
