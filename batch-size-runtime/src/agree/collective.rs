@@ -80,47 +80,25 @@ pub trait Collective: Send + Sync + fmt::Debug {
     }
 }
 
-impl<C: Collective + ?Sized> Collective for &C {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
-        (**self).all_reduce(values, op)
-    }
-    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
-        (**self).all_gather(value)
-    }
+/// A reference, a box or an `Arc` of a collective is that collective: a search can borrow the
+/// rank it agrees through, or share it.
+macro_rules! collective_through_pointer {
+    ($($pointer:ty),*) => {$(
+        impl<C: Collective + ?Sized> Collective for $pointer {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+                (**self).all_reduce(values, op)
+            }
+            fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
+                (**self).all_gather(value)
+            }
+        }
+    )*};
 }
 
-impl<C: Collective + ?Sized> Collective for Box<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
-        (**self).all_reduce(values, op)
-    }
-    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
-        (**self).all_gather(value)
-    }
-}
-
-impl<C: Collective + ?Sized> Collective for Arc<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
-        (**self).all_reduce(values, op)
-    }
-    fn all_gather(&self, value: u64) -> Result<Vec<u64>, AgreementError> {
-        (**self).all_gather(value)
-    }
-}
+collective_through_pointer!(&C, Box<C>, Arc<C>);

@@ -104,6 +104,33 @@ impl CudaBackend {
         driver_library_loaded()
     }
 
+    /// Each device's figures (a device that cannot be read is left out), its pool's peak reset
+    /// first where `reset_peak`.
+    fn read(&self, reset_peak: bool) -> MemorySnapshot {
+        let read = guarded(|| {
+            let mut devices = Vec::new();
+            for target in &self.targets()? {
+                let reading = target.with_current(|| {
+                    if reset_peak {
+                        if let Err(failure) = reset_device_peak(target) {
+                            tracing::debug!(error = %failure, "cannot reset the CUDA pool's peak");
+                        }
+                    }
+                    read_device(target)
+                });
+                match reading {
+                    Ok(memory) => devices.push(memory),
+                    Err(failure) => tracing::debug!(error = %failure, "cannot read CUDA memory"),
+                }
+            }
+            Ok(MemorySnapshot { devices })
+        });
+        read.unwrap_or_else(|failure| {
+            tracing::debug!(error = %failure, "cannot read CUDA memory");
+            MemorySnapshot::default()
+        })
+    }
+
     /// The devices to act on now, with the context to make current for each.
     fn targets(&self) -> Result<Vec<Target>, Failure> {
         match &self.contexts {
@@ -156,45 +183,13 @@ impl MemoryBackend for CudaBackend {
 
     /// Reads each device's figures; a device that cannot be read is left out.
     fn memory(&self) -> MemorySnapshot {
-        let read = guarded(|| {
-            let mut devices = Vec::new();
-            for target in &self.targets()? {
-                match target.with_current(|| read_device(target)) {
-                    Ok(memory) => devices.push(memory),
-                    Err(failure) => tracing::debug!(error = %failure, "cannot read CUDA memory"),
-                }
-            }
-            Ok(MemorySnapshot { devices })
-        });
-        read.unwrap_or_else(|failure| {
-            tracing::debug!(error = %failure, "cannot read CUDA memory");
-            MemorySnapshot::default()
-        })
+        self.read(false)
     }
 
-    /// Resets each pool's peak and reads each device's figures, finding the devices once: where
-    /// libcuda is not loaded, one question to the loader per attempt.
+    /// Resets each pool's peak and reads each device's figures, finding the devices once:
+    /// where libcuda is not loaded, one question to the loader per attempt.
     fn start_attempt(&self) -> MemorySnapshot {
-        let read = guarded(|| {
-            let mut devices = Vec::new();
-            for target in &self.targets()? {
-                let reading = target.with_current(|| {
-                    if let Err(failure) = reset_device_peak(target) {
-                        tracing::debug!(error = %failure, "cannot reset the CUDA pool's peak");
-                    }
-                    read_device(target)
-                });
-                match reading {
-                    Ok(memory) => devices.push(memory),
-                    Err(failure) => tracing::debug!(error = %failure, "cannot read CUDA memory"),
-                }
-            }
-            Ok(MemorySnapshot { devices })
-        });
-        read.unwrap_or_else(|failure| {
-            tracing::debug!(error = %failure, "cannot read CUDA memory");
-            MemorySnapshot::default()
-        })
+        self.read(true)
     }
 
     /// Resets each pool's peak (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`) to its current use.
