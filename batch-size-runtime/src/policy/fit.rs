@@ -11,8 +11,8 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// Bytes in use during a successful attempt (what was in use outside the pool before it, plus
 /// the pool's peak), and the device's bytes.
 pub(crate) fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
-    let start = attempt.memory_at_start.as_ref()?.devices.first()?;
-    let end = attempt.memory_at_end.as_ref()?.devices.first()?;
+    let start = only_device(attempt.memory_at_start.as_ref()?)?;
+    let end = only_device(attempt.memory_at_end.as_ref()?)?;
     let outside = start
         .total
         .saturating_sub(start.free)
@@ -24,13 +24,23 @@ pub(crate) fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
 /// where the pool says what it held live: the part of an attempt's memory that its size did
 /// not allocate.
 pub(crate) fn used_at_start(attempt: &Attempt) -> Option<u64> {
-    in_use(attempt.memory_at_start.as_ref()?.devices.first()?)
+    in_use(only_device(attempt.memory_at_start.as_ref()?)?)
 }
 
 /// Bytes still in use when a successful attempt ended: what the next one starts with (the
 /// weights, and state the attempt allocated and kept: gradients, an optimizer's moments).
 pub(crate) fn used_at_end(attempt: &Attempt) -> Option<u64> {
-    in_use(attempt.memory_at_end.as_ref()?.devices.first()?)
+    in_use(only_device(attempt.memory_at_end.as_ref()?)?)
+}
+
+/// The device an attempt's figures are about: the only one read. Where a backend reads several
+/// (CUDA's, with a context active on more than one device in the process: ranks as threads),
+/// nothing says which one the attempt ran on, and no figures are better than another's.
+fn only_device(snapshot: &crate::memory::MemorySnapshot) -> Option<&crate::memory::DeviceMemory> {
+    match snapshot.devices.as_slice() {
+        [only] => Some(only),
+        _ => None,
+    }
 }
 
 fn in_use(reading: &crate::memory::DeviceMemory) -> Option<u64> {
@@ -255,6 +265,40 @@ mod tests {
         let limit = fit.limit().unwrap();
         assert!(limit < 250 && limit > 128, "{limit}");
         assert!((fit.bytes(250.0) - 10_500.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn figures_of_several_devices_are_no_ones() {
+        use crate::memory::{DeviceMemory, MemorySnapshot};
+        use crate::record::Outcome;
+        let device = |name: &str| DeviceMemory {
+            device: name.to_owned(),
+            total: 100,
+            free: 50,
+            pool_reserved: Some(50),
+            pool_used: Some(50),
+            peak: Some(60),
+        };
+        let attempt = |devices: Vec<DeviceMemory>| Attempt {
+            number: 1,
+            batch_size: 8,
+            outcome: Outcome::Succeeded,
+            duration: Default::default(),
+            memory_at_start: Some(MemorySnapshot {
+                devices: devices.clone(),
+            }),
+            memory_at_end: Some(MemorySnapshot { devices }),
+            memory_after_release: None,
+            requested: None,
+            rationale: None,
+            settings: None,
+        };
+        assert_eq!(
+            peak_bytes(&attempt(vec![device("cuda:0")])),
+            Some((60, 100))
+        );
+        let two = attempt(vec![device("cuda:0"), device("cuda:1")]);
+        assert_eq!((peak_bytes(&two), used_at_start(&two)), (None, None));
     }
 
     #[test]
