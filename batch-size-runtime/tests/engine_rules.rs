@@ -86,3 +86,78 @@ fn min_is_tried_before_the_search_gives_up_below_it() {
         .unwrap();
     assert_eq!(none_fit.tried(), &[8, 5]);
 }
+
+/// A policy that confirms a smaller size after a success and accepts the latest success when
+/// the confirmation fails (as a tuner's margin trial does).
+#[derive(Debug)]
+struct ConfirmBelow;
+
+impl SizePolicy for ConfirmBelow {
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        match history.last() {
+            Some(last) if last.outcome.is_success() && history.len() == 1 => {
+                Decision::Try(last.batch_size / 2)
+            }
+            Some(last) if last.outcome.is_success() => Decision::Accept,
+            _ => Decision::Accept,
+        }
+    }
+}
+
+#[test]
+fn a_size_above_a_failure_is_never_kept_whatever_the_policy() {
+    // 64 runs; then another process takes memory and 32 no longer fits, nor anything above 20.
+    let mut sizes_run = 0;
+    let (fitted, report) = BatchSizeSearch::new(64)
+        .with_policy(ConfirmBelow)
+        .run_with_report(|batch_size| -> anyhow::Result<usize> {
+            sizes_run += 1;
+            if sizes_run > 1 && batch_size > 20 {
+                Err(OutOfMemory::new())?
+            }
+            Ok(batch_size)
+        });
+    // 64 is not kept: the search went on below 32, the failure, and kept what ran there.
+    let fitted = fitted.unwrap();
+    assert!(fitted <= 20, "{fitted}: {report}");
+    let tried = report.tried();
+    assert_eq!(&tried[..2], &[64, 32], "{report}");
+    assert_eq!(report.last().map(|last| last.batch_size), Some(fitted));
+    let why = report
+        .attempts()
+        .nth(2)
+        .and_then(|a| a.rationale.clone())
+        .unwrap_or_default();
+    assert!(why.contains("32 ran out of memory after 64 ran"), "{why}");
+}
+
+/// Doubles after each success; accepts the latest success after a failure.
+#[derive(Debug)]
+struct Doubling;
+
+impl SizePolicy for Doubling {
+    fn first(&mut self, _starting: usize) -> Decision {
+        Decision::Try(16)
+    }
+    fn after(&mut self, history: &SearchReport) -> Decision {
+        match history.last() {
+            Some(last) if last.outcome.is_success() => Decision::Try(last.batch_size * 2),
+            _ => Decision::Accept,
+        }
+    }
+}
+
+#[test]
+fn a_policy_accepting_below_its_failures_is_unchanged() {
+    // 16 and 32 run, 64 fails: 32, below the failure, is kept as the policy says.
+    let (fitted, report) = BatchSizeSearch::new(16)
+        .with_policy(Doubling)
+        .run_with_report(|batch_size| -> anyhow::Result<usize> {
+            if batch_size > 40 {
+                Err(OutOfMemory::new())?
+            }
+            Ok(batch_size)
+        });
+    assert_eq!(fitted.unwrap(), 32);
+    assert_eq!(report.tried(), [16, 32, 64]);
+}

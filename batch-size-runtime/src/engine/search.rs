@@ -103,6 +103,9 @@ pub struct Search<'r> {
     last_error: Option<KeptError>,
     smallest_failed: Option<usize>,
     succeeded_once: bool,
+    /// The engine, not the policy, chose the attempt running: below a failure that came after
+    /// a larger size ran. Its success ends the search.
+    retrying_below: bool,
     rationale: Option<String>,
     first_fit_at_debug: bool,
 }
@@ -174,6 +177,7 @@ impl<'r> Search<'r> {
             last_error: None,
             smallest_failed: None,
             succeeded_once: false,
+            retrying_below: false,
             first_fit_at_debug,
         }
     }
@@ -402,7 +406,7 @@ impl Search<'_> {
         self.succeeded_once = true;
         self.report.push(attempt);
         self.notify_last();
-        self.next = if self.policy.is_shrinking() {
+        self.next = if self.policy.is_shrinking() || std::mem::take(&mut self.retrying_below) {
             Next::Accepted
         } else {
             if self.policy.each_success_is_new_work() {
@@ -575,6 +579,7 @@ impl Search<'_> {
         // The policy sees the failure with the memory the release made free.
         let decision = self.policy.after(&self.report);
         self.rationale = self.policy.rationale();
+        let decision = self.nothing_kept_above_a_failure(decision);
         self.next = self.within_the_rules(decision);
         self.remedy_if_no_size_is_left();
         self.log_retry(failed_size, number, &found.description);
@@ -585,6 +590,38 @@ impl Search<'_> {
         }));
         if matches!(self.next, Next::Accepted) {
             self.finish();
+        }
+    }
+
+    /// A policy may accept the latest success after a failure (a tuner that bracketed the
+    /// limit). Where that success is at or above a size that failed since (the memory shrank:
+    /// fragmentation, memory another process took), it is not kept, whatever the policy: it is
+    /// the size most likely to fail again. The engine tries below the failure, and the first
+    /// size there that runs ends the search; the next attempt's rationale says why.
+    fn nothing_kept_above_a_failure(&mut self, decision: Decision) -> Decision {
+        self.retrying_below = false;
+        if decision != Decision::Accept {
+            return decision;
+        }
+        let Some(failed) = self.smallest_failed else {
+            return decision;
+        };
+        let ran = self
+            .report
+            .attempts()
+            .rev()
+            .find(|attempt| attempt.outcome.is_success())
+            .map(|attempt| attempt.batch_size);
+        match ran {
+            Some(ran) if ran >= failed => {
+                self.retrying_below = true;
+                self.rationale = Some(format!(
+                    "batch size {failed} ran out of memory after {ran} ran: {ran} is not kept, \
+                     the search goes on below the failure"
+                ));
+                Decision::Try(failed - 1)
+            }
+            _ => decision,
         }
     }
 

@@ -398,9 +398,16 @@ impl Tuner {
     /// [`Choice::Fastest`], which runs a few more trials to measure sizes below the largest.
     ///
     /// ```
+    /// # use std::time::Duration;
     /// # use batch_size_runtime::{Choice, Tuner};
-    /// // Every size takes the same time: the largest is the fastest.
-    /// let tuned = Tuner::new().with_max(100).choose(Choice::Fastest).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// // Every trial takes a second whatever its size (a clock of its own, not the wall's, so
+    /// // that no other load changes the answer): the largest is the fastest.
+    /// let mut now = Duration::ZERO;
+    /// let tuned = Tuner::new()
+    ///     .with_max(100)
+    ///     .choose(Choice::Fastest)
+    ///     .with_clock(move || { now += Duration::from_millis(500); now })
+    ///     .run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.batch_size(), tuned.largest());
     /// # Ok::<(), anyhow::Error>(())
     /// ```
