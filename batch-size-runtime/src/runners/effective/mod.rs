@@ -75,7 +75,10 @@ pub struct Recovery {
 /// - minimum micro size: 1;
 /// - sizes: the guided policy ([`Guided`]), `with_factor` and
 ///   `with_reduce` as in the attribute;
-/// - growing back: off (`with_grow_after(steps)`);
+/// - learning from every step: on where the release reads figures; each step starts at the
+///   micro size with the fewest passes the figures say fit
+///   ([`with_convergence`](Self::with_convergence));
+/// - growing back without figures: off (`with_grow_after(steps)`);
 /// - release: [`Release::cuda()`].
 ///
 /// Each step is one search of the engine: the same OOM rules, release, logs and report as the
