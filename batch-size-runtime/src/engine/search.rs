@@ -443,13 +443,7 @@ impl Search<'_> {
                 // the pool: a synchronize drains the queue and a trim makes the next chunk
                 // allocate from the driver again, for nothing.
                 if !self.policy.each_success_is_new_work() {
-                    if let Err(release_error) = self.release.release() {
-                        tracing::warn!(
-                            function = self.label,
-                            error = %release_error,
-                            "could not release device memory before the next attempt"
-                        );
-                    }
+                    self.release_before_next_attempt();
                 }
                 tracing::debug!(
                     function = self.label,
@@ -565,13 +559,7 @@ impl Search<'_> {
                 .map_or(failed_size, |smallest| smallest.min(failed_size)),
         );
 
-        if let Err(release_error) = self.release.release() {
-            tracing::warn!(
-                function = self.label,
-                error = %release_error,
-                "could not release device memory before the next attempt"
-            );
-        }
+        self.release_before_next_attempt();
         attempt.memory_after_release = non_empty(self.release.memory());
         let number = attempt.number;
         self.report.push(attempt);
@@ -590,6 +578,17 @@ impl Search<'_> {
         }));
         if matches!(self.next, Next::Accepted) {
             self.finish();
+        }
+    }
+
+    /// Gives memory back before the next attempt; a release that fails is said, not fatal.
+    fn release_before_next_attempt(&self) {
+        if let Err(release_error) = self.release.release() {
+            tracing::warn!(
+                function = self.label,
+                error = %release_error,
+                "could not release device memory before the next attempt"
+            );
         }
     }
 

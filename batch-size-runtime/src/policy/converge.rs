@@ -215,7 +215,12 @@ impl Convergence {
     /// the size to fall back to when the start is above the size that last ran (a growth
     /// attempt): that size's even split, which ran under the figures in force.
     pub(crate) fn start(&self, length: usize, kept: usize) -> (usize, Option<usize>) {
-        let size = match (self.fewer_passes(length, kept), self.limit()) {
+        // One fit a step: the figures change only when a step ends.
+        let limit = self.limit();
+        let size = match (
+            limit.and_then(|limit| fewer_passes(limit, length, kept)),
+            limit,
+        ) {
             (Some(size), _) => size,
             (None, Some(limit)) if limit > 0 && limit < kept => even_micro(length, limit),
             _ => kept,
@@ -226,24 +231,23 @@ impl Convergence {
             _ => (size, None),
         }
     }
+}
 
-    /// The micro size for a step of `length` samples when it takes fewer passes than
-    /// `running`, the size it would run otherwise; `None` when the figures promise no fewer.
-    pub(crate) fn fewer_passes(&self, length: usize, running: usize) -> Option<usize> {
-        if length == 0 || running == 0 {
-            return None;
-        }
-        let limit = self.limit()?.min(length);
-        let passes_now = length.div_ceil(running.min(length));
-        (limit > 0 && length.div_ceil(limit) < passes_now).then(|| even_micro(length, limit))
+/// The micro size for a step of `length` samples when `limit`, the largest size the figures
+/// say fits, takes fewer passes than `running`, the size it would run otherwise.
+fn fewer_passes(limit: usize, length: usize, running: usize) -> Option<usize> {
+    if length == 0 || running == 0 {
+        return None;
     }
+    let limit = limit.min(length);
+    let passes_now = length.div_ceil(running.min(length));
+    (limit > 0 && length.div_ceil(limit) < passes_now).then(|| even_micro(length, limit))
+}
 
-    /// The next chunk's budget when the figures say a larger one fits: at least 1/32 larger, so
-    /// that an allocator's rounding never makes the size wander.
-    pub(crate) fn larger_budget(&self, running: usize) -> Option<usize> {
-        let limit = self.limit()?;
-        (limit > running.saturating_add(running / 32)).then_some(limit)
-    }
+/// The next chunk's budget when `limit`, the largest the figures say fits, is at least 1/32
+/// larger than `running`: an allocator's rounding never makes the size wander.
+pub(crate) fn larger_budget(limit: usize, running: usize) -> Option<usize> {
+    (limit > running.saturating_add(running / 32)).then_some(limit)
 }
 
 /// The largest micro-batch when `length` samples run in the fewest passes of at most `size`,
@@ -359,8 +363,8 @@ mod tests {
         learned.learn(&ran(64, 1000, 1000 + 64 * 30), 64);
         assert_eq!(learned.limit(), Some(300));
         // 4 passes of 256 (300 would still take 4).
-        assert_eq!(learned.fewer_passes(1024, 128), Some(256));
-        assert_eq!(learned.fewer_passes(1024, 256), None);
+        assert_eq!(learned.start(1024, 128).0, 256);
+        assert_eq!(learned.start(1024, 256).0, 256);
     }
 
     #[test]

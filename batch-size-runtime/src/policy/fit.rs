@@ -6,6 +6,7 @@
 //! device's peak). No synchronize is needed to read them.
 
 use super::Evidence;
+use crate::memory::{DeviceMemory, MemorySnapshot};
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Bytes in use during a successful attempt (what was in use outside the pool before it, plus
@@ -13,11 +14,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 pub(crate) fn peak_bytes(attempt: &Attempt) -> Option<(u64, u64)> {
     let start = only_device(attempt.memory_at_start.as_ref()?)?;
     let end = only_device(attempt.memory_at_end.as_ref()?)?;
-    let outside = start
-        .total
-        .saturating_sub(start.free)
-        .saturating_sub(start.pool_reserved.unwrap_or(0));
-    Some((outside.saturating_add(end.peak?), end.total))
+    Some((outside_pool(start).saturating_add(end.peak?), end.total))
 }
 
 /// Bytes in use when the attempt started (outside the pool, plus what the pool held live),
@@ -36,19 +33,24 @@ pub(crate) fn used_at_end(attempt: &Attempt) -> Option<u64> {
 /// The device an attempt's figures are about: the only one read. Where a backend reads several
 /// (CUDA's, with a context active on more than one device in the process: ranks as threads),
 /// nothing says which one the attempt ran on, and no figures are better than another's.
-fn only_device(snapshot: &crate::memory::MemorySnapshot) -> Option<&crate::memory::DeviceMemory> {
+fn only_device(snapshot: &MemorySnapshot) -> Option<&DeviceMemory> {
     match snapshot.devices.as_slice() {
         [only] => Some(only),
         _ => None,
     }
 }
 
-fn in_use(reading: &crate::memory::DeviceMemory) -> Option<u64> {
-    let outside = reading
+/// Bytes in use outside the pool (other processes, the context, plain allocations).
+fn outside_pool(reading: &DeviceMemory) -> u64 {
+    reading
         .total
         .saturating_sub(reading.free)
-        .saturating_sub(reading.pool_reserved.unwrap_or(0));
-    Some(outside.saturating_add(reading.pool_used?))
+        .saturating_sub(reading.pool_reserved.unwrap_or(0))
+}
+
+/// Bytes in use: outside the pool, plus what the pool holds live, where it says.
+fn in_use(reading: &DeviceMemory) -> Option<u64> {
+    Some(outside_pool(reading).saturating_add(reading.pool_used?))
 }
 
 /// What a failed attempt is known to have needed at least: what was in use when the

@@ -98,7 +98,7 @@ mod remediate;
 mod shrink;
 mod wrapper;
 
-pub(crate) use converge::{even_micro, Convergence, Probing};
+pub(crate) use converge::{even_micro, larger_budget, Convergence, Probing};
 pub use evidence::Evidence;
 pub(crate) use grow_back::GrowBack;
 pub use guided::Guided;

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use super::progress::{lock, Run};
 use crate::agree::{self, Collective, Proposal, RankOutcome, Said};
 use crate::error::StopReason;
-use crate::policy::{holds_inner, Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy};
+use crate::policy::{
+    holds_inner, larger_budget, Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy,
+};
 use crate::record::{Outcome, SearchReport};
 
 /// The policy of one chunked run: the next chunk after each success, a smaller one after an
@@ -191,15 +193,16 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
         }
         self.convergence.advance();
         let grown = self.grow.succeeded(last.batch_size);
-        match self.convergence.larger_budget(last.batch_size) {
-            Some(limit) if limit.min(self.max) > last.batch_size => {
-                let probe = limit.min(self.max);
+        // With figures the fit decides; doubling is for runs without.
+        let Some(limit) = self.convergence.limit() else {
+            return Decision::Try(grown);
+        };
+        match larger_budget(limit, last.batch_size).map(|limit| limit.min(self.max)) {
+            Some(probe) if probe > last.batch_size => {
                 self.probing = Some((probe, last.batch_size));
                 Decision::Try(probe)
             }
-            // With figures the fit decides; doubling is for runs without.
-            _ if self.convergence.limit().is_some() => Decision::Try(last.batch_size),
-            _ => Decision::Try(grown),
+            _ => Decision::Try(last.batch_size),
         }
     }
 }

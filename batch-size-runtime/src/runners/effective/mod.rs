@@ -671,7 +671,8 @@ impl<'r> EffectiveBatch<'r> {
                     step,
                     tried = ?tried,
                     micro = report.batch_size(),
-                    "a larger micro-batch did not fit in step {step}: redone in place at the size                      that fitted"
+                    "a larger micro-batch did not fit in step {step}: redone in place at the size \
+                     that fitted"
                 );
             } else if report.out_of_memory_count() > 0 {
                 tracing::warn!(
