@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use batch_size_runtime::agree::ThreadRanks;
-use batch_size_runtime::{Chunked, EffectiveBatch, SimulatedDevice};
+use batch_size_runtime::{memory::SimulatedDevice, Chunked, EffectiveBatch};
 
 #[path = "../tests/common/block_on.rs"]
 mod block_on;

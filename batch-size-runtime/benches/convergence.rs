@@ -7,7 +7,7 @@
 //! `with_convergence(false)` (the size of the first step kept, as before). Then the same for
 //! `Chunked`'s chunk size over a corpus.
 
-use batch_size_runtime::{Chunked, EffectiveBatch, SimulatedDevice};
+use batch_size_runtime::{memory::SimulatedDevice, Chunked, EffectiveBatch};
 
 #[path = "../tests/common/training.rs"]
 mod training;

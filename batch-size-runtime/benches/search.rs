@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy};
 use batch_size_runtime::{
-    BatchSizeSearch, Choice, OutOfMemory, Outcome, SearchReport, SimulatedDevice, Tuner,
+    memory::SimulatedDevice, BatchSizeSearch, Choice, OutOfMemory, Outcome, SearchReport, Tuner,
 };
 
 #[path = "../tests/common/workloads.rs"]

@@ -19,7 +19,7 @@ pub fn search<'r, P: BatchSizeInt>(
         Ok(starting) => {
             let mut search =
                 BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label);
-            search.settings.max_size = P::MAX_BATCH_SIZE;
+            search.run.max_size = P::MAX_BATCH_SIZE;
             search
         }
         Err(why) => {
@@ -76,7 +76,7 @@ pub fn with_effective<'r>(
     let mut search = search;
     match effective {
         Ok(0) => search.invalidate("`effective` must be at least 1, got 0".to_owned()),
-        Ok(effective) => search.settings.starting = search.settings.starting.min(*effective),
+        Ok(effective) => search.run.starting = search.run.starting.min(*effective),
         Err(why) => search.invalidate(why.replace("`starting`", "`effective`")),
     }
     search
@@ -96,24 +96,24 @@ pub fn plan(effective: &Result<usize, String>, micro: usize) -> crate::BatchPlan
 )]
 pub trait RemediesArgument<S> {
     /// A handle on the same state.
-    fn handle(&self) -> crate::Remedies<S>;
+    fn handle(&self) -> crate::remedies::Remedies<S>;
 }
 
-impl<S: Clone + Send + 'static> RemediesArgument<S> for crate::Remedies<S> {
-    fn handle(&self) -> crate::Remedies<S> {
+impl<S: Clone + Send + 'static> RemediesArgument<S> for crate::remedies::Remedies<S> {
+    fn handle(&self) -> crate::remedies::Remedies<S> {
         self.clone()
     }
 }
 
-impl<S: Clone + Send + 'static> RemediesArgument<S> for &crate::Remedies<S> {
-    fn handle(&self) -> crate::Remedies<S> {
+impl<S: Clone + Send + 'static> RemediesArgument<S> for &crate::remedies::Remedies<S> {
+    fn handle(&self) -> crate::remedies::Remedies<S> {
         (*self).clone()
     }
 }
 
 /// The handle the attempts share.
 #[doc(hidden)]
-pub fn remedies_handle<S, R: RemediesArgument<S>>(remedies: &R) -> crate::Remedies<S> {
+pub fn remedies_handle<S, R: RemediesArgument<S>>(remedies: &R) -> crate::remedies::Remedies<S> {
     remedies.handle()
 }
 
@@ -121,7 +121,7 @@ pub fn remedies_handle<S, R: RemediesArgument<S>>(remedies: &R) -> crate::Remedi
 #[doc(hidden)]
 pub fn with_remedies<'r, S: Clone + Send + 'static>(
     search: BatchSizeSearch<'r>,
-    remedies: &crate::Remedies<S>,
+    remedies: &crate::remedies::Remedies<S>,
 ) -> BatchSizeSearch<'r> {
     search.with_remedy_control(remedies.control(), None)
 }

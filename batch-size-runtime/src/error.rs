@@ -115,7 +115,7 @@ pub enum StopReason {
         /// What failed between the ranks.
         error: String,
     },
-    /// No size fit, even with every remedy the search was allowed ([`Remedies`](crate::Remedies))
+    /// No size fit, even with every remedy the search was allowed ([`Remedies`](crate::remedies::Remedies))
     /// applied in turn.
     NoRemedyLeft {
         /// Why the last batch-size search under the last settings ended.
@@ -295,7 +295,7 @@ impl NoExecutableBatchSize {
     /// release: what a pool or cache still held, and the attempt's peak.
     ///
     /// ```
-    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, SimulatedDevice};
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, memory::SimulatedDevice};
     /// // A caching device keeps what the failed attempt freed until the release.
     /// let device = SimulatedDevice::new(1000).with_caching();
     /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(8)
@@ -396,7 +396,7 @@ impl From<NoExecutableBatchSize> for std::io::Error {
 
 /// A device ran out of memory: this crate's own out-of-memory error.
 ///
-/// The [simulated device](crate::SimulatedDevice) returns it, and your code can return it (or
+/// The [simulated device](crate::memory::SimulatedDevice) returns it, and your code can return it (or
 /// wrap it) to make any failure count as out-of-memory. It is always recognised, through any
 /// chain of `source()`s.
 ///

@@ -5,7 +5,7 @@
 //! function whose first parameter is the batch size; call it without that parameter:
 //!
 //! ```
-//! use batch_size_runtime::{find_executable_batch_size, SimulatedDevice};
+//! use batch_size_runtime::{find_executable_batch_size, memory::SimulatedDevice};
 //!
 //! struct Config { batch_size: usize }
 //!
@@ -165,7 +165,7 @@
 ///
 /// `release`, for a framework's cache or a simulated device:
 /// ```
-/// # use batch_size_runtime::{find_executable_batch_size, Release, SimulatedDevice};
+/// # use batch_size_runtime::{find_executable_batch_size, Release, memory::SimulatedDevice};
 /// let device = SimulatedDevice::new(1 << 30).with_caching();
 ///
 /// #[find_executable_batch_size(starting = 64, release = Release::backend(device.clone()).with_hook(|| {
@@ -220,21 +220,16 @@
 pub use batch_size_macro::find_executable_batch_size;
 
 pub mod agree;
-pub mod attempt;
-pub mod attribute;
-// The cache is a policy wrapper (its file lives with the policies); its public path stays
-// `batch_size_runtime::cache`.
-#[path = "policy/cache.rs"]
-pub mod cache;
-pub mod engine;
-pub mod error;
+mod attempt;
+mod attribute;
+mod engine;
+mod error;
 pub mod memory;
 pub mod oom;
 mod panic_filter;
 pub mod policy;
-pub mod record;
-pub mod runners;
-pub mod simulated;
+mod record;
+mod runners;
 mod unwind;
 
 #[doc(hidden)]
@@ -244,64 +239,12 @@ pub mod __private;
 pub use attempt::AttemptError;
 pub use engine::{BatchSizeSearch, Search};
 pub use error::{NoExecutableBatchSize, OutOfMemory, StopReason};
-pub use memory::{MemoryBackend, Release};
-pub use policy::{Decision, FailedAttempt, Reduction, SizePolicy};
+pub use memory::release::Release;
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use runners::effective::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
-pub use runners::remedies::{Remedied, RemediedSearch, Remedies, Remedy};
+pub use runners::remedies;
 pub use runners::tuner::{Choice, Tuned, Tuner};
-pub use simulated::{SimAllocation, SimulatedDevice};
-pub use unwind::{set_quiet_oom_panics, CatchUnwind};
-
-// Deprecated paths, kept one release so that code written against them still builds, with a
-// warning that names the path to use. Each name has one path: the crate root's. A `pub use`
-// cannot carry `#[deprecated]` (rustc ignores it), so each old path is a deprecated alias.
-
-/// Deprecated: the chunked runner's types are at the crate root ([`Chunked`]).
-#[doc(hidden)]
-pub mod chunked {
-    /// Deprecated: [`crate::ChunkError`].
-    #[deprecated(note = "use `batch_size_runtime::ChunkError`")]
-    pub type ChunkError<E> = crate::ChunkError<E>;
-    /// Deprecated: [`crate::ChunkProgress`].
-    #[deprecated(note = "use `batch_size_runtime::ChunkProgress`")]
-    pub type ChunkProgress = crate::ChunkProgress;
-    /// Deprecated: [`crate::ChunkRecord`].
-    #[deprecated(note = "use `batch_size_runtime::ChunkRecord`")]
-    pub type ChunkRecord = crate::ChunkRecord;
-    /// Deprecated: [`crate::Chunked`].
-    #[deprecated(note = "use `batch_size_runtime::Chunked`")]
-    pub type Chunked<'r> = crate::Chunked<'r>;
-}
-
-/// Deprecated: the effective batch's types are at the crate root ([`EffectiveBatch`]).
-#[doc(hidden)]
-pub mod plan {
-    /// Deprecated: [`crate::BatchPlan`].
-    #[deprecated(note = "use `batch_size_runtime::BatchPlan`")]
-    pub type BatchPlan = crate::BatchPlan;
-    /// Deprecated: [`crate::EffectiveBatch`].
-    #[deprecated(note = "use `batch_size_runtime::EffectiveBatch`")]
-    pub type EffectiveBatch<'r> = crate::EffectiveBatch<'r>;
-    /// Deprecated: [`crate::MicroBatch`].
-    #[deprecated(note = "use `batch_size_runtime::MicroBatch`")]
-    pub type MicroBatch = crate::MicroBatch;
-    /// Deprecated: [`crate::Recovery`].
-    #[deprecated(note = "use `batch_size_runtime::Recovery`")]
-    pub type Recovery = crate::Recovery;
-}
-
-/// Deprecated: [`Reduction`] and [`FailedAttempt`] are at the crate root.
-#[doc(hidden)]
-pub mod reduce {
-    /// Deprecated: [`crate::FailedAttempt`].
-    #[deprecated(note = "use `batch_size_runtime::FailedAttempt`")]
-    pub type FailedAttempt<'a> = crate::FailedAttempt<'a>;
-    /// Deprecated: [`crate::Reduction`].
-    #[deprecated(note = "use `batch_size_runtime::Reduction`")]
-    pub type Reduction<'r> = crate::Reduction<'r>;
-}
 
 // The README's snippets run as doctests, so that what it teaches keeps compiling.
 #[cfg(doctest)]

@@ -27,6 +27,8 @@ use std::sync::{Arc, RwLock};
 
 use crate::error::OutOfMemory;
 
+pub use crate::unwind::set_quiet_oom_panics;
+
 /// A text that marks an error message as an out-of-memory error, and where it comes from.
 ///
 /// ```

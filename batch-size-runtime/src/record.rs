@@ -62,7 +62,7 @@ pub enum Outcome {
 /// One call of the attempt.
 ///
 /// ```
-/// use batch_size_runtime::{last_report, BatchSizeSearch, Outcome, SimulatedDevice};
+/// use batch_size_runtime::{last_report, BatchSizeSearch, Outcome, memory::SimulatedDevice};
 ///
 /// let device = SimulatedDevice::new(100);
 /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(16)
@@ -108,7 +108,7 @@ pub struct Attempt {
     /// How the policy chose this size, when it says (an estimate, a fitted limit).
     pub rationale: Option<String>,
     /// The remedies in force during this attempt ("activation checkpointing, context length
-    /// 1024"), where a search applies any ([`Remedies`](crate::Remedies)); `None` otherwise.
+    /// 1024"), where a search applies any ([`Remedies`](crate::remedies::Remedies)); `None` otherwise.
     pub settings: Option<String>,
 }
 

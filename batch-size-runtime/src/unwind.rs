@@ -30,7 +30,7 @@ static QUIET_OOM_PANICS: AtomicBool = AtomicBool::new(true);
 ///
 /// ```
 /// use std::sync::atomic::{AtomicUsize, Ordering};
-/// use batch_size_runtime::{set_quiet_oom_panics, BatchSizeSearch};
+/// use batch_size_runtime::{oom::set_quiet_oom_panics, BatchSizeSearch};
 ///
 /// static PRINTED: AtomicUsize = AtomicUsize::new(0); // panics that reached the hook
 /// std::panic::set_hook(Box::new(|_| {
@@ -75,34 +75,11 @@ pub fn catch_attempt<R>(attempt: impl FnOnce() -> R) -> Result<R, PanicPayload> 
     panic_filter::catch_judged(quiet_out_of_memory, attempt)
 }
 
-/// A future that catches a panic raised while it is polled.
-///
-/// ```
-/// use std::future::Future;
-/// use std::pin::Pin;
-/// use std::task::{Context, Poll, Waker};
-/// use batch_size_runtime::{oom, CatchUnwind};
-///
-/// async fn step(batch_size: usize) -> usize {
-///     if batch_size > 4 {
-///         panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
-///     }
-///     batch_size
-/// }
-///
-/// let mut context = Context::from_waker(Waker::noop());
-/// let mut fits = CatchUnwind::new(step(4));
-/// assert!(matches!(Pin::new(&mut fits).poll(&mut context), Poll::Ready(Ok(4))));
-///
-/// let mut too_big = CatchUnwind::new(step(8));
-/// let Poll::Ready(Err(payload)) = Pin::new(&mut too_big).poll(&mut context) else {
-///     panic!("the panic should have been caught");
-/// };
-/// assert_eq!(oom::classify_panic(&*payload).unwrap().requested, Some(1 << 30));
-/// ```
+/// A future that catches a panic raised while it is polled: the async attempts' catch
+/// (tests/panic_hook.rs runs it through `BatchSizeSearch::run_async`).
 #[derive(Debug)]
 #[must_use = "futures do nothing unless polled"]
-pub struct CatchUnwind<F> {
+pub(crate) struct CatchUnwind<F> {
     // Boxed so that polling needs no pin projection (and no `unsafe`); one allocation per
     // attempt is nothing next to an attempt's work.
     future: Pin<Box<F>>,
@@ -110,16 +87,7 @@ pub struct CatchUnwind<F> {
 
 impl<F: Future> CatchUnwind<F> {
     /// Wraps `future`.
-    ///
-    /// ```
-    /// # use std::future::Future;
-    /// # use std::task::{Context, Poll, Waker};
-    /// # use batch_size_runtime::CatchUnwind;
-    /// let mut future = CatchUnwind::new(async { 7 });
-    /// let polled = std::pin::Pin::new(&mut future).poll(&mut Context::from_waker(Waker::noop()));
-    /// assert!(matches!(polled, Poll::Ready(Ok(7))));
-    /// ```
-    pub fn new(future: F) -> Self {
+    pub(crate) fn new(future: F) -> Self {
         CatchUnwind {
             future: Box::pin(future),
         }

@@ -9,8 +9,8 @@ use batch_size_runtime::policy::Halve;
 #[path = "common/block_on.rs"]
 mod block_on;
 use batch_size_runtime::{
-    last_report, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Outcome, SimulatedDevice,
-    StopReason,
+    last_report, memory::SimulatedDevice, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory,
+    Outcome, StopReason,
 };
 use block_on::block_on;
 
@@ -423,44 +423,4 @@ fn the_state_machine_hands_its_report_to_last_report_at_the_end() {
         matches!(again.reason(), StopReason::InvalidConfiguration(why) if why.contains("ended"))
     );
     assert_eq!(last_report().unwrap().batch_size(), Some(2));
-}
-
-#[test]
-#[allow(deprecated)] // the deprecated names, kept one release: the same as `run` / `run_async`
-fn run_dyn_and_run_dyn_async_still_run() {
-    let fitted: anyhow::Result<usize> = BatchSizeSearch::new(16).run_dyn(|batch_size| {
-        if batch_size > 4 {
-            Err(OutOfMemory::new())?
-        }
-        Ok(batch_size)
-    });
-    assert_eq!(fitted.unwrap(), 4);
-    let future = BatchSizeSearch::new(16).run_dyn_async(|batch_size| async move {
-        if batch_size > 4 {
-            Err(OutOfMemory::new())?
-        }
-        Ok::<_, anyhow::Error>(batch_size)
-    });
-    assert_eq!(block_on(future).unwrap(), 4);
-}
-
-#[test]
-#[allow(deprecated)] // the old module paths, kept one release as aliases of the crate root's names
-fn the_old_module_paths_still_name_the_same_types() {
-    use batch_size_runtime::{chunked, plan, reduce};
-    let plan: plan::BatchPlan = batch_size_runtime::BatchPlan::new(8, 4);
-    assert_eq!(plan.accumulation(), 2);
-    let _: plan::EffectiveBatch<'_> = plan::EffectiveBatch::new(8);
-    let _: chunked::Chunked<'_> = chunked::Chunked::new(10);
-    let reduction: reduce::Reduction<'_> = reduce::Reduction::Factor(0.5);
-    let fitted: anyhow::Result<usize> =
-        BatchSizeSearch::new(100)
-            .with_reduction(reduction)
-            .run(|batch_size| {
-                if batch_size > 30 {
-                    Err(OutOfMemory::new())?
-                }
-                Ok(batch_size)
-            });
-    assert_eq!(fitted.unwrap(), 25); // 100, 50, 25
 }

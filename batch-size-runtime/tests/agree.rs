@@ -10,7 +10,7 @@ use std::time::Duration;
 use batch_size_runtime::agree::{safe_point, Agree, ThreadRank, ThreadRanks};
 use batch_size_runtime::policy::Guided;
 use batch_size_runtime::{
-    BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
+    memory::SimulatedDevice, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason,
 };
 
 type Outcome = Result<usize, String>;

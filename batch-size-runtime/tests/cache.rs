@@ -7,8 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use batch_size_runtime::cache::{clear_process_cache, CacheEntry};
-use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory, SimulatedDevice};
+use batch_size_runtime::policy::{clear_process_cache, CacheEntry};
+use batch_size_runtime::{last_report, memory::SimulatedDevice, BatchSizeSearch, OutOfMemory};
 
 fn folder(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use batch_size_runtime::cache::clear_process_cache;
+use batch_size_runtime::policy::clear_process_cache;
 use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
 
 #[path = "common/warnings.rs"]

@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use batch_size_runtime::{ChunkError, Chunked, SimulatedDevice};
+use batch_size_runtime::{memory::SimulatedDevice, ChunkError, Chunked};
 use proptest::prelude::*;
 
 #[path = "common/block_on.rs"]
@@ -256,7 +256,7 @@ fn the_async_form_keeps_progress_and_order_and_is_send() {
     let mut chunked = Chunked::new(200)
         .with_starting(100)
         .with_release(device.clone())
-        .notify(|progress| seen.push(progress.completed));
+        .on_chunk(|progress| seen.push(progress.completed));
     let outputs = block_on(assert_send(chunked.run_async(|items| {
         let device = device.clone();
         async move {

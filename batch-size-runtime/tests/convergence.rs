@@ -12,7 +12,7 @@ use std::thread;
 use std::time::Duration;
 
 use batch_size_runtime::agree::{Collective, ThreadRanks};
-use batch_size_runtime::{BatchPlan, Chunked, EffectiveBatch, SimulatedDevice};
+use batch_size_runtime::{memory::SimulatedDevice, BatchPlan, Chunked, EffectiveBatch};
 use proptest::prelude::*;
 
 #[path = "common/training.rs"]

@@ -5,7 +5,8 @@
 #![allow(clippy::needless_range_loop)] // steps are numbered
 
 use batch_size_runtime::{
-    BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
+    memory::SimulatedDevice, BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory,
+    StopReason,
 };
 use proptest::prelude::*;
 

@@ -6,8 +6,8 @@
 
 use batch_size_runtime::policy::Halve;
 use batch_size_runtime::{
-    find_executable_batch_size, last_report, BatchSizeSearch, Decision, OutOfMemory, SearchReport,
-    SizePolicy,
+    find_executable_batch_size, last_report, policy::Decision, policy::SizePolicy, BatchSizeSearch,
+    OutOfMemory, SearchReport,
 };
 
 /// A policy that proposes a fixed list of sizes, whatever happened.

@@ -501,7 +501,7 @@ fn ten_silent_connections_opened_first_do_not_delay_the_ranks() {
 
 #[test]
 fn rank_0_holds_a_bounded_number_of_connections() {
-    let held = batch_size_runtime::agree::exchange::MAX_HELD_CONNECTIONS;
+    let held = batch_size_runtime::agree::MAX_HELD_CONNECTIONS;
     let (took, mut silent) = ranks_after_silent_connections(held + 20, Some(TOKEN));
     assert!(took < Duration::from_secs(1), "{took:?}");
     // The oldest were closed to make room; the exchange over, the rest are closed too.

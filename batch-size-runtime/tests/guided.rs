@@ -6,7 +6,7 @@
 
 use batch_size_runtime::policy::Guided;
 use batch_size_runtime::{
-    BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
+    memory::SimulatedDevice, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, StopReason,
 };
 use proptest::prelude::*;
 
@@ -186,7 +186,7 @@ fn a_margin_outside_zero_one_is_refused() {
         );
         assert_eq!(calls, 0);
         let policy = Guided::new().with_margin(margin);
-        assert!(batch_size_runtime::SizePolicy::check(&policy).is_err());
+        assert!(batch_size_runtime::policy::SizePolicy::check(&policy).is_err());
     }
     let zero: anyhow::Result<usize> = BatchSizeSearch::new(8).with_margin(0.0).run(Ok);
     assert_eq!(zero.unwrap(), 8);

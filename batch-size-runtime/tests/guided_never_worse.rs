@@ -8,7 +8,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use batch_size_runtime::policy::{Guided, Halve, SizePolicy};
-use batch_size_runtime::{BatchSizeSearch, MemoryBackend, OutOfMemory, SimulatedDevice};
+use batch_size_runtime::{
+    memory::MemoryBackend, memory::SimulatedDevice, BatchSizeSearch, OutOfMemory,
+};
 use proptest::prelude::*;
 
 #[path = "common/workloads.rs"]

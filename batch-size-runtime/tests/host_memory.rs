@@ -7,8 +7,9 @@ use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 
-use batch_size_runtime::memory::{HostLimitKind, HostMemory, MemoryBackend, Release};
+use batch_size_runtime::memory::{HostLimitKind, HostMemory, MemoryBackend};
 use batch_size_runtime::oom;
+use batch_size_runtime::Release;
 
 /// A procfs and a cgroup hierarchy in a temporary directory, removed on drop.
 struct FakeHost {

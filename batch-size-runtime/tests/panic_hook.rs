@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::thread;
 
-use batch_size_runtime::{oom, BatchSizeSearch, CatchUnwind};
+use batch_size_runtime::{oom, BatchSizeSearch};
 use cudarc::driver::{sys::CUresult, DriverError};
 
 #[path = "common/candle_cuda_error.rs"]
@@ -209,18 +209,29 @@ fn an_async_attempt_is_quiet_across_its_polls_and_passes_other_panics_on() {
     let _turn = my_turn();
     let seen = counting_hook();
     let mut context = Context::from_waker(Waker::noop());
-    let mut attempt = CatchUnwind::new(PendingThenOom { polled: false });
-    assert!(Pin::new(&mut attempt).poll(&mut context).is_pending());
-    let Poll::Ready(Err(payload)) = Pin::new(&mut attempt).poll(&mut context) else {
-        panic!("the out-of-memory panic should have been caught");
+    // Every size above 2 is pending once, then panics out of memory; 2 runs.
+    let search = BatchSizeSearch::new(8).run_async(|batch_size| async move {
+        if batch_size > 2 {
+            PendingThenOom { polled: false }.await;
+        }
+        Ok::<_, anyhow::Error>(batch_size)
+    });
+    let mut search = std::pin::pin!(search);
+    let fitted = loop {
+        if let Poll::Ready(fitted) = search.as_mut().poll(&mut context) {
+            break fitted;
+        }
     };
-    assert!(oom::classify_panic(&*payload).is_some());
+    assert_eq!(fitted.unwrap(), 2);
     assert_eq!(seen.load(Ordering::SeqCst), 0);
-    drop(attempt);
 
-    // A future dropped while pending leaves nothing quiet behind on this thread.
-    let mut abandoned = CatchUnwind::new(PendingThenOom { polled: false });
-    assert!(Pin::new(&mut abandoned).poll(&mut context).is_pending());
+    // A search dropped while its attempt is pending leaves nothing quiet behind on this thread.
+    let abandoned = BatchSizeSearch::new(8).run_async(|batch_size| async move {
+        PendingThenOom { polled: false }.await;
+        Ok::<_, anyhow::Error>(batch_size)
+    });
+    let mut abandoned = Box::pin(abandoned);
+    assert!(abandoned.as_mut().poll(&mut context).is_pending());
     drop(abandoned);
 
     panic_outside_any_attempt("CUDA out of memory. Tried to allocate 2.00 GiB");

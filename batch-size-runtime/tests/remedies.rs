@@ -9,8 +9,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use batch_size_runtime::agree::ThreadRanks;
 use batch_size_runtime::{
-    cache, last_report, Attempt, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Remedied,
-    Remedies, Remedy, SearchReport, SimulatedDevice, StopReason,
+    last_report, memory::SimulatedDevice, policy, remedies::Remedied, remedies::Remedies,
+    remedies::Remedy, Attempt, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, SearchReport,
+    StopReason,
 };
 use proptest::prelude::*;
 
@@ -425,7 +426,7 @@ fn the_result_the_report_and_the_remedies_carry_the_settings() {
 #[test]
 fn the_cache_restores_the_settings_with_the_size() {
     let _one = cache_lock();
-    cache::clear_process_cache();
+    policy::clear_process_cache();
     let key = format!("remedies-test-cache-restores-{}", std::process::id());
     let train = |remedies: &Remedies<Config>| {
         BatchSizeSearch::new(16)
@@ -922,7 +923,7 @@ fn a_remedy_waits_for_min_even_with_a_reduction_that_stops_short() {
 
 fn no_remedy_left_names_the_remedies_restored_from_the_cache() {
     let _one = cache_lock();
-    cache::clear_process_cache();
+    policy::clear_process_cache();
     let key = format!(
         "remedies-test-restored-then-none-left-{}",
         std::process::id()

@@ -7,8 +7,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use batch_size_runtime::{
-    cache, last_report, BatchSizeSearch, EffectiveBatch, NoExecutableBatchSize, Remedied, Remedies,
-    Remedy, SimulatedDevice, StopReason,
+    last_report, memory::SimulatedDevice, policy, remedies::Remedied, remedies::Remedies,
+    remedies::Remedy, BatchSizeSearch, EffectiveBatch, NoExecutableBatchSize, StopReason,
 };
 
 #[derive(Debug, Clone, PartialEq)]
@@ -174,7 +174,7 @@ fn a_knob_never_goes_below_its_floor_and_the_error_names_every_remedy() {
 
 #[test]
 fn the_cache_restores_the_settings_with_the_size() {
-    cache::clear_process_cache();
+    policy::clear_process_cache();
     let device = SimulatedDevice::new(1_740 << 20);
     let run = |remedies: &Remedies<Settings>| {
         BatchSizeSearch::new(16)

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use batch_size_runtime::{
-    NoExecutableBatchSize, OutOfMemory, Release, SimulatedDevice, Tuned, Tuner,
+    memory::SimulatedDevice, NoExecutableBatchSize, OutOfMemory, Release, Tuned, Tuner,
 };
 use proptest::prelude::*;
 

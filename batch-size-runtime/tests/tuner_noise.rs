@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 
 use batch_size_runtime::{
-    Choice, NoExecutableBatchSize, Release, SearchReport, SimulatedDevice, Tuned, Tuner,
+    memory::SimulatedDevice, Choice, NoExecutableBatchSize, Release, SearchReport, Tuned, Tuner,
 };
 use proptest::prelude::*;
 
@@ -22,7 +22,7 @@ struct NoisyDevice {
     at: usize,
     figures: bool,
     trials: usize,
-    neighbour: Option<batch_size_runtime::SimAllocation>,
+    neighbour: Option<batch_size_runtime::memory::SimAllocation>,
 }
 
 impl NoisyDevice {

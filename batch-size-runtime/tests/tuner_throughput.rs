@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batch_size_runtime::{
-    Choice, NoExecutableBatchSize, OutOfMemory, Release, SimulatedDevice, StopReason, Tuned, Tuner,
+    memory::SimulatedDevice, Choice, NoExecutableBatchSize, OutOfMemory, Release, StopReason,
+    Tuned, Tuner,
 };
 
 /// A simulated clock in microseconds: the trial advances it, the tuner reads it.
@@ -255,7 +256,7 @@ fn small_growth_under_an_allocators_rounding_is_not_taken_for_a_flat_trial() {
 
 #[test]
 fn a_rerun_from_the_cache_reports_the_largest_that_fit_when_it_was_written() {
-    batch_size_runtime::cache::clear_process_cache();
+    batch_size_runtime::policy::clear_process_cache();
     let dir = std::env::temp_dir().join(format!("tuner-largest-fit-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let tune = |choice| {
@@ -274,14 +275,14 @@ fn a_rerun_from_the_cache_reports_the_largest_that_fit_when_it_was_written() {
     };
     let first = tune(Choice::Largest);
     assert!(first.largest_fit() > first.batch_size());
-    batch_size_runtime::cache::clear_process_cache(); // as a new process: read from the file
+    batch_size_runtime::policy::clear_process_cache(); // as a new process: read from the file
     let again = tune(Choice::Largest);
     assert_eq!(again.report().len(), 1);
     assert_eq!(again.batch_size(), first.batch_size());
     assert_eq!(again.largest(), first.batch_size());
     assert_eq!(again.largest_fit(), first.largest_fit()); // not the size that ran now
                                                           // And a third time: the rerun kept it in the entry.
-    batch_size_runtime::cache::clear_process_cache();
+    batch_size_runtime::policy::clear_process_cache();
     let third = tune(Choice::Largest);
     assert_eq!(third.largest_fit(), first.largest_fit());
     // The fastest size is another entry: it tunes again.
@@ -292,7 +293,7 @@ fn a_rerun_from_the_cache_reports_the_largest_that_fit_when_it_was_written() {
 
 #[test]
 fn an_entry_written_before_largest_fit_was_kept_still_loads() {
-    batch_size_runtime::cache::clear_process_cache();
+    batch_size_runtime::policy::clear_process_cache();
     let dir = std::env::temp_dir().join(format!("tuner-old-entry-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let device = SimulatedDevice::new(16 << 30);
@@ -319,7 +320,7 @@ fn an_entry_written_before_largest_fit_was_kept_still_loads() {
     assert_eq!(entry["largest_fit"], first.largest_fit());
     entry.as_object_mut().unwrap().remove("largest_fit");
     std::fs::write(&file, entry.to_string()).unwrap();
-    batch_size_runtime::cache::clear_process_cache();
+    batch_size_runtime::policy::clear_process_cache();
     let again = tune();
     assert_eq!(again.report().len(), 1);
     assert_eq!(again.batch_size(), first.batch_size());

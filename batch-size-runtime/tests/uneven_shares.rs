@@ -20,7 +20,8 @@ use batch_size_runtime::agree::{Collective, ThreadRank, ThreadRanks};
 mod training;
 
 use batch_size_runtime::{
-    BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory, SimulatedDevice, StopReason,
+    memory::SimulatedDevice, BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory,
+    StopReason,
 };
 use training::mean_gradient;
 

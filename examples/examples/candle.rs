@@ -13,7 +13,7 @@
 //! the error's text. To train on a GPU instead, see "candle on CUDA" in the README.
 
 use batch_size_runtime::memory::Bytes;
-use batch_size_runtime::{find_executable_batch_size, last_report, SimulatedDevice};
+use batch_size_runtime::{find_executable_batch_size, last_report, memory::SimulatedDevice};
 use candle_core::{DType, Device, Tensor, Var, D};
 
 const FEATURES: usize = 32;

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use batch_size_runtime::agree::{safe_point, Collective, ReduceOp, ThreadRank, ThreadRanks};
 use batch_size_runtime::memory::Bytes;
-use batch_size_runtime::{find_executable_batch_size, EffectiveBatch, SimulatedDevice};
+use batch_size_runtime::{find_executable_batch_size, memory::SimulatedDevice, EffectiveBatch};
 
 /// Activations of one sample during its forward and backward pass.
 const PER_SAMPLE: u64 = 96 << 20;

@@ -8,7 +8,7 @@
 //! ```
 
 use batch_size_runtime::memory::Bytes;
-use batch_size_runtime::{EffectiveBatch, SimulatedDevice};
+use batch_size_runtime::{memory::SimulatedDevice, EffectiveBatch};
 
 const EFFECTIVE: usize = 256;
 const PER_SAMPLE: u64 = 24 << 20; // 24 MiB of activations a sample

@@ -8,7 +8,7 @@
 //! ```
 
 use batch_size_runtime::memory::Bytes;
-use batch_size_runtime::{Chunked, SimulatedDevice};
+use batch_size_runtime::{memory::SimulatedDevice, Chunked};
 
 const BYTES_PER_TOKEN: u64 = 256 << 10; // activations of one token through the encoder
 const DIMENSIONS: usize = 8;
@@ -31,7 +31,7 @@ fn main() -> anyhow::Result<()> {
         .with_starting(32_768) // tokens in the first chunk
         .with_cost(|sentence| lengths[sentence])
         .with_release(device.clone())
-        .notify(|progress| {
+        .on_chunk(|progress| {
             if progress.completed % 1000 < 200 || progress.completed == progress.total {
                 println!(
                     "  {:>5} / {} sentences embedded ({} chunk(s) retried)",

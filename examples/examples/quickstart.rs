@@ -26,9 +26,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use batch_size_examples::CudaDevice;
-use batch_size_runtime::memory::{Bytes, DeviceMemory, MemorySnapshot, Release};
+use batch_size_runtime::memory::{Bytes, DeviceMemory, MemorySnapshot};
+use batch_size_runtime::Release;
 use batch_size_runtime::{
-    find_executable_batch_size, last_report, Attempt, Outcome, SimAllocation, SimulatedDevice,
+    find_executable_batch_size, last_report, memory::SimAllocation, memory::SimulatedDevice,
+    Attempt, Outcome,
 };
 use cudarc::driver::{CudaSlice, CudaStream};
 

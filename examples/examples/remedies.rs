@@ -21,7 +21,8 @@ use std::sync::{Mutex, PoisonError};
 
 use batch_size_runtime::memory::Bytes;
 use batch_size_runtime::{
-    find_executable_batch_size, last_report, Outcome, Remedied, Remedies, Remedy, SimulatedDevice,
+    find_executable_batch_size, last_report, memory::SimulatedDevice, remedies::Remedied,
+    remedies::Remedies, remedies::Remedy, Outcome,
 };
 
 /// What the training allows the search to change, and what it does not (the seed, the data).

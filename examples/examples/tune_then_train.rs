@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use batch_size_runtime::{find_executable_batch_size, last_report, Choice, SimulatedDevice, Tuner};
+use batch_size_runtime::{
+    find_executable_batch_size, last_report, memory::SimulatedDevice, Choice, Tuner,
+};
 
 const SEQUENCE: u64 = 512; // tokens in the longest sequence of the dataset
 const BYTES_PER_TOKEN: u64 = 96 << 10;
@@ -48,7 +50,7 @@ fn main() -> anyhow::Result<()> {
     let clock = Arc::clone(&micros);
 
     for run in 1..=2 {
-        batch_size_runtime::cache::clear_process_cache(); // as a new process would start
+        batch_size_runtime::policy::clear_process_cache(); // as a new process would start
         let clock = Arc::clone(&clock);
         let tuned = Tuner::new()
             .with_release(device.clone())

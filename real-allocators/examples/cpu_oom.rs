@@ -3,7 +3,7 @@
 //!
 //! `LIBTORCH=/usr cargo run --manifest-path real-allocators/Cargo.toml --example cpu_oom`
 
-use batch_size_runtime::memory::Release;
+use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report};
 use real_allocators::{samples, Mlp};
 

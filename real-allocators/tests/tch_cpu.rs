@@ -7,7 +7,7 @@
 
 use std::process::Command;
 
-use batch_size_runtime::memory::Release;
+use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, BatchSizeSearch, Chunked};
 use batch_size_runtime::{EffectiveBatch, SearchReport};
 use real_allocators::{samples, Mlp};

@@ -2,7 +2,7 @@
 //! tests' side: load it, read its counters.
 //!
 //! Loading it by absolute path makes it the NCCL "already loaded in the process" that
-//! `batch_size_runtime::agree::nccl` finds first, as it finds the one PyTorch loaded. Load the
+//! `batch_size_runtime::agree` finds first, as it finds the one PyTorch loaded. Load the
 //! fake CUDA driver ([`FakeCuda::session`](crate::fake_cuda::FakeCuda::session)) before: the
 //! fake NCCL moves its data through it.
 

@@ -418,7 +418,7 @@ fn an_inner_search_that_gives_up_makes_the_outer_one_shrink() {
 #[find_executable_batch_size(starting = 150, margin = 0.2, release = device.clone())]
 fn with_margin(
     batch_size: usize,
-    device: &batch_size_runtime::SimulatedDevice,
+    device: &batch_size_runtime::memory::SimulatedDevice,
 ) -> anyhow::Result<usize> {
     let _activations = device.alloc(batch_size as u64 * (8 << 20))?; // 8 MiB a sample
     Ok(batch_size)
@@ -427,7 +427,7 @@ fn with_margin(
 #[find_executable_batch_size(starting = 256, policy = batch_size_runtime::policy::Halve, release = device.clone())]
 fn with_halving(
     batch_size: usize,
-    device: &batch_size_runtime::SimulatedDevice,
+    device: &batch_size_runtime::memory::SimulatedDevice,
 ) -> anyhow::Result<usize> {
     let _activations = device.alloc(batch_size as u64 * (8 << 20))?;
     Ok(batch_size)
@@ -435,7 +435,7 @@ fn with_halving(
 
 #[test]
 fn margin_and_policy_arguments() {
-    let device = batch_size_runtime::SimulatedDevice::new(1 << 30); // 128 samples fit
+    let device = batch_size_runtime::memory::SimulatedDevice::new(1 << 30); // 128 samples fit
     assert_eq!(with_margin(&device).unwrap(), 102); // 80 % of 128, in one retry (150 failed)
     assert_eq!(batch_size_runtime::last_report().unwrap().len(), 2);
     assert_eq!(with_halving(&device).unwrap(), 128);
@@ -445,7 +445,7 @@ fn margin_and_policy_arguments() {
 #[find_executable_batch_size(starting = 64, effective = 96, release = device.clone())]
 fn plan_step(
     plan: batch_size_runtime::BatchPlan,
-    device: &batch_size_runtime::SimulatedDevice,
+    device: &batch_size_runtime::memory::SimulatedDevice,
     seen: &mut Vec<(usize, usize)>,
 ) -> anyhow::Result<usize> {
     seen.push((plan.micro(), plan.accumulation()));
@@ -457,7 +457,7 @@ fn plan_step(
 
 #[test]
 fn the_attribute_keeps_the_effective_batch_with_a_plan() {
-    let device = batch_size_runtime::SimulatedDevice::new(20 << 20); // 20 samples at once
+    let device = batch_size_runtime::memory::SimulatedDevice::new(20 << 20); // 20 samples at once
     let mut seen = Vec::new();
     let samples = plan_step(&device, &mut seen).unwrap();
     assert_eq!(samples, 96); // every attempt covers the whole effective batch
@@ -493,7 +493,7 @@ fn the_attribute_caches_what_fit() {
 #[test]
 fn agree_makes_every_rank_return_the_same_size() {
     use batch_size_runtime::agree::{safe_point, ThreadRank, ThreadRanks};
-    use batch_size_runtime::SimulatedDevice;
+    use batch_size_runtime::memory::SimulatedDevice;
 
     #[find_executable_batch_size(starting = 256, agree = rank, release = device.clone())]
     fn train(
@@ -532,8 +532,8 @@ struct TrainSettings {
     seed: u64,
 }
 
-fn train_remedies() -> batch_size_runtime::Remedies<TrainSettings> {
-    use batch_size_runtime::{Remedies, Remedy};
+fn train_remedies() -> batch_size_runtime::remedies::Remedies<TrainSettings> {
+    use batch_size_runtime::{remedies::Remedies, remedies::Remedy};
     Remedies::new(TrainSettings {
         checkpointing: false,
         context: 2048,
@@ -555,9 +555,9 @@ fn train_remedies() -> batch_size_runtime::Remedies<TrainSettings> {
 
 #[find_executable_batch_size(starting = 8, min = 2, remedies = remedies, release = device.clone())]
 fn remedied_step(
-    attempt: batch_size_runtime::Remedied<TrainSettings>,
-    remedies: &batch_size_runtime::Remedies<TrainSettings>,
-    device: &batch_size_runtime::SimulatedDevice,
+    attempt: batch_size_runtime::remedies::Remedied<TrainSettings>,
+    remedies: &batch_size_runtime::remedies::Remedies<TrainSettings>,
+    device: &batch_size_runtime::memory::SimulatedDevice,
 ) -> anyhow::Result<(usize, TrainSettings)> {
     let settings = attempt.settings();
     let per_token: u64 = if settings.checkpointing {
@@ -574,7 +574,7 @@ fn remedied_step(
 fn the_attribute_applies_remedies_after_min_and_hands_the_settings_over() {
     // 2 samples of 2048 tokens at 4 KiB a token need 16 MiB; with checkpointing 4 MiB; the
     // device has 3 MiB: checkpointing, then the context halved to 1024 (2 MiB at 2 samples).
-    let device = batch_size_runtime::SimulatedDevice::new(3 << 20);
+    let device = batch_size_runtime::memory::SimulatedDevice::new(3 << 20);
     let remedies = train_remedies();
     let (size, settings) = remedied_step(&remedies, &device).unwrap();
     assert_eq!(

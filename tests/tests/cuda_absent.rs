@@ -2,7 +2,8 @@
 //! loads it): the CUDA backend does nothing, the search works, and cudarc's out-of-memory error
 //! is recognised and reported without a driver to format it.
 
-use batch_size_runtime::memory::{CudaBackend, MemoryBackend, Release};
+use batch_size_runtime::memory::{CudaBackend, MemoryBackend};
+use batch_size_runtime::Release;
 use batch_size_runtime::{last_report, BatchSizeSearch, NoExecutableBatchSize, Outcome};
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::DriverError;

@@ -8,7 +8,8 @@
 
 use std::sync::Arc;
 
-use batch_size_runtime::memory::{CudaBackend, DeviceMemory, MemoryBackend, Release};
+use batch_size_runtime::memory::{CudaBackend, DeviceMemory, MemoryBackend};
+use batch_size_runtime::Release;
 use batch_size_runtime::{last_report, Attempt, BatchSizeSearch, NoExecutableBatchSize, Outcome};
 use batch_size_tests::cuda_scenario::{capture_logs, FiguresOnly, GrowingModel, TrainError, MIB};
 use batch_size_tests::fake_cuda::{FakeCuda, FakeCudaCounters};

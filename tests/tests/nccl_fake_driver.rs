@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use batch_size_runtime::agree::nccl::{NcclError, NcclId, NcclRank};
 use batch_size_runtime::agree::{safe_point, AgreementError, Collective, IdExchange, ReduceOp};
+use batch_size_runtime::agree::{NcclError, NcclId, NcclRank};
 use batch_size_runtime::BatchSizeSearch;
 use batch_size_tests::cuda_scenario::{GrowingModel, MIB};
 use batch_size_tests::fake_cuda::FakeCuda;
@@ -512,7 +512,7 @@ fn child_find_library() {
     }
     match NcclId::new() {
         Ok(_) => {
-            let (path, version) = batch_size_runtime::agree::nccl::loaded_library().unwrap();
+            let (path, version) = batch_size_runtime::agree::loaded_library().unwrap();
             println!("@LIBRARY {path} {version}");
         }
         Err(error) => println!("@MISSING {error}"),

@@ -16,8 +16,8 @@
 use std::sync::Arc;
 
 use batch_size_runtime::{
-    find_executable_batch_size, last_report, BatchSizeSearch, Chunked, EffectiveBatch,
-    MemoryBackend, Outcome, Release, Remedies, Tuner,
+    find_executable_batch_size, last_report, memory::MemoryBackend, remedies::Remedies,
+    BatchSizeSearch, Chunked, EffectiveBatch, Outcome, Release, Tuner,
 };
 use batch_size_tests::cuda_scenario::TrainError;
 use batch_size_tests::fake_cuda::{FakeCuda, FakeCudaCounters};

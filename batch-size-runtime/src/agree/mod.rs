@@ -48,27 +48,41 @@
 //! rank 1: forward ─ OOM ──────── safe_point ┘  (every rank leaves with "OOM on another rank")
 //! ```
 
-pub mod exchange;
-#[cfg(feature = "nccl")]
-pub mod nccl;
-
 // One concept a file: the trait, the in-process ranks, the policy wrapper, one round of the
 // protocol, the safe point inside an attempt; the Id exchange and NCCL above.
 mod collective;
-mod deadline;
-mod handshake;
 mod policy;
 mod safe_point;
 mod threads;
-mod token;
 mod verdict;
+
+// The TCP Id exchange and NCCL: built only with the `nccl` feature, with their dependencies
+// (hmac, sha2, getrandom) optional.
+#[cfg(feature = "nccl")]
+mod deadline;
+#[cfg(feature = "nccl")]
+mod exchange;
+#[cfg(feature = "nccl")]
+mod handshake;
+#[cfg(feature = "nccl")]
+mod nccl;
+#[cfg(feature = "nccl")]
+mod token;
+#[cfg(feature = "nccl")]
 mod wire;
 
 pub use collective::{AgreementError, Collective, ReduceOp};
+#[cfg(feature = "nccl")]
 pub use exchange::{ExchangeError, IdExchange};
+#[cfg(feature = "nccl")]
+pub use nccl::{loaded_library, NcclError, NcclId, NcclRank, NCCL_LIBRARY_VARIABLE};
 pub use policy::Agree;
 pub use safe_point::{safe_point, OutOfMemoryOnAnotherRank};
 pub use threads::{ThreadRank, ThreadRanks};
+#[cfg(feature = "nccl")]
+pub use wire::{
+    CONNECTION_PATIENCE, EXCHANGE_PORT_VARIABLE, ID_BYTES, MAX_HELD_CONNECTIONS, TOKEN_VARIABLE,
+};
 
 // `Chunked` agrees without the `Agree` wrapper: it speaks the protocol directly.
 pub(crate) use verdict::{

@@ -25,7 +25,7 @@ pub(crate) const REFUSED: &[u8; 8] = b"BSIDXno\n";
 /// The longest reason for a refusal that is read.
 pub(crate) const MAX_REASON_BYTES: u64 = 512;
 
-/// The variable that holds the job token (see [the exchange's Security section](crate::agree::exchange#security)).
+/// The variable that holds the job token (see [the exchange's Security section](crate::agree#security)).
 pub const TOKEN_VARIABLE: &str = "BATCH_SIZE_EXCHANGE_TOKEN";
 
 /// How long one connection may last, by default, whatever the peer sends and however slowly:

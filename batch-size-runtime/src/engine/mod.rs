@@ -6,7 +6,7 @@
 //! and by the attribute's generated code through the same `drive`.
 //!
 //! ```
-//! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+//! use batch_size_runtime::{BatchSizeSearch, memory::SimulatedDevice};
 //!
 //! let device = SimulatedDevice::new(1 << 30); // 1 GiB
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(256)
@@ -20,30 +20,32 @@
 //! ```
 
 use std::error::Error;
-use std::path::PathBuf;
+
 use std::sync::Arc;
 
 use crate::agree::{Agree, Collective};
-use crate::attempt::AttemptError;
-use crate::cache::{CacheSettings, Cached, HitSlot};
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
-use crate::memory::Release;
-use crate::policy::{FailedAttempt, Guided, Reduction, SizePolicy};
+use crate::policy::{Cached, HitSlot};
 use crate::policy::{LadderControl, Remediate};
+use crate::policy::{Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
+use crate::AttemptError;
+use crate::Release;
 
 mod active;
 pub(crate) mod dispatch;
 pub(crate) mod driver;
 mod search;
+mod settings;
 
 pub(crate) use active::{ActivePolicy, Hooks};
 pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
 pub(crate) use search::SearchSettings;
+pub(crate) use settings::{settings_setters, Invalid, Settings};
 
 /// Finds a batch size that fits: calls an attempt with `starting`, and after each
 /// out-of-memory failure (a returned error or a panic) releases device memory and calls it
@@ -71,15 +73,24 @@ pub(crate) use search::SearchSettings;
 #[derive(Debug)]
 #[must_use = "a search does nothing until it is run"]
 pub struct BatchSizeSearch<'r> {
-    /// What the loop is started with.
-    pub(crate) settings: SearchSettings<'r>,
-    pub(crate) cache: Option<CacheSettings>,
+    /// What the loop is started with, beside the shared settings.
+    pub(crate) run: SearchSettings<'r>,
+    /// What every runner is configured with (min, the size rule, release, cache).
+    pub(crate) settings: Settings<'r>,
     /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
     pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
     /// The remedies allowed when no size fits, if any: wraps the policy, inside the cache.
     /// With where the batch-size search starts again after a remedy (default: `starting`).
     pub(crate) remedies: Option<(Arc<dyn LadderControl>, Option<usize>)>,
 }
+
+settings_setters!(
+    BatchSizeSearch<'r>,
+    "BatchSizeSearch::new(64)",
+    bounds,
+    release,
+    shrink
+);
 
 impl<'r> BatchSizeSearch<'r> {
     /// A search that starts at `starting`. With 0 it stops at once, calling nothing.
@@ -95,12 +106,12 @@ impl<'r> BatchSizeSearch<'r> {
     #[inline]
     pub fn new(starting: usize) -> Self {
         BatchSizeSearch {
-            settings: SearchSettings {
+            run: SearchSettings {
                 starting,
                 min: 1,
                 max_attempts: None,
                 max_size: usize::MAX,
-                policy: ActivePolicy::Shrink(Reduction::default()),
+                policy: ActivePolicy::Shrink(Reduction::Halve),
                 release: None,
                 label: "batch_size_search",
                 invalid: None,
@@ -108,75 +119,16 @@ impl<'r> BatchSizeSearch<'r> {
                 first_fit_at_debug: false,
                 cache_hit: None,
             },
-            cache: None,
+            settings: Settings::default(),
             agreement: None,
             remedies: None,
         }
     }
 
-    /// Stops when the next size would be below `min` (default 1). A `min` of 0 is refused:
-    /// the search stops before its first attempt with [`StopReason::InvalidConfiguration`].
-    ///
-    /// ```
-    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
-    /// let result: Result<(), anyhow::Error> =
-    ///     BatchSizeSearch::new(64).with_min(16).run(|_| Err(OutOfMemory::new().into()));
-    /// let error = result.unwrap_err();
-    /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
-    /// assert_eq!(error.tried(), &[64, 32, 16]);
-    /// ```
-    #[inline]
-    pub fn with_min(mut self, min: usize) -> Self {
-        if min == 0 {
-            self.invalidate("`min` must be at least 1, got 0".to_owned());
-        }
-        self.settings.min = min.max(1);
-        self
-    }
-
-    /// Multiplies the size by `factor` (0 < f < 1) after each failure, rounding down.
-    /// `0.9` reproduces Accelerate 1.x. A factor outside (0, 1) stops the search before the
-    /// first attempt with [`StopReason::InvalidConfiguration`].
-    ///
-    /// ```
-    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
-    /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)
-    ///     .with_factor(0.9)
-    ///     .with_max_attempts(5)
-    ///     .run(|_| Err(OutOfMemory::new().into()));
-    /// let error = result.unwrap_err();
-    /// let error = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>().unwrap();
-    /// assert_eq!(error.tried(), &[128, 115, 103, 92, 82]);
-    /// ```
-    pub fn with_factor(mut self, factor: f64) -> Self {
-        self.settings.policy = ActivePolicy::Shrink(Reduction::Factor(factor));
-        self
-    }
-
-    /// Picks the next size with your function of the failed attempt. It must return a smaller
-    /// size; anything else stops the search with [`StopReason::NotSmaller`].
-    ///
-    /// ```
-    /// # use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
-    /// let result: Result<usize, anyhow::Error> = BatchSizeSearch::new(100)
-    ///     .with_reduce(|failed| failed.batch_size - 10)
-    ///     .run(|batch_size| {
-    ///         if batch_size > 75 { Err(OutOfMemory::new().into()) } else { Ok(batch_size) }
-    ///     });
-    /// assert_eq!(result.unwrap(), 70);
-    /// ```
-    pub fn with_reduce(
-        mut self,
-        reduce: impl FnMut(&FailedAttempt<'_>) -> usize + Send + 'r,
-    ) -> Self {
-        self.settings.policy = ActivePolicy::Shrink(Reduction::Custom(Box::new(reduce)));
-        self
-    }
-
     /// Sets the reduction policy.
     ///
     /// ```
-    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Reduction};
+    /// # use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, policy::Reduction};
     /// let minus_eight = Reduction::Custom(Box::new(|failed| failed.batch_size - 8));
     /// let result: Result<(), anyhow::Error> = BatchSizeSearch::new(32)
     ///     .with_reduction(minus_eight)
@@ -186,7 +138,8 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
     /// ```
     pub fn with_reduction(mut self, reduction: Reduction<'r>) -> Self {
-        self.settings.policy = ActivePolicy::Shrink(reduction);
+        self.settings.policy = None;
+        self.settings.shrink = reduction;
         self
     }
 
@@ -206,27 +159,7 @@ impl<'r> BatchSizeSearch<'r> {
         if max_attempts == 0 {
             self.invalidate("`max_attempts` must be at least 1, got 0".to_owned());
         }
-        self.settings.max_attempts = Some(max_attempts.max(1));
-        self
-    }
-
-    /// Chooses what happens to device memory between attempts (default: [`Release::cuda()`]).
-    ///
-    /// ```
-    /// # use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
-    /// let device = SimulatedDevice::new(100);
-    /// let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
-    ///     .with_release(device.clone())
-    ///     .run(|batch_size| {
-    ///         let _batch = device.alloc(batch_size as u64 * 2)?;
-    ///         Ok(batch_size)
-    ///     });
-    /// assert_eq!(fitted.unwrap(), 47); // 50 fill the device; 5 % is kept free
-    /// assert_eq!(device.release_count(), 1); // once, after 64 ran out of memory
-    /// ```
-    #[inline]
-    pub fn with_release(mut self, release: impl Into<Release>) -> Self {
-        self.settings.release = Some(release.into());
+        self.run.max_attempts = Some(max_attempts.max(1));
         self
     }
 
@@ -240,92 +173,14 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     #[inline]
     pub fn with_label(mut self, label: &'static str) -> Self {
-        self.settings.label = label;
+        self.run.label = label;
         self
     }
 
     /// Makes the search stop before its first attempt with
     /// [`StopReason::InvalidConfiguration`] (a negative `starting` or `min`, a `min` of 0).
     pub(crate) fn invalidate(&mut self, why: String) {
-        // The first problem found is the one reported.
-        self.settings.invalid.get_or_insert(why);
-    }
-
-    /// The margin of the default guided policy ([`Guided`]): the share of the device kept free
-    /// when it estimates the next size (default 0.05; 0 ≤ margin < 1, otherwise the search stops
-    /// before its first attempt with [`StopReason::InvalidConfiguration`]). Selects the guided
-    /// policy if another was chosen.
-    ///
-    /// ```
-    /// use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
-    ///
-    /// let device = SimulatedDevice::new(1 << 30);
-    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(150)
-    ///     .with_margin(0.2)
-    ///     .with_release(device.clone())
-    ///     .run(|batch_size| {
-    ///         let _activations = device.alloc(batch_size as u64 * (8 << 20))?; // 8 MiB a sample
-    ///         Ok(batch_size)
-    ///     });
-    /// assert_eq!(fitted.unwrap(), 102); // 128 fit; 80 % of the device is 102 samples (halving: 75)
-    /// ```
-    pub fn with_margin(mut self, margin: f64) -> Self {
-        self.settings.policy =
-            ActivePolicy::Shrink(Reduction::Guided(Guided::new().with_margin(margin)));
-        self
-    }
-
-    /// Remembers the size that fit under `key` (with the function's path, `starting` and the
-    /// device's name and total memory), and starts the next search with the same key there: a
-    /// rerun makes one attempt. See [`cache`](crate::cache).
-    ///
-    /// ```
-    /// use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
-    ///
-    /// for _ in 0..2 {
-    ///     let fitted: anyhow::Result<usize> = BatchSizeSearch::new(64)
-    ///         .with_cache("with_cache doc")
-    ///         .run(|batch_size| {
-    ///             if batch_size > 20 { Err(OutOfMemory::new())? }
-    ///             Ok(batch_size)
-    ///         });
-    ///     assert_eq!(fitted?, 16);
-    /// }
-    /// assert_eq!(last_report().unwrap().len(), 1);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_cache(mut self, key: impl Into<String>) -> Self {
-        let dir = self.cache.take().and_then(|cache| cache.dir);
-        self.cache = Some(CacheSettings {
-            key: key.into(),
-            dir,
-        });
-        self
-    }
-
-    /// Keeps the cache's entries in `dir` too, one JSON file each, so that the next run of the
-    /// program starts from them (default: `BATCH_SIZE_CACHE_DIR`, else in this process only).
-    /// Has effect with [`with_cache`](Self::with_cache).
-    ///
-    /// ```
-    /// use batch_size_runtime::BatchSizeSearch;
-    ///
-    /// let dir = std::env::temp_dir().join("batch-size-doc-cache");
-    /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(8)
-    ///     .with_cache("with_cache_dir doc")
-    ///     .with_cache_dir(&dir)
-    ///     .run(Ok);
-    /// assert_eq!(fitted?, 8);
-    /// assert!(std::fs::read_dir(&dir)?.count() >= 1);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
-        let key = self.cache.take().map(|cache| cache.key).unwrap_or_default();
-        self.cache = Some(CacheSettings {
-            key,
-            dir: Some(dir.into()),
-        });
-        self
+        self.settings.invalidate(Invalid::Other(why));
     }
 
     /// Chooses sizes with `policy` instead of the guided default: a policy of this crate
@@ -343,7 +198,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted.unwrap(), 72); // 128, 96, 72
     /// ```
     pub fn with_policy(mut self, policy: impl SizePolicy + 'r) -> Self {
-        self.settings.policy = ActivePolicy::Custom(Box::new(policy));
+        self.settings.policy = Some(Box::new(policy));
         self
     }
 
@@ -401,7 +256,7 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         predicate: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r,
     ) -> Self {
-        self.settings.hooks.get_or_insert_with(Box::default).when = Some(Box::new(predicate));
+        self.run.hooks.get_or_insert_with(Box::default).when = Some(Box::new(predicate));
         self
     }
 
@@ -421,7 +276,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(seen, [(64, false), (32, false), (16, true)]);
     /// ```
     pub fn notify(mut self, callback: impl FnMut(&Attempt) + Send + 'r) -> Self {
-        self.settings.hooks.get_or_insert_with(Box::default).notify = Some(Box::new(callback));
+        self.run.hooks.get_or_insert_with(Box::default).notify = Some(Box::new(callback));
         self
     }
 
@@ -444,10 +299,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(received.recv().unwrap().len(), 3);
     /// ```
     pub fn on_report(mut self, callback: impl FnOnce(&SearchReport) + Send + 'r) -> Self {
-        self.settings
-            .hooks
-            .get_or_insert_with(Box::default)
-            .on_report = Some(Box::new(callback));
+        self.run.hooks.get_or_insert_with(Box::default).on_report = Some(Box::new(callback));
         self
     }
 
@@ -511,18 +363,6 @@ impl<'r> BatchSizeSearch<'r> {
             Kept::<E, M>::new(),
             attempt,
         )
-    }
-
-    /// The same as [`run`](Self::run), which takes the same error types; kept one release for
-    /// the code that calls it.
-    #[deprecated(note = "call `run` / `run_async`: they take the same error types")]
-    #[inline]
-    pub fn run_dyn<T, E, M, F>(self, attempt: F) -> Result<T, E>
-    where
-        F: FnMut(usize) -> Result<T, E>,
-        E: AttemptError<M>,
-    {
-        self.run(attempt)
     }
 
     /// Runs an attempt that returns a plain value: out-of-memory can only come as a panic
@@ -597,20 +437,6 @@ impl<'r> BatchSizeSearch<'r> {
         .await
     }
 
-    /// The same as [`run_async`](Self::run_async), which takes the same error types; kept one
-    /// release for the code that calls it.
-    #[deprecated(note = "call `run` / `run_async`: they take the same error types")]
-    pub async fn run_dyn_async<T, E, M, Fut>(
-        self,
-        attempt: impl FnMut(usize) -> Fut,
-    ) -> Result<T, E>
-    where
-        Fut: std::future::Future<Output = Result<T, E>>,
-        E: AttemptError<M>,
-    {
-        self.run_async(attempt).await
-    }
-
     /// [`run`](Self::run), returning the search's report beside the result (it is in
     /// [`last_report()`](crate::last_report) too, as for every search).
     ///
@@ -666,11 +492,32 @@ impl<'r> BatchSizeSearch<'r> {
     #[inline]
     pub fn start(self) -> Search<'r> {
         let BatchSizeSearch {
-            mut settings,
-            cache,
+            run: mut settings,
+            settings: shared,
             agreement,
             remedies,
         } = self;
+        let Settings {
+            min,
+            max,
+            shrink,
+            policy,
+            release,
+            cache,
+            invalid,
+            ..
+        } = shared;
+        settings.min = min;
+        settings.max_size = settings.max_size.min(max.unwrap_or(usize::MAX));
+        settings.release = release;
+        settings.invalid = invalid.map(|why| why.to_string());
+        settings.policy = match policy {
+            Some(policy) => ActivePolicy::Custom(policy),
+            None => ActivePolicy::Shrink(shrink),
+        };
+        // The wrappers, in one order: remedies around the size rule, the cache around them
+        // (it remembers the remedies' levels with the size), the agreement outermost (every
+        // rank sees the same verdict, cached or not).
         let remedies = remedies.map(|(ladder, restart)| {
             if agreement.is_some() {
                 settings.invalid.get_or_insert_with(|| {
@@ -690,9 +537,7 @@ impl<'r> BatchSizeSearch<'r> {
             )));
             ladder
         });
-        // The cache and the agreement wrap whichever policy was chosen; the loop sees one
-        // policy and knows of neither. Without a key the cache's settings hold only a folder:
-        // nothing is cached.
+        // Without a key the cache's settings hold only a folder: nothing is cached.
         if let Some(cache) = cache.filter(|cache| !cache.key.is_empty()) {
             let release = settings.release.get_or_insert_with(Release::default);
             let hit = HitSlot::default();

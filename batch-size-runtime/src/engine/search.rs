@@ -7,12 +7,12 @@ use std::fmt;
 use std::time::Instant;
 
 use super::{ActivePolicy, Hooks};
-use crate::cache::HitSlot;
 use crate::engine::dispatch::OomRules;
 use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
+use crate::policy::HitSlot;
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{self, Attempt, Outcome, SearchReport};
 use crate::unwind::PanicPayload;

@@ -61,7 +61,8 @@ use super::{DeviceMemory, MemoryBackend, MemorySnapshot, ReleaseError};
 /// [`with_release(Release::host())`](crate::BatchSizeSearch::with_release).
 ///
 /// ```
-/// use batch_size_runtime::memory::{MemoryBackend, Release};
+/// use batch_size_runtime::memory::{MemoryBackend};
+/// use batch_size_runtime::Release;
 ///
 /// let release = Release::host();
 /// let snapshot = release.memory_backend().memory();

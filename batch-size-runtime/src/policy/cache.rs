@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::memory::Release;
+use crate::memory::{MemorySnapshot, Release};
 use crate::policy::LadderControl;
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{CacheHit, SearchReport};
@@ -71,7 +71,7 @@ pub struct CacheEntry {
     pub failed_at: Option<usize>,
     /// Free bytes on the device when the entry was written (0 where unknown).
     pub free_when_written: u64,
-    /// With [`Remedies`](crate::Remedies): the level of each declared remedy when the size fit
+    /// With [`Remedies`](crate::remedies::Remedies): the level of each declared remedy when the size fit
     /// (`null`: not in force; 1 for a switch; a knob's value), restored with the size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remedies: Option<Vec<Option<usize>>>,
@@ -98,7 +98,7 @@ static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None)
 /// Forgets the entries kept in this process (the files on disk stay).
 ///
 /// ```
-/// batch_size_runtime::cache::clear_process_cache();
+/// batch_size_runtime::policy::clear_process_cache();
 /// ```
 pub fn clear_process_cache() {
     let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -136,6 +136,135 @@ impl<P: fmt::Debug> fmt::Debug for Cached<P> {
             .field("key", &self.key)
             .field("entry", &self.entry)
             .finish_non_exhaustive()
+    }
+}
+
+/// The whole key of an entry: the user's key, the runner, what it runs, and the device's name
+/// and total memory (another device is another entry).
+fn entry_key(user_key: &str, label: &str, what: &str, memory: &MemorySnapshot) -> String {
+    let (device, total) = memory
+        .devices
+        .first()
+        .map_or(("none".to_owned(), 0), |device| {
+            (device.device.clone(), device.total)
+        });
+    format!("{user_key} | {label} | {what} | {device} with {total} bytes")
+}
+
+/// Where an entry's file lives: the folder given, else the environment's, else nowhere.
+fn entry_file(dir: Option<PathBuf>, key: &str) -> Option<PathBuf> {
+    dir.or_else(|| std::env::var_os(CACHE_DIR_VARIABLE).map(PathBuf::from))
+        .map(|dir| dir.join(file_name(key)))
+}
+
+/// The entry for `key`: this process's, else the file's; `warn` is told why a file is unusable.
+fn load(key: &str, file: Option<&Path>, warn: &mut impl FnMut(&Path, &str)) -> Option<CacheEntry> {
+    let in_process = {
+        let entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
+        entries
+            .as_ref()
+            .and_then(|entries| entries.get(key).cloned())
+    };
+    match (in_process, file) {
+        (Some(entry), _) => Some(entry),
+        (None, Some(file)) => read_entry(file, key).unwrap_or_else(|why| {
+            warn(file, &why);
+            None
+        }),
+        (None, None) => None,
+    }
+}
+
+/// Keeps `entry` in this process and, where a file is named, on disk (one WARN a search if it
+/// cannot be written).
+fn store(file: Option<&Path>, entry: &CacheEntry, warned: &mut bool) {
+    {
+        let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
+        entries
+            .get_or_insert_with(HashMap::new)
+            .insert(entry.key.clone(), entry.clone());
+    }
+    if let Some(file) = file {
+        if let Err(error) = write_entry(file, entry) {
+            if !std::mem::replace(warned, true) {
+                tracing::warn!(file = %file.display(), %error, "the batch size cache could not be written; the search's result is kept in this process only");
+            }
+        }
+    }
+}
+
+/// The cache of a runner of many searches ([`EffectiveBatch`](crate::EffectiveBatch)'s steps,
+/// [`Chunked`](crate::Chunked)'s chunks): the size its searches settled on, read when it
+/// starts and written whenever it changes, so that a run resumed from its checkpoint starts
+/// at the size it had learned. It is the runner's own value: nothing is shared with a policy.
+#[derive(Debug)]
+pub(crate) struct RunnerCache {
+    key: String,
+    file: Option<PathBuf>,
+    entry: Option<CacheEntry>,
+    free_now: u64,
+    warned: bool,
+}
+
+impl RunnerCache {
+    /// The entry of `label` running `what` (its work's size) on the device `release` reads.
+    pub(crate) fn open(
+        settings: &CacheSettings,
+        label: &str,
+        what: &str,
+        release: &Release,
+    ) -> Self {
+        let memory = release.memory_backend().memory();
+        let key = entry_key(&settings.key, label, what, &memory);
+        let file = entry_file(settings.dir.clone(), &key);
+        let mut warned = false;
+        let mut warn = |file: &Path, why: &str| {
+            if !std::mem::replace(&mut warned, true) {
+                tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the run starts at its starting size");
+            }
+        };
+        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| entry.fits > 0);
+        if let Some(entry) = &entry {
+            tracing::info!(
+                function = label,
+                batch_size = entry.fits,
+                "starting from the cached size"
+            );
+        }
+        RunnerCache {
+            key,
+            file,
+            entry,
+            free_now: memory.free(),
+            warned,
+        }
+    }
+
+    /// The size the last run settled on, if one was remembered.
+    pub(crate) fn fits(&self) -> Option<usize> {
+        self.entry.as_ref().map(|entry| entry.fits)
+    }
+
+    /// Remembers `fits` (and the smallest size above it that failed), where it changed.
+    pub(crate) fn remember(&mut self, fits: usize, failed_at: Option<usize>) {
+        let failed_at = failed_at.filter(|&failed| failed > fits);
+        if self
+            .entry
+            .as_ref()
+            .is_some_and(|entry| entry.fits == fits && entry.failed_at == failed_at)
+        {
+            return;
+        }
+        let entry = CacheEntry {
+            key: self.key.clone(),
+            fits,
+            largest_fit: None,
+            failed_at,
+            free_when_written: self.free_now,
+            remedies: None,
+        };
+        store(self.file.as_deref(), &entry, &mut self.warned);
+        self.entry = Some(entry);
     }
 }
 
@@ -238,45 +367,24 @@ impl<P: SizePolicy> Cached<P> {
         remedies: Option<Arc<dyn LadderControl>>,
     ) -> Self {
         let memory = release.memory_backend().memory();
-        let (device, total) = memory
-            .devices
-            .first()
-            .map_or(("none".to_owned(), 0), |device| {
-                (device.device.clone(), device.total)
-            });
-        let mut key = format!(
-            "{} | {label} | starting {starting} | {device} with {total} bytes",
-            settings.key
+        let mut key = entry_key(
+            &settings.key,
+            label,
+            &format!("starting {starting}"),
+            &memory,
         );
         if let Some(remedies) = &remedies {
             // Another list of remedies is another search: its levels would mean other things.
             key.push_str(&format!(" | remedies {}", remedies.names()));
         }
-        let dir = settings
-            .dir
-            .or_else(|| std::env::var_os(CACHE_DIR_VARIABLE).map(PathBuf::from));
-        let file = dir.map(|dir| dir.join(file_name(&key)));
+        let file = entry_file(settings.dir, &key);
         let mut warned = false;
         let mut warn = |file: &Path, why: &str| {
             if !std::mem::replace(&mut warned, true) {
                 tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the search starts at its starting size");
             }
         };
-        let in_process = {
-            let entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
-            entries
-                .as_ref()
-                .and_then(|entries| entries.get(&key).cloned())
-        };
-        let entry = match (in_process, file.as_deref()) {
-            (Some(entry), _) => Some(entry),
-            (None, Some(file)) => read_entry(file, &key).unwrap_or_else(|why| {
-                warn(file, &why);
-                None
-            }),
-            (None, None) => None,
-        }
-        .filter(|entry| {
+        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| {
             match unusable(entry, starting, min, inner.accepts_every_success()) {
                 Some(why) => {
                     warn(
@@ -360,19 +468,7 @@ impl<P: SizePolicy> Cached<P> {
         if self.entry.as_ref() == Some(&entry) {
             return;
         }
-        {
-            let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
-            entries
-                .get_or_insert_with(HashMap::new)
-                .insert(self.key.clone(), entry.clone());
-        }
-        if let Some(file) = &self.file {
-            if let Err(error) = write_entry(file, &entry) {
-                if !std::mem::replace(&mut self.warned, true) {
-                    tracing::warn!(file = %file.display(), %error, "the batch size cache could not be written; the search's result is kept in this process only");
-                }
-            }
-        }
+        store(self.file.as_deref(), &entry, &mut self.warned);
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
     }
 }

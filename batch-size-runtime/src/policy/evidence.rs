@@ -67,7 +67,7 @@ impl Evidence {
     ///
     /// ```
     /// use batch_size_runtime::policy::Evidence;
-    /// use batch_size_runtime::{last_report, BatchSizeSearch, SimulatedDevice};
+    /// use batch_size_runtime::{last_report, BatchSizeSearch, memory::SimulatedDevice};
     ///
     /// let device = SimulatedDevice::new(1000);
     /// let _: anyhow::Result<usize> = BatchSizeSearch::new(64)

@@ -50,7 +50,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 ///
 /// ```
 /// use batch_size_runtime::policy::Guided;
-/// use batch_size_runtime::{last_report, BatchSizeSearch, SimulatedDevice};
+/// use batch_size_runtime::{last_report, BatchSizeSearch, memory::SimulatedDevice};
 ///
 /// let device = SimulatedDevice::new(16 << 30); // 16 GiB
 /// let fitted: anyhow::Result<usize> = BatchSizeSearch::new(512)

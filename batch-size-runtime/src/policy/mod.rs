@@ -86,9 +86,10 @@
 
 use std::fmt;
 
-use crate::error::StopReason;
-use crate::record::SearchReport;
+use crate::SearchReport;
+use crate::StopReason;
 
+mod cache;
 mod converge;
 mod evidence;
 pub(crate) mod fit;
@@ -98,6 +99,8 @@ mod remediate;
 mod shrink;
 mod wrapper;
 
+pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
+pub(crate) use cache::{CacheSettings, Cached, HitSlot, RunnerCache};
 pub(crate) use converge::{even_micro, larger_budget, Convergence, Probing};
 pub use evidence::Evidence;
 pub(crate) use grow_back::GrowBack;
@@ -178,7 +181,7 @@ pub trait SizePolicy: Send + fmt::Debug {
     /// No size is left: the last attempt ran out of memory and `reason` would end the search
     /// (below `min`, no smaller size, the policy's own stop). A policy that can change what the
     /// attempts run under besides the size (a remedy: activation checkpointing, lower
-    /// precision, a shorter context, see [`Remedies`](crate::Remedies)) changes it here and
+    /// precision, a shorter context, see [`Remedies`](crate::remedies::Remedies)) changes it here and
     /// answers `Try` with the first size to try under the new settings. The engine then forgets
     /// the sizes that failed before: they ran under other settings. `Stop` ends the search with
     /// the reason given (the one passed in, or one that says more). Default: `Stop(reason)`.

@@ -2,7 +2,7 @@
 //! size under the settings in force; when the engine finds no size left, the wrapper applies the
 //! next remedy and starts the inner policy again from `starting`, showing it only the attempts
 //! made under the new settings. The settings themselves, of the user's type, live with
-//! [`Remedies`](crate::Remedies); the policy, the engine and the cache move them through
+//! [`Remedies`](crate::remedies::Remedies); the policy, the engine and the cache move them through
 //! [`LadderControl`], which knows no type.
 
 use std::fmt;

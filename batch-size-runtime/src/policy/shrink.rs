@@ -145,7 +145,7 @@ fn shrink(history: &SearchReport, next: impl FnOnce(&FailedAttempt<'_>) -> usize
 /// Accelerate users asked for (accelerate PR #3650).
 ///
 /// ```
-/// use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+/// use batch_size_runtime::{BatchSizeSearch, memory::SimulatedDevice};
 ///
 /// let device = SimulatedDevice::new(1000);
 /// let mut seen = Vec::new();
@@ -188,7 +188,7 @@ pub(crate) type CustomReduction<'r> = Box<dyn FnMut(&FailedAttempt<'_>) -> usize
 /// never below halving's (toma's and the seed's `Halve`: 128, 64, 32, 16, 8, ...).
 ///
 /// ```
-/// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, Reduction};
+/// use batch_size_runtime::{BatchSizeSearch, NoExecutableBatchSize, OutOfMemory, policy::Reduction};
 ///
 /// fn sizes_tried(reduction: Reduction<'_>) -> Vec<usize> {
 ///     let result: Result<(), anyhow::Error> = BatchSizeSearch::new(128)

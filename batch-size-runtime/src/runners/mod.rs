@@ -11,7 +11,7 @@
 //! - [`tuner`]: the largest size, found in a few short trials before training
 //!   ([`Tuner`](crate::Tuner)).
 //! - [`remedies`]: when even the smallest size runs out of memory, the next remedies you allow
-//!   (checkpointing, precision, context length) ([`Remedies`](crate::Remedies)).
+//!   (checkpointing, precision, context length) ([`Remedies`](crate::remedies::Remedies)).
 
 pub mod chunked;
 pub mod effective;

@@ -12,7 +12,7 @@
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
-use batch_size_runtime::{BatchPlan, OutOfMemory, SimAllocation, SimulatedDevice};
+use batch_size_runtime::{memory::SimAllocation, memory::SimulatedDevice, BatchPlan, OutOfMemory};
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;

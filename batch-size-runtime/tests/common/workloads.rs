@@ -31,7 +31,9 @@
 use std::cell::RefCell;
 
 use batch_size_runtime::memory::{MemorySnapshot, ReleaseError};
-use batch_size_runtime::{MemoryBackend, OutOfMemory, SimAllocation, SimulatedDevice};
+use batch_size_runtime::{
+    memory::MemoryBackend, memory::SimAllocation, memory::SimulatedDevice, OutOfMemory,
+};
 
 pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;

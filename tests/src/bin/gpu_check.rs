@@ -21,7 +21,8 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use batch_size_runtime::memory::{Bytes, CudaBackend, DeviceMemory, MemoryBackend, Release};
+use batch_size_runtime::memory::{Bytes, CudaBackend, DeviceMemory, MemoryBackend};
+use batch_size_runtime::Release;
 use batch_size_runtime::{last_report, Attempt, BatchSizeSearch, Outcome, SearchReport};
 use batch_size_tests::cuda_scenario::{FiguresOnly, GrowingModel, TrainError, MIB};
 use cudarc::driver::{CudaContext, DriverError};
@@ -188,7 +189,7 @@ fn check(ordinal: usize) -> Result<bool, DriverError> {
 /// ranks of one communicator on one GPU unless it is told otherwise, and that refusal must come
 /// back as an error, not a hang).
 fn nccl_check(ordinal: usize, model: &GrowingModel, expected: Option<usize>) -> bool {
-    use batch_size_runtime::agree::nccl::{loaded_library, NcclId, NcclRank};
+    use batch_size_runtime::agree::{loaded_library, NcclId, NcclRank};
     use batch_size_runtime::agree::{Collective, ReduceOp};
     use std::time::Duration;
 
@@ -306,7 +307,7 @@ fn uneven_shares_check(
     model: &GrowingModel,
     timeout: std::time::Duration,
 ) -> bool {
-    use batch_size_runtime::agree::nccl::{NcclId, NcclRank};
+    use batch_size_runtime::agree::{NcclId, NcclRank};
     use batch_size_runtime::EffectiveBatch;
 
     let global = 2 * STARTING;

@@ -1,12 +1,12 @@
 // A `Remedied` parameter needs `remedies`, and `remedies` needs a `Remedied` parameter.
-use batch_size_runtime::{find_executable_batch_size, Remedied};
+use batch_size_runtime::{find_executable_batch_size, remedies::Remedied};
 
 #[find_executable_batch_size(starting = 32)]
 fn remedied_without_remedies(attempt: Remedied<u32>) -> usize {
     attempt.batch_size()
 }
 
-#[find_executable_batch_size(starting = 32, remedies = batch_size_runtime::Remedies::new(4096u32))]
+#[find_executable_batch_size(starting = 32, remedies = batch_size_runtime::remedies::Remedies::new(4096u32))]
 fn remedies_with_an_integer(batch_size: usize) -> usize {
     batch_size
 }

@@ -1,8 +1,13 @@
 // Every argument: `starting` from another parameter, `min`, `factor`, `reduce`,
 // `max_attempts`, `release`, expressions and constants, in any order.
 use batch_size_runtime::{
-    find_executable_batch_size, last_report, NoExecutableBatchSize, OutOfMemory, Release,
-    SimulatedDevice, StopReason,
+    find_executable_batch_size,
+    last_report,
+    NoExecutableBatchSize,
+    OutOfMemory,
+    Release,
+    memory::SimulatedDevice,
+    StopReason,
 };
 
 struct Config {
@@ -50,7 +55,7 @@ fn with_reduce(batch_size: usize, limit: usize) -> anyhow::Result<usize> {
 
 #[find_executable_batch_size(
     starting = 10,
-    reduce = move |failed: &batch_size_runtime::FailedAttempt<'_>| failed.batch_size - step,
+    reduce = move |failed: &batch_size_runtime::policy::FailedAttempt<'_>| failed.batch_size - step,
 )]
 fn with_reduce_capture(batch_size: usize, step: usize, limit: usize) -> anyhow::Result<usize> {
     oom_above(batch_size, limit)

@@ -138,7 +138,7 @@ fn assert_send<F: Future + Send>(future: F) -> F {
 }
 
 fn main() {
-    batch_size_runtime::set_quiet_oom_panics(true);
+    batch_size_runtime::oom::set_quiet_oom_panics(true);
     assert_eq!(block_on(train(20)).unwrap(), 16);
     let mut log = Vec::new();
     assert_eq!(block_on(train_panicking(&mut log)), 8);

@@ -117,7 +117,7 @@ fn with_local_box(batch_size: usize, limit: usize) -> Result<usize, Box<dyn Erro
 }
 
 fn main() {
-    batch_size_runtime::set_quiet_oom_panics(true);
+    batch_size_runtime::oom::set_quiet_oom_panics(true);
 
     assert_eq!(with_anyhow(3).unwrap(), 2);
     let error = with_anyhow(0).unwrap_err();

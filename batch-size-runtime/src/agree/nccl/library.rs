@@ -137,7 +137,7 @@ pub(crate) fn library() -> Result<&'static NcclLibrary, NcclError> {
 ///
 /// ```
 /// // Without NCCL installed this is an error that says what to install or set.
-/// match batch_size_runtime::agree::nccl::loaded_library() {
+/// match batch_size_runtime::agree::loaded_library() {
 ///     Ok((path, version)) => println!("NCCL {version} from {path}"),
 ///     Err(error) => println!("{error}"),
 /// }

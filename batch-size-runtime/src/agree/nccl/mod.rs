@@ -2,7 +2,7 @@
 //! data-parallel jobs already run.
 //!
 //! ```no_run
-//! use batch_size_runtime::agree::nccl::NcclRank;
+//! use batch_size_runtime::agree::NcclRank;
 //! use batch_size_runtime::agree::IdExchange;
 //! use batch_size_runtime::BatchSizeSearch;
 //!

@@ -25,9 +25,9 @@ use crate::attempt::AttemptError;
 use crate::engine::dispatch::LastError;
 use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
+use crate::engine::{settings_setters, Settings};
 use crate::error::StopReason;
-use crate::memory::Release;
-use crate::policy::{Convergence, GrowBack, Guided, Reduction};
+use crate::policy::{Convergence, GrowBack, Reduction, RunnerCache};
 use crate::record;
 
 mod attempt;
@@ -124,12 +124,9 @@ type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 pub struct Chunked<'r> {
     total: usize,
     starting: Option<usize>,
-    min: usize,
-    max: Option<usize>,
-    release: Option<Release>,
-    shrink: Reduction<'r>,
-    grow_after: usize,
-    learn: bool,
+    settings: Settings<'r>,
+    /// With `with_cache`: the budget the runs settled on, for a resumed run.
+    cache: Option<RunnerCache>,
     cost: Option<Cost<'r>>,
     notify: Option<Notify<'r>>,
     chunks: Vec<ChunkRecord>,
@@ -146,6 +143,15 @@ impl fmt::Debug for Chunked<'_> {
     }
 }
 
+settings_setters!(
+    Chunked<'r>,
+    "Chunked::new(1000)",
+    bounds,
+    release,
+    shrink,
+    learning
+);
+
 impl<'r> Chunked<'r> {
     /// Work over items `0..total_items`.
     ///
@@ -159,12 +165,11 @@ impl<'r> Chunked<'r> {
         Chunked {
             total: total_items,
             starting: None,
-            min: 1,
-            max: None,
-            release: None,
-            shrink: Reduction::default(),
-            grow_after: 4,
-            learn: true,
+            settings: Settings {
+                grow_after: 4,
+                ..Settings::default()
+            },
+            cache: None,
             cost: None,
             notify: None,
             chunks: Vec::new(),
@@ -184,125 +189,6 @@ impl<'r> Chunked<'r> {
     /// ```
     pub fn with_starting(mut self, size: usize) -> Self {
         self.starting = Some(size);
-        self
-    }
-
-    /// The smallest chunk size tried.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{ChunkError, Chunked, OutOfMemory};
-    /// let error = Chunked::new(10).with_min(4).for_each(|_| -> anyhow::Result<()> {
-    ///     Err(OutOfMemory::new().into())
-    /// }).unwrap_err();
-    /// assert!(matches!(error, ChunkError::NoChunkFits { completed: 0, .. }));
-    /// ```
-    pub fn with_min(mut self, min: usize) -> Self {
-        self.min = min;
-        self
-    }
-
-    /// The largest size a chunk grows back to.
-    ///
-    /// ```
-    /// # use batch_size_runtime::Chunked;
-    /// let mut chunked = Chunked::new(100).with_starting(2).with_grow_after(1).with_max(8);
-    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert!(chunked.chunks().iter().all(|chunk| chunk.range.len() <= 8));
-    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
-    /// ```
-    pub fn with_max(mut self, max: usize) -> Self {
-        self.max = Some(max);
-        self
-    }
-
-    /// What releases device memory after an out-of-memory chunk (default: [`Release::cuda()`]).
-    ///
-    /// ```
-    /// # use batch_size_runtime::{Chunked, SimulatedDevice};
-    /// let device = SimulatedDevice::new(1 << 20);
-    /// let chunked = Chunked::new(10).with_release(device.clone());
-    /// # let _ = chunked;
-    /// ```
-    pub fn with_release(mut self, release: impl Into<Release>) -> Self {
-        self.release = Some(release.into());
-        self
-    }
-
-    /// Multiplies the chunk size by `factor` after an out-of-memory chunk, instead of the
-    /// guided estimate (toma: 0.5).
-    ///
-    /// ```
-    /// # use batch_size_runtime::{Chunked, OutOfMemory};
-    /// let mut chunked = Chunked::new(64).with_starting(64).with_factor(0.5).with_grow_after(0);
-    /// chunked.for_each(|items| -> anyhow::Result<()> {
-    ///     if items.len() > 20 { Err(OutOfMemory::new())? }
-    ///     Ok(())
-    /// })?;
-    /// assert_eq!(chunked.chunks().last().unwrap().range.len(), 16);
-    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
-    /// ```
-    pub fn with_factor(mut self, factor: f64) -> Self {
-        self.shrink = Reduction::Factor(factor);
-        self
-    }
-
-    /// The guided policy's margin (see [`BatchSizeSearch::with_margin`]).
-    ///
-    /// ```
-    /// # use batch_size_runtime::Chunked;
-    /// let chunked = Chunked::new(64).with_margin(0.1);
-    /// # let _ = chunked;
-    /// ```
-    pub fn with_margin(mut self, margin: f64) -> Self {
-        self.shrink = Reduction::Guided(Guided::new().with_margin(margin));
-        self
-    }
-
-    /// Doubles the chunk size after `successes` clean chunks in a row, while twice the size
-    /// stays below every size that ran out of memory (deepmd's rule), up to `with_max`
-    /// (deepmd grows after one clean chunk; 0 never grows).
-    ///
-    /// ```
-    /// # use batch_size_runtime::Chunked;
-    /// let mut chunked = Chunked::new(30).with_starting(2).with_grow_after(1);
-    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
-    /// let sizes: Vec<usize> = chunked.chunks().iter().map(|chunk| chunk.range.len()).collect();
-    /// assert_eq!(sizes, [2, 4, 8, 16]);
-    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
-    /// ```
-    pub fn with_grow_after(mut self, successes: usize) -> Self {
-        self.grow_after = successes;
-        self
-    }
-
-    /// Whether the chunk size moves toward the largest chunk that fits, from what each chunk
-    /// measured (default: on): with a release that reads figures (CUDA's pool counters, a
-    /// [`SimulatedDevice`](crate::SimulatedDevice)), each chunk's peak and the memory in use
-    /// before it fit memory against the chunk's cost, and the next chunk grows to the size the
-    /// fit says fills the device, when that is at least 1/32 larger. A larger chunk that runs
-    /// out of memory is redone at the size that fitted, and that size is not tried again for
-    /// 16 chunks (32, 64, ... while it keeps failing). One reading of the allocator's counters
-    /// after each chunk: no synchronize, no trim. Without figures, or off, chunks grow back by
-    /// doubling ([`with_grow_after`](Self::with_grow_after)).
-    ///
-    /// ```
-    /// use batch_size_runtime::{Chunked, SimulatedDevice};
-    ///
-    /// let device = SimulatedDevice::new(10_000);
-    /// let mut chunked = Chunked::new(10_000).with_starting(100).with_release(device.clone());
-    /// chunked.for_each(|items| -> anyhow::Result<()> {
-    ///     let _activations = device.alloc(items.len() as u64 * 40)?; // 250 items fit
-    ///     Ok(())
-    /// })?;
-    /// let sizes: Vec<usize> = chunked.chunks().iter().map(|chunk| chunk.range.len()).collect();
-    /// assert_eq!(&sizes[..3], [100, 250, 250]);
-    ///
-    /// let doubling = Chunked::new(10_000).with_convergence(false);
-    /// # let _ = doubling;
-    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
-    /// ```
-    pub fn with_convergence(mut self, learn: bool) -> Self {
-        self.learn = learn;
         self
     }
 
@@ -360,19 +246,20 @@ impl<'r> Chunked<'r> {
         self
     }
 
-    /// Called after every chunk that completed, with the progress (drive a progress bar).
+    /// Called after every chunk that completed, with the progress (drive a progress bar). Its
+    /// own name: the other runners' `notify` is told of every attempt.
     ///
     /// ```
     /// # use batch_size_runtime::Chunked;
     /// let mut seen = Vec::new();
     /// Chunked::new(10)
     ///     .with_starting(5)
-    ///     .notify(|progress| seen.push(progress.completed))
+    ///     .on_chunk(|progress| seen.push(progress.completed))
     ///     .for_each(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(seen, [5, 10]);
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
-    pub fn notify(mut self, callback: impl FnMut(&ChunkProgress) + Send + 'r) -> Self {
+    pub fn on_chunk(mut self, callback: impl FnMut(&ChunkProgress) + Send + 'r) -> Self {
         self.notify = Some(Box::new(callback));
         self
     }
@@ -499,7 +386,7 @@ impl<'r> Chunked<'r> {
             return Ok(Vec::new());
         }
         // Lent to this run's policy, and back when it ends.
-        let mut shrink = std::mem::take(&mut self.shrink);
+        let mut shrink = std::mem::take(&mut self.settings.shrink);
         let (search, run) = self.prepare(shrink.borrowed());
         // Shared with each chunk's future by reference, so that the run's future is `Send`
         // when the work's is.
@@ -528,7 +415,7 @@ impl<'r> Chunked<'r> {
         )
         .await
         .published();
-        self.shrink = shrink;
+        self.settings.shrink = shrink;
         self.notify = notify.into_inner().unwrap_or_else(PoisonError::into_inner);
         self.conclude(&run, ended)?;
         Ok(outputs.into_inner().unwrap_or_else(PoisonError::into_inner))
@@ -560,28 +447,44 @@ impl<'r> Chunked<'r> {
                 usize::try_from(whole).unwrap_or(usize::MAX)
             }
         };
-        let starting = self.starting.unwrap_or(whole).max(1);
+        self.settings.check_bounds();
+        if self.cache.is_none() {
+            if let Some(settings) = self.settings.cache() {
+                // The budget learned does not depend on how many items are left: a run resumed
+                // over the rest of a dataset finds its entry.
+                let release = self.settings.release.clone().unwrap_or_default();
+                let what = if self.cost.is_some() {
+                    "cost budget"
+                } else {
+                    "items"
+                };
+                self.cache = Some(RunnerCache::open(settings, "chunked", what, &release));
+            }
+        }
+        let cached = self.cache.as_ref().and_then(RunnerCache::fits);
+        let starting = cached
+            .or(self.starting)
+            .unwrap_or(whole)
+            .clamp(1, whole.max(1));
         let policy = ChunkPolicy {
             inner,
             run: Arc::clone(&run),
-            grow: GrowBack::new(self.grow_after, self.max.unwrap_or(usize::MAX)),
-            convergence: Convergence::new(self.learn),
+            grow: GrowBack::new(
+                self.settings.grow_after,
+                self.settings.max.unwrap_or(usize::MAX),
+            ),
+            convergence: Convergence::new(self.settings.learn),
             probing: None,
-            max: self.max.unwrap_or(usize::MAX),
+            max: self.settings.max.unwrap_or(usize::MAX),
             agreement: self.agreement.clone(),
         };
         let mut search = BatchSizeSearch::new(starting)
             .with_label("chunked")
             .with_policy(policy);
-        search.settings.first_fit_at_debug = true;
-        if self.min == 0 {
-            search.invalidate("`min` must be at least 1, got 0".to_owned());
-        } else {
-            search = search.with_min(self.min);
-        }
-        if let Some(release) = &self.release {
-            search = search.with_release(release.clone());
-        }
+        search.run.first_fit_at_debug = true;
+        search.settings.min = self.settings.min;
+        search.settings.release = self.settings.release.clone();
+        search.settings.invalid = self.settings.invalid.clone();
         (search, run)
     }
 
@@ -628,6 +531,36 @@ impl<'r> Chunked<'r> {
         }
     }
 
+    /// With a cache: the budget the run settled on (its last chunk that completed, where it
+    /// filled its budget), and the smallest budget above it that ran out of memory.
+    fn remember_budget(&mut self) {
+        let Some(cache) = &mut self.cache else {
+            return;
+        };
+        // The last chunk of a run is often short (the items left): a chunk before it was
+        // packed as full as its budget allowed, so its budget is what ran; a run of one chunk
+        // proved only what that chunk held.
+        let done = || self.chunks.iter().rev().filter(|chunk| chunk.done);
+        let settled = done()
+            .find(|chunk| chunk.range.end < self.total)
+            .map(|chunk| chunk.budget)
+            .or_else(|| {
+                done()
+                    .next()
+                    .map(|chunk| usize::try_from(chunk.cost).unwrap_or(usize::MAX))
+            });
+        let Some(settled) = settled.filter(|&settled| settled > 0) else {
+            return;
+        };
+        let failed_above = self
+            .chunks
+            .iter()
+            .filter(|chunk| !chunk.done && chunk.budget > settled)
+            .map(|chunk| chunk.budget)
+            .min();
+        cache.remember(settled, failed_above);
+    }
+
     /// The run's result, from how its search ended: typed, never a downcast of your error.
     fn conclude<E: AttemptError<M>, M>(
         &mut self,
@@ -640,6 +573,7 @@ impl<'r> Chunked<'r> {
             self.chunk_count = run.chunks_run;
             run.progress.completed
         };
+        self.remember_budget();
         let none_fit = match ended {
             Ended::Returned(Ok(())) => return Ok(()),
             Ended::Returned(Err(ChunkAttempt::Work(error))) => {
@@ -689,7 +623,7 @@ impl<'r> Chunked<'r> {
             return Ok(());
         }
         // Lent to this run's policy, and back when it ends.
-        let mut shrink = std::mem::take(&mut self.shrink);
+        let mut shrink = std::mem::take(&mut self.settings.shrink);
         let (search, run) = self.prepare(shrink.borrowed());
         let mut notify = self.notify.take();
         let (cost_of, total) = (self.cost.as_ref(), self.total);
@@ -704,7 +638,7 @@ impl<'r> Chunked<'r> {
                 outcome
             },
         );
-        self.shrink = shrink;
+        self.settings.shrink = shrink;
         self.notify = notify;
         self.conclude(&run, finished.published())
     }

@@ -36,15 +36,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::agree::{Agree, Collective};
-use crate::attempt::AttemptError;
-use crate::engine::BatchSizeSearch;
+use crate::engine::{settings_setters, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
-use crate::memory::Release;
 use crate::policy::LadderControl;
 use crate::policy::{even_micro, Convergence, Probing};
-use crate::policy::{FailedAttempt, GrowBack, Guided, Reduction};
-use crate::record::SearchReport;
-use crate::runners::remedies::Remedies;
+use crate::policy::{GrowBack, RunnerCache};
+use crate::remedies::Remedies;
+use crate::AttemptError;
+use crate::BatchSizeSearch;
+#[allow(unused_imports)] // for the docs' links
+use crate::Release;
+use crate::SearchReport;
 
 // One concept a file: the division of a step (the plan), even micro-batches, and the shares of
 // one global batch between ranks; the runner here.
@@ -87,9 +89,12 @@ pub struct Recovery {
 pub struct EffectiveBatch<'r> {
     effective: usize,
     micro: usize,
-    min_micro: usize,
-    release: Option<Release>,
-    shrink: Reduction<'r>,
+    /// The shared settings: `min` is the smallest micro size.
+    settings: Settings<'r>,
+    /// With `with_cache`: the micro size the steps settled on, for a resumed run.
+    cache: Option<RunnerCache>,
+    /// The first step has set up what the settings ask for (learning, growing, the cache).
+    started: bool,
     grow: GrowBack,
     /// What the steps measured, and the size that fills the device by their figures.
     convergence: Convergence,
@@ -126,6 +131,14 @@ impl std::fmt::Debug for EffectiveBatch<'_> {
     }
 }
 
+settings_setters!(
+    EffectiveBatch<'r>,
+    "EffectiveBatch::new(256)",
+    release,
+    shrink,
+    learning
+);
+
 impl<'r> EffectiveBatch<'r> {
     /// A runner for steps of `effective` samples.
     ///
@@ -138,9 +151,9 @@ impl<'r> EffectiveBatch<'r> {
         EffectiveBatch {
             effective,
             micro: effective,
-            min_micro: 1,
-            release: None,
-            shrink: Reduction::default(),
+            settings: Settings::default(),
+            cache: None,
+            started: false,
             grow: GrowBack::new(0, effective),
             convergence: Convergence::new(true),
             probing: None,
@@ -180,7 +193,7 @@ impl<'r> EffectiveBatch<'r> {
     /// `NoExecutableBatchSize` ([`StopReason::InvalidConfiguration`]).
     ///
     /// ```
-    /// use batch_size_runtime::{EffectiveBatch, Remedies, Remedy, SimulatedDevice};
+    /// use batch_size_runtime::{EffectiveBatch, remedies::Remedies, remedies::Remedy, memory::SimulatedDevice};
     ///
     /// #[derive(Debug, Clone)]
     /// struct Config { checkpointing: bool }
@@ -217,136 +230,7 @@ impl<'r> EffectiveBatch<'r> {
     /// assert!(result.unwrap_err().is::<batch_size_runtime::NoExecutableBatchSize>());
     /// ```
     pub fn with_min_micro(mut self, min_micro: usize) -> Self {
-        self.min_micro = min_micro;
-        self
-    }
-
-    /// What releases device memory between attempts (default: [`Release::cuda()`]).
-    ///
-    /// ```
-    /// # use batch_size_runtime::{EffectiveBatch, SimulatedDevice};
-    /// let device = SimulatedDevice::new(1 << 20);
-    /// let runner = EffectiveBatch::new(64).with_release(device.clone());
-    /// # let _ = runner;
-    /// ```
-    pub fn with_release(mut self, release: impl Into<Release>) -> Self {
-        self.release = Some(release.into());
-        self
-    }
-
-    /// Multiplies the micro size by `factor` after an out-of-memory step (Composer halves).
-    ///
-    /// ```
-    /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
-    /// let mut runner = EffectiveBatch::new(64).with_factor(0.5);
-    /// runner.step(|plan| -> anyhow::Result<()> {
-    ///     if plan.micro() > 20 { Err(OutOfMemory::new())? }
-    ///     Ok(())
-    /// })?;
-    /// assert_eq!(runner.micro(), 16);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_factor(mut self, factor: f64) -> Self {
-        self.shrink = Reduction::Factor(factor);
-        self
-    }
-
-    /// Chooses the next micro size with your function of the failed attempt.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
-    /// let mut runner = EffectiveBatch::new(64).with_reduce(|failed| failed.batch_size - 8);
-    /// runner.step(|plan| -> anyhow::Result<()> {
-    ///     if plan.micro() > 50 { Err(OutOfMemory::new())? }
-    ///     Ok(())
-    /// })?;
-    /// // 64 failed; 56 needs two passes for 64 samples, run evenly as 32 + 32.
-    /// assert_eq!(runner.micro(), 32);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_reduce(
-        mut self,
-        reduce: impl FnMut(&FailedAttempt<'_>) -> usize + Send + 'r,
-    ) -> Self {
-        self.shrink = Reduction::Custom(Box::new(reduce));
-        self
-    }
-
-    /// The guided policy's margin (see [`BatchSizeSearch::with_margin`]).
-    ///
-    /// ```
-    /// # use batch_size_runtime::EffectiveBatch;
-    /// let runner = EffectiveBatch::new(64).with_margin(0.1);
-    /// # let _ = runner;
-    /// ```
-    pub fn with_margin(mut self, margin: f64) -> Self {
-        self.shrink = Reduction::Guided(Guided::new().with_margin(margin));
-        self
-    }
-
-    /// Whether the runner learns from every step (default: on). With a release that reads
-    /// figures (CUDA's pool counters, a [`SimulatedDevice`](crate::SimulatedDevice), the host's
-    /// memory), each successful step's peak and the memory in use before it fit memory against
-    /// the micro size, and the next step starts at the micro size that takes the fewest passes
-    /// the figures say fit: 1024 at a fit of 237 runs 5 passes of 205, not 8 of 128. A growth
-    /// attempt that runs out of memory is redone in place at the size that fitted, and that
-    /// size is not tried again for 16 steps (32, 64, ... while it keeps failing). It reads the
-    /// allocator's counters once after each step: no synchronize, no trim.
-    ///
-    /// Without figures nothing is learned, whatever this says: a growth attempt would be a
-    /// blind guess paid for with an out-of-memory pass, so the size that fitted is kept
-    /// ([`with_grow_after`](Self::with_grow_after) grows back blindly, by doubling).
-    ///
-    /// ```
-    /// use batch_size_runtime::{EffectiveBatch, SimulatedDevice};
-    ///
-    /// let device = SimulatedDevice::new(10_000);
-    /// let mut runner = EffectiveBatch::new(1024).with_micro(128).with_release(device.clone());
-    /// for _ in 0..4 {
-    ///     runner.step(|plan| -> anyhow::Result<()> {
-    ///         let _weights = device.alloc(1_000)?;
-    ///         for micro in plan.micro_batches() {
-    ///             let _activations = device.alloc(micro.range.len() as u64 * 30)?; // 300 fit
-    ///         }
-    ///         Ok(())
-    ///     })?;
-    /// }
-    /// assert_eq!(runner.plan().accumulation(), 4); // 4 passes of 256, from 8 of 128
-    ///
-    /// let fixed = EffectiveBatch::new(1024).with_micro(128).with_convergence(false);
-    /// # let _ = fixed;
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_convergence(mut self, learn: bool) -> Self {
-        self.convergence = Convergence::new(learn);
-        self
-    }
-
-    /// After `steps` clean steps, tries a larger micro size again: double, capped at
-    /// `effective`, while twice the size stays below the smallest size that ran out of memory;
-    /// that size itself is tried again once it has held growth back for 16 steps (32, 64, ...
-    /// while it keeps failing): the rule [`Chunked`](crate::Chunked) grows back by too. Off by
-    /// default.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
-    /// let mut busy = true; // another process holds memory at first
-    /// let mut runner = EffectiveBatch::new(64).with_micro(32).with_grow_after(2);
-    /// for _ in 0..24 {
-    ///     runner.step(|plan| -> anyhow::Result<()> {
-    ///         if busy && plan.micro() > 8 { Err(OutOfMemory::new())? }
-    ///         Ok(())
-    ///     })?;
-    ///     busy = false;
-    /// }
-    /// // 32 and 16 failed in the first step. Twice 8 is not below 16, so the steps stay at 8
-    /// // until 16 has held growth back for 16 steps; then 16 is tried once more, fits (the
-    /// // memory is back), and growing goes on: 32, then 64, the whole batch at once.
-    /// assert_eq!(runner.micro(), 64);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_grow_after(mut self, steps: usize) -> Self {
-        self.grow = GrowBack::new(steps, self.effective);
+        self.settings.set_min(min_micro);
         self
     }
 
@@ -561,8 +445,30 @@ impl<'r> EffectiveBatch<'r> {
         &self.last_report
     }
 
+    /// Sets up, before the first step, what the settings ask for: learning, growing back, and
+    /// the micro size a run with the same cache key settled on.
+    fn start(&mut self) {
+        self.started = true;
+        self.grow = GrowBack::new(self.settings.grow_after, self.effective);
+        self.convergence = Convergence::new(self.settings.learn);
+        if let Some(settings) = self.settings.cache() {
+            let release = self.settings.release.clone().unwrap_or_default();
+            let what = format!("effective {}", self.effective);
+            let cache = RunnerCache::open(settings, "effective_batch", &what, &release);
+            if let Some(fits) = cache.fits() {
+                let fits = fits.clamp(self.settings.min, self.effective.max(1));
+                self.micro = fits;
+                self.next_micro = fits;
+            }
+            self.cache = Some(cache);
+        }
+    }
+
     /// The search of one step over this rank's share of `length` samples.
     fn search(&mut self, length: usize) -> BatchSizeSearch<'_> {
+        if !self.started {
+            self.start();
+        }
         // The size that fitted is kept whatever the share: a new share is split into the
         // fewest passes of at most that size, never into a split of the last split.
         let kept = self
@@ -577,10 +483,11 @@ impl<'r> EffectiveBatch<'r> {
         let (start, fallback) = self.convergence.start(length, kept);
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
-        let mut search = BatchSizeSearch::new(start)
-            .with_label("effective_batch")
-            .with_min(self.min_micro);
-        search.settings.first_fit_at_debug = true;
+        let mut search = BatchSizeSearch::new(start).with_label("effective_batch");
+        search.run.first_fit_at_debug = true;
+        search.settings.min = self.settings.min;
+        search.settings.release = self.settings.release.clone();
+        search.settings.invalid = self.settings.invalid.clone();
         if self.effective == 0 {
             search.invalidate("`effective` must be at least 1, got 0".to_owned());
         }
@@ -591,9 +498,6 @@ impl<'r> EffectiveBatch<'r> {
                  is {} for {world} ranks",
                 self.effective
             ));
-        }
-        if let Some(release) = &self.release {
-            search = search.with_release(release.clone());
         }
         if let Some(remedies) = &self.remedies {
             if self.agreement.is_some() {
@@ -609,8 +513,12 @@ impl<'r> EffectiveBatch<'r> {
             );
         }
         // The engine tries what runs: the even split of each proposal.
-        let probing = Probing::new(self.shrink.borrowed(), probe, self.convergence.is_enabled());
-        let sizes = EvenSplit::new(probing, length, self.min_micro);
+        let probing = Probing::new(
+            self.settings.shrink.borrowed(),
+            probe,
+            self.convergence.is_enabled(),
+        );
+        let sizes = EvenSplit::new(probing, length, self.settings.min);
         match &self.agreement {
             // Each rank its own micro size; an out-of-memory anywhere redoes the step everywhere.
             Some(collective) if self.uneven => {
@@ -693,6 +601,9 @@ impl<'r> EffectiveBatch<'r> {
         }
         self.learn(&report);
         if let Some(micro) = report.batch_size() {
+            if let Some(cache) = &mut self.cache {
+                cache.remember(micro, self.grow.smallest_failed());
+            }
             self.micro = micro;
             self.next_micro = if report.len() > 1 {
                 micro
@@ -714,7 +625,7 @@ impl<'r> EffectiveBatch<'r> {
     /// [`crate::last_report()`] as for every runner.
     ///
     /// ```
-    /// # use batch_size_runtime::{EffectiveBatch, SimulatedDevice};
+    /// # use batch_size_runtime::{EffectiveBatch, memory::SimulatedDevice};
     /// let device = SimulatedDevice::new(100);
     /// let mut runner = EffectiveBatch::new(64).with_release(device.clone());
     /// runner.step(|plan| -> anyhow::Result<()> {
@@ -819,19 +730,6 @@ impl<'r> EffectiveBatch<'r> {
             }
         }
         Ok(())
-    }
-
-    /// The same as [`step`](Self::step), which takes your own error type now.
-    #[deprecated(
-        since = "0.1.0",
-        note = "`step` takes your own error type now: call `step`"
-    )]
-    pub fn step_typed<T, E, M, F>(&mut self, body: F) -> Result<T, E>
-    where
-        F: FnMut(&BatchPlan) -> Result<T, E>,
-        E: AttemptError<M>,
-    {
-        self.step(body)
     }
 
     /// One optimizer step in two parts: `accumulate` (zero the gradients, then forward and

@@ -22,7 +22,7 @@
 //!   its own, together with the next one, saying why; the last remedy always gets a trial.
 //!
 //! ```
-//! use batch_size_runtime::{BatchSizeSearch, Remedies, Remedy, SimulatedDevice};
+//! use batch_size_runtime::{BatchSizeSearch, remedies::Remedies, remedies::Remedy, memory::SimulatedDevice};
 //!
 //! #[derive(Debug, Clone)]
 //! struct Config { checkpointing: bool, bf16: bool, context: usize }
@@ -82,7 +82,7 @@ impl<S> Remedy<S> {
     /// A switch, turned on once by `apply` (activation checkpointing, bf16, an 8-bit optimizer).
     ///
     /// ```
-    /// use batch_size_runtime::Remedy;
+    /// use batch_size_runtime::remedies::Remedy;
     /// struct Config { checkpointing: bool }
     /// let remedy = Remedy::switch("activation checkpointing", |c: &mut Config| c.checkpointing = true);
     /// assert_eq!(remedy.name(), "activation checkpointing");
@@ -103,7 +103,7 @@ impl<S> Remedy<S> {
     /// already at or below its floor is passed over.
     ///
     /// ```
-    /// use batch_size_runtime::Remedy;
+    /// use batch_size_runtime::remedies::Remedy;
     /// struct Config { context: usize }
     /// let context = Remedy::knob("context length", |c: &Config| c.context, |c: &mut Config, v| c.context = v)
     ///     .with_floor(512);
@@ -133,7 +133,7 @@ impl<S> Remedy<S> {
     /// No effect on a switch.
     ///
     /// ```
-    /// # use batch_size_runtime::Remedy;
+    /// # use batch_size_runtime::remedies::Remedy;
     /// # struct Config { context: usize }
     /// let context = Remedy::knob("context", |c: &Config| c.context, |c: &mut Config, v| c.context = v)
     ///     .with_floor(512);
@@ -150,7 +150,7 @@ impl<S> Remedy<S> {
     /// least one lower. No effect on a switch.
     ///
     /// ```
-    /// # use batch_size_runtime::Remedy;
+    /// # use batch_size_runtime::remedies::Remedy;
     /// # struct Config { context: usize }
     /// let context = Remedy::knob("context", |c: &Config| c.context, |c: &mut Config, v| c.context = v)
     ///     .with_factor(0.75); // 4096, 3072, 2304, ...
@@ -170,7 +170,7 @@ impl<S> Remedy<S> {
     /// the last remedy is always tried.
     ///
     /// ```
-    /// # use batch_size_runtime::Remedy;
+    /// # use batch_size_runtime::remedies::Remedy;
     /// # struct Config { bf16: bool }
     /// let bf16 = Remedy::switch("bf16", |c: &mut Config| c.bf16 = true).with_saving(0.5);
     /// # let _ = bf16;
@@ -215,7 +215,7 @@ impl<S: Clone + Send + 'static> Remedies<S> {
     /// Your settings, with no remedy in force yet.
     ///
     /// ```
-    /// use batch_size_runtime::Remedies;
+    /// use batch_size_runtime::remedies::Remedies;
     /// let remedies = Remedies::new(2048usize);
     /// assert_eq!(remedies.settings(), 2048);
     /// assert!(remedies.applied().is_empty());
@@ -229,7 +229,7 @@ impl<S: Clone + Send + 'static> Remedies<S> {
     /// Allows one more remedy, after the ones already declared.
     ///
     /// ```
-    /// use batch_size_runtime::{Remedies, Remedy};
+    /// use batch_size_runtime::{remedies::Remedies, remedies::Remedy};
     /// #[derive(Clone)]
     /// struct Config { checkpointing: bool, context: usize }
     /// let remedies = Remedies::new(Config { checkpointing: false, context: 4096 })
@@ -266,7 +266,7 @@ impl<S: Clone + Send + 'static> Remedies<S> {
     /// What one attempt gets: its batch size and the settings in force.
     ///
     /// ```
-    /// use batch_size_runtime::Remedies;
+    /// use batch_size_runtime::remedies::Remedies;
     /// let attempt = Remedies::new("fp32").attempt(16);
     /// assert_eq!((attempt.batch_size(), *attempt.settings()), (16, "fp32"));
     /// ```
@@ -325,7 +325,7 @@ impl<S> Remedied<S> {
     /// knob lowered twice is there twice; empty when none was needed.
     ///
     /// ```
-    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Remedies, Remedy};
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory, remedies::Remedies, remedies::Remedy};
     ///
     /// let remedies = Remedies::new(false)
     ///     .then(Remedy::switch("activation checkpointing", |on: &mut bool| *on = true));
@@ -382,7 +382,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
     ///
     /// ```
-    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory, Remedies, Remedy};
+    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory, remedies::Remedies, remedies::Remedy};
     ///
     /// let context = Remedy::knob("context length", |c: &usize| *c, |c: &mut usize, v| *c = v)
     ///     .with_floor(512);

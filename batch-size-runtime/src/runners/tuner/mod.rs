@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::attempt::AttemptError;
-use crate::engine::BatchSizeSearch;
+use crate::engine::{settings_setters, BatchSizeSearch, Settings};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::StopReason;
+#[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::record::SearchReport;
 
@@ -80,7 +81,7 @@ use throughput::{fastest, Shared};
 /// [`Release::cuda()`], no cache, [`Choice::Largest`], tolerance 0.02, the wall clock.
 ///
 /// ```
-/// use batch_size_runtime::{SimulatedDevice, Tuner};
+/// use batch_size_runtime::{memory::SimulatedDevice, Tuner};
 ///
 /// let device = SimulatedDevice::new(16 << 30); // 16 GiB
 /// let tuned = Tuner::new()
@@ -97,12 +98,9 @@ use throughput::{fastest, Shared};
 /// ```
 #[must_use = "a tuner does nothing until it is run"]
 pub struct Tuner {
-    min: usize,
-    max: Option<usize>,
-    margin: f64,
+    settings: Settings<'static>,
+    headroom: f64,
     max_trials: usize,
-    release: Option<Release>,
-    cache: Option<(String, Option<std::path::PathBuf>)>,
     choice: Choice,
     tolerance: f64,
     clock: Option<Clock>,
@@ -113,12 +111,9 @@ type Clock = Box<dyn FnMut() -> Duration + Send>;
 impl std::fmt::Debug for Tuner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tuner")
-            .field("min", &self.min)
-            .field("max", &self.max)
-            .field("margin", &self.margin)
+            .field("settings", &self.settings)
+            .field("headroom", &self.headroom)
             .field("max_trials", &self.max_trials)
-            .field("release", &self.release)
-            .field("cache", &self.cache)
             .field("choice", &self.choice)
             .field("tolerance", &self.tolerance)
             .field("clock", &self.clock.as_ref().map(|_| "custom"))
@@ -207,7 +202,7 @@ impl Tuned {
     /// let mut now = Duration::ZERO;
     /// let tuned = Tuner::new()
     ///     .with_max(8)
-    ///     .with_margin(0.0)
+    ///     .with_headroom(0.0)
     ///     .with_clock(move || { now += Duration::from_millis(50); now }) // 50 ms a trial
     ///     .run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.throughput()[0], (1, 20.0)); // 1 sample in 50 ms
@@ -271,6 +266,8 @@ impl Default for Tuner {
         Tuner::new()
     }
 }
+settings_setters!(Tuner, "Tuner::new()", bounds, release);
+
 impl Tuner {
     /// A tuner with the defaults.
     ///
@@ -281,90 +278,26 @@ impl Tuner {
     /// ```
     pub fn new() -> Self {
         Tuner {
-            min: 1,
-            max: None,
-            margin: 0.05,
+            settings: Settings::default(),
+            headroom: 0.05,
             max_trials: 25,
-            release: None,
-            cache: None,
             choice: Choice::Largest,
             tolerance: 0.02,
             clock: None,
         }
     }
 
-    /// Remembers the tuned size under `key` (see [`cache`](crate::cache)): a rerun with the
-    /// same key, function and device runs that size once and returns it.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{OutOfMemory, Tuner};
-    /// let tune = || Tuner::new().with_cache("tuner doc").run(|size| -> anyhow::Result<()> {
-    ///     if size > 300 { Err(OutOfMemory::new())? }
-    ///     Ok(())
-    /// });
-    /// let first = tune()?;
-    /// let again = tune()?;
-    /// assert_eq!(again.batch_size(), first.batch_size());
-    /// assert_eq!(again.report().len(), 1);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_cache(mut self, key: impl Into<String>) -> Self {
-        let dir = self.cache.take().and_then(|(_, dir)| dir);
-        self.cache = Some((key.into(), dir));
-        self
-    }
-
-    /// Keeps the cache's entries in `dir` too (see
-    /// [`BatchSizeSearch::with_cache_dir`]).
+    /// The headroom: the share taken off the largest size that ran (0 ≤ headroom < 1; default
+    /// 0.05). Not the guided policy's margin (memory kept free): a share of the size.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
-    /// let tuner = Tuner::new().with_cache("key").with_cache_dir(std::env::temp_dir().join("tuned"));
-    /// # let _ = tuner;
-    /// ```
-    pub fn with_cache_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
-        let key = self.cache.take().map(|(key, _)| key).unwrap_or_default();
-        self.cache = Some((key, Some(dir.into())));
-        self
-    }
-
-    /// The largest size tried (and returned), exactly.
-    ///
-    /// ```
-    /// # use batch_size_runtime::Tuner;
-    /// let tuned = Tuner::new().with_max(100).with_margin(0.0).run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert_eq!(tuned.batch_size(), 100);
-    /// assert!(tuned.report().attempts().all(|trial| trial.batch_size <= 100));
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_max(mut self, max: usize) -> Self {
-        self.max = Some(max);
-        self
-    }
-
-    /// The smallest size tried; the first probe.
-    ///
-    /// ```
-    /// # use batch_size_runtime::Tuner;
-    /// let tuned = Tuner::new().with_min(8).with_max(8).run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert_eq!(tuned.report().attempts().next().unwrap().batch_size, 8);
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_min(mut self, min: usize) -> Self {
-        self.min = min;
-        self
-    }
-
-    /// The share taken off the largest size that ran (0 ≤ margin < 1; default 0.05).
-    ///
-    /// ```
-    /// # use batch_size_runtime::Tuner;
-    /// let tuned = Tuner::new().with_max(100).with_margin(0.2).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// let tuned = Tuner::new().with_max(100).with_headroom(0.2).run(|_| Ok::<_, anyhow::Error>(()))?;
     /// assert_eq!(tuned.batch_size(), 80);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
-    pub fn with_margin(mut self, margin: f64) -> Self {
-        self.margin = margin;
+    pub fn with_headroom(mut self, headroom: f64) -> Self {
+        self.headroom = headroom;
         self
     }
 
@@ -378,19 +311,6 @@ impl Tuner {
     /// ```
     pub fn with_max_trials(mut self, max_trials: usize) -> Self {
         self.max_trials = max_trials;
-        self
-    }
-
-    /// What releases device memory between trials, and reads the figures the fit uses.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{SimulatedDevice, Tuner};
-    /// let device = SimulatedDevice::new(1 << 30);
-    /// let tuner = Tuner::new().with_release(device.clone());
-    /// # let _ = tuner;
-    /// ```
-    pub fn with_release(mut self, release: impl Into<Release>) -> Self {
-        self.release = Some(release.into());
         self
     }
 
@@ -464,24 +384,30 @@ impl Tuner {
     where
         E: AttemptError<M>,
     {
-        let (margin, tolerance, min) = (self.margin, self.tolerance, self.min.max(1));
+        let mut settings = self.settings;
+        settings.check_bounds();
+        let (margin, tolerance, min) = (self.headroom, self.tolerance, settings.min);
         let shared = Arc::new(Shared::default());
         let policy = TunerPolicy::new(
             min,
-            self.max,
+            settings.max,
             margin,
             self.max_trials,
             self.choice,
             tolerance,
             Arc::clone(&shared),
         );
-        let mut search = BatchSizeSearch::new(min)
-            .with_label("tuner")
-            .with_min(self.min)
-            .with_policy(policy);
+        // The tuner's settings are the search's, but for its own policy: the cache under the
+        // tuner's key (the fastest size is another answer than the largest: another entry).
+        if let (Some(cache), Choice::Fastest) = (&mut settings.cache, self.choice) {
+            cache.key = format!("{} | fastest", cache.key);
+        }
+        let mut search = BatchSizeSearch::new(min).with_label("tuner");
+        search.settings = settings;
+        let mut search = search.with_policy(policy);
         if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
             search.invalidate(format!(
-                "`margin` must be at least 0 and below 1, got {margin}"
+                "`headroom` must be at least 0 and below 1, got {margin}"
             ));
         }
         if !(tolerance.is_finite() && (0.0..1.0).contains(&tolerance)) {
@@ -491,20 +417,6 @@ impl Tuner {
         }
         if self.max_trials == 0 {
             search.invalidate("`max_trials` must be at least 1, got 0".to_owned());
-        }
-        if let Some(release) = self.release {
-            search = search.with_release(release);
-        }
-        if let Some((key, dir)) = self.cache {
-            // The fastest size is another answer than the largest: another entry.
-            let key = match self.choice {
-                Choice::Largest => key,
-                Choice::Fastest => format!("{key} | fastest"),
-            };
-            search = search.with_cache(key);
-            if let Some(dir) = dir {
-                search = search.with_cache_dir(dir);
-            }
         }
         let mut clock = self.clock.unwrap_or_else(|| {
             let origin = Instant::now();

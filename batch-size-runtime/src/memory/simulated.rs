@@ -3,7 +3,7 @@
 //! driven through the attribute and tested on any machine, with no GPU.
 //!
 //! ```
-//! use batch_size_runtime::{BatchSizeSearch, SimulatedDevice};
+//! use batch_size_runtime::{BatchSizeSearch, memory::SimulatedDevice};
 //!
 //! let device = SimulatedDevice::new(1 << 30); // 1 GiB
 //! let fitted: Result<usize, anyhow::Error> = BatchSizeSearch::new(64)
@@ -19,8 +19,8 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::error::OutOfMemory;
 use crate::memory::{DeviceMemory, MemoryBackend, MemorySnapshot, ReleaseError};
+use crate::OutOfMemory;
 
 #[derive(Debug, Default)]
 struct Usage {
@@ -57,7 +57,7 @@ impl Device {
 /// and errors, and releases its cache between attempts.
 ///
 /// ```
-/// use batch_size_runtime::SimulatedDevice;
+/// use batch_size_runtime::memory::SimulatedDevice;
 ///
 /// let device = SimulatedDevice::new(1 << 30); // 1 GiB
 /// let weights = device.alloc(600 << 20)?;
@@ -83,7 +83,7 @@ impl SimulatedDevice {
     /// A device named `sim:0` with `capacity_bytes` of memory, exact allocations and no cache.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(8 << 30);
     /// assert_eq!((device.name(), device.capacity(), device.free()), ("sim:0", 8 << 30, 8 << 30));
     /// ```
@@ -116,7 +116,7 @@ impl SimulatedDevice {
     /// Names the device in logs and errors. Call before allocating: it makes a new device.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100).named("sim:1");
     /// assert_eq!(device.name(), "sim:1");
     /// let error = device.alloc(200).unwrap_err();
@@ -131,7 +131,7 @@ impl SimulatedDevice {
     /// 2 MiB pages, so that figures are not unrealistically exact. Call before allocating.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(64 << 20).with_block_size(2 << 20);
     /// let small = device.alloc(1)?;
     /// assert_eq!(small.bytes(), 2 << 20);
@@ -146,7 +146,7 @@ impl SimulatedDevice {
     /// a retry finds the memory of the failed attempt still taken. Call before allocating.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// use batch_size_runtime::memory::MemoryBackend;
     ///
     /// let device = SimulatedDevice::new(100).with_caching();
@@ -164,7 +164,7 @@ impl SimulatedDevice {
     /// the bytes requested and free. The allocation frees itself when dropped.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100);
     /// let held = device.alloc(60)?;
     /// let error = device.alloc(50).unwrap_err();
@@ -206,7 +206,7 @@ impl SimulatedDevice {
     /// The device's name.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// assert_eq!(SimulatedDevice::new(100).name(), "sim:0");
     /// ```
     pub fn name(&self) -> &str {
@@ -216,7 +216,7 @@ impl SimulatedDevice {
     /// Total bytes.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// assert_eq!(SimulatedDevice::new(100).capacity(), 100);
     /// ```
     pub fn capacity(&self) -> u64 {
@@ -226,7 +226,7 @@ impl SimulatedDevice {
     /// Bytes held by live allocations.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100);
     /// let _held = device.alloc(30)?;
     /// assert_eq!(device.live(), 30);
@@ -239,7 +239,7 @@ impl SimulatedDevice {
     /// The most bytes live at once since the peak was last reset.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100);
     /// drop(device.alloc(70)?);
     /// let _held = device.alloc(20)?;
@@ -253,7 +253,7 @@ impl SimulatedDevice {
     /// Bytes freed but still held by the cache (always 0 without [`with_caching`](Self::with_caching)).
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100).with_caching();
     /// drop(device.alloc(30)?);
     /// assert_eq!(device.cached(), 30);
@@ -266,7 +266,7 @@ impl SimulatedDevice {
     /// Bytes an allocation can still get.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100);
     /// let _held = device.alloc(30)?;
     /// assert_eq!(device.free(), 70);
@@ -280,7 +280,7 @@ impl SimulatedDevice {
     /// Successful allocations so far.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100);
     /// let _held = (device.alloc(10)?, device.alloc(10)?);
     /// assert_eq!(device.allocation_count(), 2);
@@ -293,7 +293,7 @@ impl SimulatedDevice {
     /// Allocations that failed with out-of-memory so far.
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100);
     /// assert!(device.alloc(101).is_err());
     /// assert_eq!(device.failed_allocation_count(), 1);
@@ -306,7 +306,7 @@ impl SimulatedDevice {
     /// Releases so far (each gives the cache back).
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// use batch_size_runtime::memory::MemoryBackend;
     /// let device = SimulatedDevice::new(100);
     /// device.release()?;
@@ -349,7 +349,7 @@ impl MemoryBackend for SimulatedDevice {
 /// Memory taken from a [`SimulatedDevice`]; given back when dropped.
 ///
 /// ```
-/// use batch_size_runtime::SimulatedDevice;
+/// use batch_size_runtime::memory::SimulatedDevice;
 ///
 /// let device = SimulatedDevice::new(1 << 20);
 /// let buffer = device.alloc(4096)?;
@@ -368,7 +368,7 @@ impl SimAllocation {
     /// Bytes held (after rounding to the block size).
     ///
     /// ```
-    /// # use batch_size_runtime::SimulatedDevice;
+    /// # use batch_size_runtime::memory::SimulatedDevice;
     /// let device = SimulatedDevice::new(100).with_block_size(8);
     /// assert_eq!(device.alloc(10)?.bytes(), 16);
     /// # Ok::<(), batch_size_runtime::OutOfMemory>(())

@@ -1,0 +1,323 @@
+//! What every runner is configured with, written once: the size rule (guided, a factor, your
+//! function), the bounds, the release, the cache and learning. Every runner
+//! ([`BatchSizeSearch`](crate::BatchSizeSearch), [`EffectiveBatch`](crate::EffectiveBatch),
+//! [`Chunked`](crate::Chunked), [`Tuner`](crate::Tuner)) holds one [`Settings`], and gets the
+//! setters of the groups it honours from [`settings_setters!`], each written and documented
+//! here once. A runner turns its settings into each search it runs; nothing is copied into
+//! fields of its own.
+
+use std::path::PathBuf;
+
+use crate::memory::Release;
+use crate::policy::{CacheSettings, Guided, Reduction, SizePolicy};
+
+/// A setting that cannot produce a size, found when it was set and reported when the runner
+/// first runs ([`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)):
+/// the first problem found is the one reported.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Invalid {
+    /// `min` (or `with_min_micro`) of 0.
+    MinIsZero,
+    /// `max` of 0.
+    MaxIsZero,
+    /// `max` below `min`.
+    MaxBelowMin { min: usize, max: usize },
+    /// Anything a runner checks of its own.
+    Other(String),
+}
+
+impl std::fmt::Display for Invalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Invalid::MinIsZero => f.write_str("`min` must be at least 1, got 0"),
+            Invalid::MaxIsZero => f.write_str("`max` must be at least 1, got 0"),
+            Invalid::MaxBelowMin { min, max } => {
+                write!(f, "`max` ({max}) must not be below `min` ({min})")
+            }
+            Invalid::Other(why) => f.write_str(why),
+        }
+    }
+}
+
+/// The settings every runner shares. Private to the crate: users meet them only through the
+/// runners' setters.
+#[derive(Debug)]
+pub(crate) struct Settings<'r> {
+    /// No size below it is tried (at least 1).
+    pub(crate) min: usize,
+    /// No size above it is tried, where a runner grows.
+    pub(crate) max: Option<usize>,
+    /// How the next size is chosen after an out-of-memory failure.
+    pub(crate) shrink: Reduction<'r>,
+    /// A policy of the user's instead (`BatchSizeSearch::with_policy`): the shrink setters
+    /// choose the shrink rule again.
+    pub(crate) policy: Option<Box<dyn SizePolicy + 'r>>,
+    /// `None` until chosen: the default is built only where a runner needs it.
+    pub(crate) release: Option<Release>,
+    /// Where the sizes that fit are remembered, if anywhere.
+    pub(crate) cache: Option<CacheSettings>,
+    /// Whether a runner of many searches learns from every one (where figures are read).
+    pub(crate) learn: bool,
+    /// Clean searches before a runner of many searches grows back blindly (0: never).
+    pub(crate) grow_after: usize,
+    /// The first setting found unusable.
+    pub(crate) invalid: Option<Invalid>,
+}
+
+impl Default for Settings<'_> {
+    fn default() -> Self {
+        Settings {
+            min: 1,
+            max: None,
+            shrink: Reduction::default(),
+            policy: None,
+            release: None,
+            cache: None,
+            learn: true,
+            grow_after: 0,
+            invalid: None,
+        }
+    }
+}
+
+impl<'r> Settings<'r> {
+    /// Keeps the first problem found.
+    pub(crate) fn invalidate(&mut self, why: Invalid) {
+        self.invalid.get_or_insert(why);
+    }
+
+    pub(crate) fn set_min(&mut self, min: usize) {
+        if min == 0 {
+            self.invalidate(Invalid::MinIsZero);
+        }
+        self.min = min.max(1);
+    }
+
+    pub(crate) fn set_max(&mut self, max: usize) {
+        if max == 0 {
+            self.invalidate(Invalid::MaxIsZero);
+        }
+        self.max = Some(max.max(1));
+    }
+
+    pub(crate) fn set_shrink(&mut self, shrink: Reduction<'r>) {
+        self.policy = None;
+        self.shrink = shrink;
+    }
+
+    pub(crate) fn set_factor(&mut self, factor: f64) {
+        self.set_shrink(Reduction::Factor(factor));
+    }
+
+    pub(crate) fn set_margin(&mut self, margin: f64) {
+        self.set_shrink(Reduction::Guided(Guided::new().with_margin(margin)));
+    }
+
+    pub(crate) fn set_cache_key(&mut self, key: String) {
+        let dir = self.cache.take().and_then(|cache| cache.dir);
+        self.cache = Some(CacheSettings { key, dir });
+    }
+
+    pub(crate) fn set_cache_dir(&mut self, dir: PathBuf) {
+        let key = self.cache.take().map(|cache| cache.key).unwrap_or_default();
+        self.cache = Some(CacheSettings {
+            key,
+            dir: Some(dir),
+        });
+    }
+
+    /// The cache, where a key was given (a folder alone caches nothing).
+    pub(crate) fn cache(&self) -> Option<&CacheSettings> {
+        self.cache.as_ref().filter(|cache| !cache.key.is_empty())
+    }
+
+    /// `max` checked against `min`, where both are set.
+    pub(crate) fn check_bounds(&mut self) {
+        if let Some(max) = self.max {
+            if max < self.min {
+                self.invalidate(Invalid::MaxBelowMin { min: self.min, max });
+            }
+        }
+    }
+}
+
+/// The setters of the settings' groups, for a runner that holds `settings: Settings`. Each is
+/// written and documented once, with one example run on each runner that has it.
+///
+/// - `bounds`: `with_min`, `with_max`;
+/// - `release`: `with_release`, `with_cache`, `with_cache_dir`;
+/// - `shrink`: `with_factor`, `with_reduce`, `with_margin`;
+/// - `learning`: `with_convergence`, `with_grow_after`.
+macro_rules! settings_setters {
+    ($runner:ident $(<$life:lifetime>)?, $new:literal, bounds) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            /// The smallest size tried (default 1). 0 is refused: the runner stops before its
+            /// first attempt with
+            /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration).
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_min(8);")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_min(mut self, min: usize) -> Self {
+                self.settings.set_min(min);
+                self
+            }
+
+            /// The largest size tried, where the runner grows (default: no cap but the work's
+            /// own size). 0, or a `max` below `min`, is refused as `with_min(0)` is.
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_max(512);")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_max(mut self, max: usize) -> Self {
+                self.settings.set_max(max);
+                self
+            }
+        }
+    };
+    ($runner:ident $(<$life:lifetime>)?, $new:literal, release) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            /// What gives device memory back between attempts, and reads the figures the
+            /// search is guided by: anything `Into<`[`Release`](crate::Release)`>` (default:
+            /// [`Release::cuda()`](crate::Release::cuda)).
+            ///
+            /// ```
+            /// use batch_size_runtime::memory::SimulatedDevice;
+            /// let device = SimulatedDevice::new(1 << 30);
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_release(device.clone());")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_release(mut self, release: impl Into<crate::Release>) -> Self {
+                self.settings.release = Some(release.into());
+                self
+            }
+
+            /// Remembers the size that fit under `key` (with what the runner runs and the
+            /// device's name and total memory), in this process and, with
+            /// [`with_cache_dir`](Self::with_cache_dir) or
+            /// [`BATCH_SIZE_CACHE_DIR`](crate::policy::CACHE_DIR_VARIABLE), on disk: the next
+            /// run with the same key (a training run resumed from its checkpoint) starts at
+            /// that size, with no out-of-memory on the way. See
+            /// [`CacheEntry`](crate::policy::CacheEntry).
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_cache(\"my-model on a100\");")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_cache(mut self, key: impl Into<String>) -> Self {
+                self.settings.set_cache_key(key.into());
+                self
+            }
+
+            /// The folder of the cache's files (with [`with_cache`](Self::with_cache); alone
+            /// it caches nothing).
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_cache(\"key\").with_cache_dir(std::env::temp_dir());")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_cache_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+                self.settings.set_cache_dir(dir.into());
+                self
+            }
+        }
+    };
+    ($runner:ident $(<$life:lifetime>)?, $new:literal, shrink) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            /// Multiplies the size by `factor` (0 < f < 1) after each out-of-memory failure,
+            /// rounding down: `0.9` is Accelerate 1.x, `0.5` toma's and Composer's halving. A
+            /// factor outside (0, 1) stops the runner before its first attempt with
+            /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration).
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_factor(0.5);")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_factor(mut self, factor: f64) -> Self {
+                self.settings.set_factor(factor);
+                self
+            }
+
+            /// Picks the next size with your function of the failed attempt
+            /// ([`FailedAttempt`](crate::policy::FailedAttempt): its size, number, error and
+            /// memory figures). It must return a smaller size; anything else stops the search
+            /// with [`StopReason::NotSmaller`](crate::StopReason::NotSmaller).
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_reduce(|failed| failed.batch_size - 8);")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_reduce(
+                mut self,
+                reduce: impl FnMut(&crate::policy::FailedAttempt<'_>) -> usize + Send + $($life)?,
+            ) -> Self {
+                self.settings
+                    .set_shrink(crate::policy::Reduction::Custom(Box::new(reduce)));
+                self
+            }
+
+            /// The margin of the default guided policy
+            /// ([`Guided`](crate::policy::Guided)): the share of the device kept free when it
+            /// estimates the next size from a failure's figures (default 0.05; 0 ≤ margin < 1,
+            /// otherwise the runner stops before its first attempt with
+            /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
+            /// Selects the guided policy if another was chosen.
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_margin(0.1);")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_margin(mut self, margin: f64) -> Self {
+                self.settings.set_margin(margin);
+                self
+            }
+        }
+    };
+    ($runner:ident $(<$life:lifetime>)?, $new:literal, learning) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            /// Whether the runner learns from every search (default: on). With a release that
+            /// reads figures (CUDA's pool counters, a
+            /// [`SimulatedDevice`](crate::memory::SimulatedDevice), the host's memory), each
+            /// success's peak and the memory in use before it fit memory against the size, and
+            /// the next search starts at the size that takes the fewest passes the figures say
+            /// fit. A growth attempt that runs out of memory is redone in place at the size
+            /// that fitted, and not tried again for 16 searches (32, 64, ... while it keeps
+            /// failing). It reads the allocator's counters once after each success: no
+            /// synchronize, no trim. Without figures nothing is learned: the size that fitted
+            /// is kept ([`with_grow_after`](Self::with_grow_after) grows back blindly).
+            ///
+            /// ```
+            #[doc = concat!("let fixed = batch_size_runtime::", $new, ".with_convergence(false);")]
+            /// # let _ = fixed;
+            /// ```
+            pub fn with_convergence(mut self, learn: bool) -> Self {
+                self.settings.learn = learn;
+                self
+            }
+
+            /// After `successes` clean searches in a row, tries a larger size again: double,
+            /// capped, while twice the size stays below the smallest size that ran out of
+            /// memory; that size itself is tried again once it has held growth back for 16
+            /// searches (32, 64, ... while it keeps failing). Off by default (0).
+            ///
+            /// ```
+            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_grow_after(4);")]
+            /// # let _ = runner;
+            /// ```
+            pub fn with_grow_after(mut self, successes: usize) -> Self {
+                self.settings.grow_after = successes;
+                self
+            }
+        }
+    };
+    ($runner:ident <$life:lifetime>, $new:literal, $($group:ident),+) => {
+        $(settings_setters!($runner<$life>, $new, $group);)+
+    };
+    ($runner:ident, $new:literal, $($group:ident),+) => {
+        $(settings_setters!($runner, $new, $group);)+
+    };
+}
+
+pub(crate) use settings_setters;
