@@ -40,14 +40,7 @@ pub fn starting_of<S: BatchSizeInt>(starting: S) -> Result<usize, String> {
 #[doc(hidden)]
 #[inline]
 pub fn with_min<'r, M: BatchSizeInt>(search: BatchSizeSearch<'r>, min: M) -> BatchSizeSearch<'r> {
-    match min.to_batch_size("min") {
-        Ok(min) => search.with_min(min),
-        Err(why) => {
-            let mut search = search;
-            search.invalidate(why);
-            search
-        }
-    }
+    with_count(search, min, "min", BatchSizeSearch::with_min)
 }
 
 /// `max_attempts = EXPR` of any integer type; 0 or below is an invalid configuration.
@@ -56,10 +49,26 @@ pub fn with_max_attempts<'r, M: BatchSizeInt>(
     search: BatchSizeSearch<'r>,
     max_attempts: M,
 ) -> BatchSizeSearch<'r> {
-    match max_attempts.to_batch_size("max_attempts") {
-        Ok(max_attempts) => search.with_max_attempts(max_attempts),
+    with_count(
+        search,
+        max_attempts,
+        "max_attempts",
+        BatchSizeSearch::with_max_attempts,
+    )
+}
+
+/// A count argument of any integer type, set with `set`, or the search made invalid with why
+/// the value cannot be a count.
+#[inline]
+fn with_count<'r, M: BatchSizeInt>(
+    mut search: BatchSizeSearch<'r>,
+    value: M,
+    name: &str,
+    set: fn(BatchSizeSearch<'r>, usize) -> BatchSizeSearch<'r>,
+) -> BatchSizeSearch<'r> {
+    match value.to_batch_size(name) {
+        Ok(value) => set(search, value),
         Err(why) => {
-            let mut search = search;
             search.invalidate(why);
             search
         }

@@ -226,6 +226,7 @@ mod engine;
 mod error;
 pub mod memory;
 pub mod oom;
+mod opaque;
 mod panic_filter;
 pub mod policy;
 mod record;

@@ -149,6 +149,19 @@ impl IdExchange {
     /// How long a rank waits for the others by default.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
+    /// An exchange by `way`, with the defaults.
+    fn new(way: Way, rank: usize, world_size: usize) -> Self {
+        IdExchange {
+            way,
+            rank,
+            world_size,
+            local_rank: rank,
+            timeout: IdExchange::DEFAULT_TIMEOUT,
+            patience: CONNECTION_PATIENCE,
+            token: None,
+        }
+    }
+
     /// Rank 0 writes the Id to `path` atomically (a temporary file in the same folder, then a
     /// rename), as candle's multi-process NCCL example does; the others poll for the file until
     /// the timeout and read it. Use it when every rank sees one folder (one machine, or storage
@@ -164,15 +177,7 @@ impl IdExchange {
     /// assert_eq!((exchange.rank(), exchange.world_size(), exchange.local_rank()), (1, 4, 1));
     /// ```
     pub fn file(path: impl Into<PathBuf>, rank: usize, world_size: usize) -> Self {
-        IdExchange {
-            way: Way::File(path.into()),
-            rank,
-            world_size,
-            local_rank: rank,
-            timeout: IdExchange::DEFAULT_TIMEOUT,
-            patience: CONNECTION_PATIENCE,
-            token: None,
-        }
+        IdExchange::new(Way::File(path.into()), rank, world_size)
     }
 
     /// Rank 0 listens on `port` and hands the Id to the `world_size - 1` others, which connect
@@ -194,18 +199,11 @@ impl IdExchange {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn tcp(host: impl Into<String>, port: u16, rank: usize, world_size: usize) -> Self {
-        IdExchange {
-            way: Way::Tcp {
-                host: host.into(),
-                port,
-            },
-            rank,
-            world_size,
-            local_rank: rank,
-            timeout: IdExchange::DEFAULT_TIMEOUT,
-            patience: CONNECTION_PATIENCE,
-            token: None,
-        }
+        let way = Way::Tcp {
+            host: host.into(),
+            port,
+        };
+        IdExchange::new(way, rank, world_size)
     }
 
     /// The TCP exchange from the launcher's environment, as `torchrun` sets it: `RANK`,
@@ -250,15 +248,19 @@ impl IdExchange {
                     hint: LAUNCHER,
                 })
         };
-        let number = |name: &'static str, value: String| {
+        // A variable's value read as `T`, or why not.
+        fn parsed<T: std::str::FromStr>(
+            name: &'static str,
+            value: String,
+            why: &'static str,
+        ) -> Result<T, ExchangeError> {
             value
                 .trim()
-                .parse::<usize>()
-                .map_err(|_| ExchangeError::InvalidVariable {
-                    name,
-                    value,
-                    why: "a whole number is expected",
-                })
+                .parse::<T>()
+                .map_err(|_| ExchangeError::InvalidVariable { name, value, why })
+        }
+        let number = |name: &'static str, value: String| {
+            parsed::<usize>(name, value, "a whole number is expected")
         };
         let rank = number("RANK", required("RANK")?)?;
         let world_size = number("WORLD_SIZE", required("WORLD_SIZE")?)?;
@@ -268,14 +270,7 @@ impl IdExchange {
         };
         let host = required("MASTER_ADDR")?;
         let port = |name: &'static str, value: String| {
-            value
-                .trim()
-                .parse::<u16>()
-                .map_err(|_| ExchangeError::InvalidVariable {
-                    name,
-                    value,
-                    why: "a port number (1 to 65535) is expected",
-                })
+            parsed::<u16>(name, value, "a port number (1 to 65535) is expected")
         };
         let port = match lookup(EXCHANGE_PORT_VARIABLE).filter(|value| !value.is_empty()) {
             Some(value) => port(EXCHANGE_PORT_VARIABLE, value)?,

@@ -85,10 +85,7 @@ impl Keyed {
 
     /// What rank 0 sends to prove it knows the token.
     pub(crate) fn rank_0_proof(&self, session: &Session) -> Proof {
-        self.mac(RANK_0_PROVES, session)
-            .finalize()
-            .into_bytes()
-            .into()
+        self.proof(RANK_0_PROVES, session)
     }
 
     /// Whether `proof` is rank 0's for this session (in constant time).
@@ -98,15 +95,17 @@ impl Keyed {
 
     /// What a rank sends to prove it knows the token.
     pub(crate) fn rank_proof(&self, session: &Session) -> Proof {
-        self.mac(RANK_PROVES, session)
-            .finalize()
-            .into_bytes()
-            .into()
+        self.proof(RANK_PROVES, session)
     }
 
     /// Whether `proof` is the rank's for this session (in constant time).
     pub(crate) fn is_rank_proof(&self, session: &Session, proof: &[u8]) -> bool {
         self.mac(RANK_PROVES, session).verify_slice(proof).is_ok()
+    }
+
+    /// The proof of the side `who` for this session.
+    fn proof(&self, who: &[u8; 16], session: &Session) -> Proof {
+        self.mac(who, session).finalize().into_bytes().into()
     }
 
     /// The Id masked with a key stream only the two sides can compute (HMAC in counter mode,

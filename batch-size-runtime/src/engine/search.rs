@@ -3,7 +3,6 @@
 //! attribute's generated code; it is public for loops of your own.
 
 use std::error::Error;
-use std::fmt;
 use std::time::Instant;
 
 use super::{ActivePolicy, Hooks};
@@ -84,6 +83,7 @@ struct Running {
 /// assert_eq!(fitted, 2);
 /// # Ok::<(), batch_size_runtime::NoExecutableBatchSize>(())
 /// ```
+#[derive(Debug)]
 pub struct Search<'r> {
     policy: ActivePolicy<'r>,
     hooks: Option<Box<Hooks<'r>>>,
@@ -108,18 +108,6 @@ pub struct Search<'r> {
     retrying_below: bool,
     rationale: Option<String>,
     first_fit_at_debug: bool,
-}
-
-impl fmt::Debug for Search<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Search")
-            .field("policy", &self.policy)
-            .field("min", &self.min)
-            .field("max_attempts", &self.max_attempts)
-            .field("next", &self.next)
-            .field("report", &self.report)
-            .finish_non_exhaustive()
-    }
 }
 
 impl<'r> Search<'r> {

@@ -149,167 +149,115 @@ impl<'r> Settings<'r> {
 /// - `shrink`: `with_factor`, `with_reduce`, `with_margin`;
 /// - `learning`: `with_convergence`, `with_grow_after`.
 macro_rules! settings_setters {
+    // One setter: its doc, then an example calling it on the runner's constructor, then the
+    // method, which changes the settings (bound to `$settings` in `$change`).
+    (@setter $new:literal, $call:literal, $(#[$doc:meta])*
+        fn $name:ident($value:ident: $ty:ty) |$settings:ident| $change:expr) => {
+        $(#[$doc])*
+        ///
+        /// ```
+        #[doc = concat!("let runner = batch_size_runtime::", $new, ".", $call, ";")]
+        /// # let _ = runner;
+        /// ```
+        pub fn $name(mut self, $value: $ty) -> Self {
+            let $settings = &mut self.settings;
+            $change;
+            self
+        }
+    };
     ($runner:ident $(<$life:lifetime>)?, $new:literal, bounds) => {
         impl$(<$life>)? $runner$(<$life>)? {
-            /// The smallest size tried (default 1). 0 is refused: the runner stops before its
-            /// first attempt with
-            /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration).
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_min(8);")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_min(mut self, min: usize) -> Self {
-                self.settings.set_min(min);
-                self
-            }
+            settings_setters!(@setter $new, "with_min(8)",
+                /// The smallest size tried (default 1). 0 is refused: the runner stops before
+                /// its first attempt with
+                /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration).
+                fn with_min(min: usize) |settings| settings.set_min(min));
 
-            /// The largest size tried, where the runner grows (default: no cap but the work's
-            /// own size). 0, or a `max` below `min`, is refused as `with_min(0)` is.
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_max(512);")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_max(mut self, max: usize) -> Self {
-                self.settings.set_max(max);
-                self
-            }
+            settings_setters!(@setter $new, "with_max(512)",
+                /// The largest size tried, where the runner grows (default: no cap but the
+                /// work's own size). 0, or a `max` below `min`, is refused as `with_min(0)` is.
+                fn with_max(max: usize) |settings| settings.set_max(max));
         }
     };
     ($runner:ident $(<$life:lifetime>)?, $new:literal, release) => {
         impl$(<$life>)? $runner$(<$life>)? {
-            /// What gives device memory back between attempts, and reads the figures the
-            /// search is guided by: anything `Into<`[`Release`](crate::Release)`>` (default:
-            /// [`Release::cuda()`](crate::Release::cuda)).
-            ///
-            /// ```
-            /// use batch_size_runtime::memory::SimulatedDevice;
-            /// let device = SimulatedDevice::new(1 << 30);
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_release(device.clone());")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_release(mut self, release: impl Into<crate::Release>) -> Self {
-                self.settings.release = Some(release.into());
-                self
-            }
+            settings_setters!(@setter $new, "with_release(batch_size_runtime::Release::none())",
+                /// What gives device memory back between attempts, and reads the figures the
+                /// search is guided by: anything `Into<`[`Release`](crate::Release)`>` (a
+                /// [`SimulatedDevice`](crate::memory::SimulatedDevice), your
+                /// [`MemoryBackend`](crate::memory::MemoryBackend); default:
+                /// [`Release::cuda()`](crate::Release::cuda)).
+                fn with_release(release: impl Into<crate::Release>)
+                    |settings| settings.release = Some(release.into()));
 
-            /// Remembers the size that fit under `key` (with what the runner runs and the
-            /// device's name and total memory), in this process and, with
-            /// [`with_cache_dir`](Self::with_cache_dir) or
-            /// [`BATCH_SIZE_CACHE_DIR`](crate::policy::CACHE_DIR_VARIABLE), on disk: the next
-            /// run with the same key (a training run resumed from its checkpoint) starts at
-            /// that size, with no out-of-memory on the way. See
-            /// [`CacheEntry`](crate::policy::CacheEntry).
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_cache(\"my-model on a100\");")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_cache(mut self, key: impl Into<String>) -> Self {
-                self.settings.set_cache_key(key.into());
-                self
-            }
+            settings_setters!(@setter $new, "with_cache(\"my-model on a100\")",
+                /// Remembers the size that fit under `key` (with what the runner runs and the
+                /// device's name and total memory), in this process and, with
+                /// [`with_cache_dir`](Self::with_cache_dir) or
+                /// [`BATCH_SIZE_CACHE_DIR`](crate::policy::CACHE_DIR_VARIABLE), on disk: the
+                /// next run with the same key (a training run resumed from its checkpoint)
+                /// starts at that size, with no out-of-memory on the way. See
+                /// [`CacheEntry`](crate::policy::CacheEntry).
+                fn with_cache(key: impl Into<String>) |settings| settings.set_cache_key(key.into()));
 
-            /// The folder of the cache's files (with [`with_cache`](Self::with_cache); alone
-            /// it caches nothing).
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_cache(\"key\").with_cache_dir(std::env::temp_dir());")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_cache_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
-                self.settings.set_cache_dir(dir.into());
-                self
-            }
+            settings_setters!(@setter $new, "with_cache(\"key\").with_cache_dir(std::env::temp_dir())",
+                /// The folder of the cache's files (with [`with_cache`](Self::with_cache);
+                /// alone it caches nothing).
+                fn with_cache_dir(dir: impl Into<std::path::PathBuf>)
+                    |settings| settings.set_cache_dir(dir.into()));
         }
     };
     ($runner:ident $(<$life:lifetime>)?, $new:literal, shrink) => {
         impl$(<$life>)? $runner$(<$life>)? {
-            /// Multiplies the size by `factor` (0 < f < 1) after each out-of-memory failure,
-            /// rounding down: `0.9` is Accelerate 1.x, `0.5` toma's and Composer's halving. A
-            /// factor outside (0, 1) stops the runner before its first attempt with
-            /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration).
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_factor(0.5);")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_factor(mut self, factor: f64) -> Self {
-                self.settings.set_factor(factor);
-                self
-            }
+            settings_setters!(@setter $new, "with_factor(0.5)",
+                /// Multiplies the size by `factor` (0 < f < 1) after each out-of-memory
+                /// failure, rounding down: `0.9` is Accelerate 1.x, `0.5` toma's and
+                /// Composer's halving. A factor outside (0, 1) stops the runner before its
+                /// first attempt with
+                /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration).
+                fn with_factor(factor: f64) |settings| settings.set_factor(factor));
 
-            /// Picks the next size with your function of the failed attempt
-            /// ([`FailedAttempt`](crate::policy::FailedAttempt): its size, number, error and
-            /// memory figures). It must return a smaller size; anything else stops the search
-            /// with [`StopReason::NotSmaller`](crate::StopReason::NotSmaller).
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_reduce(|failed| failed.batch_size - 8);")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_reduce(
-                mut self,
-                reduce: impl FnMut(&crate::policy::FailedAttempt<'_>) -> usize + Send + $($life)?,
-            ) -> Self {
-                self.settings
-                    .set_shrink(crate::policy::Reduction::Custom(Box::new(reduce)));
-                self
-            }
+            settings_setters!(@setter $new, "with_reduce(|failed| failed.batch_size - 8)",
+                /// Picks the next size with your function of the failed attempt
+                /// ([`FailedAttempt`](crate::policy::FailedAttempt): its size, number, error
+                /// and memory figures). It must return a smaller size; anything else stops the
+                /// search with [`StopReason::NotSmaller`](crate::StopReason::NotSmaller).
+                fn with_reduce(
+                    reduce: impl FnMut(&crate::policy::FailedAttempt<'_>) -> usize + Send + $($life)?
+                ) |settings| settings.set_shrink(crate::policy::Reduction::Custom(Box::new(reduce))));
 
-            /// The margin of the default guided policy
-            /// ([`Guided`](crate::policy::Guided)): the share of the device kept free when it
-            /// estimates the next size from a failure's figures (default 0.05; 0 ≤ margin < 1,
-            /// otherwise the runner stops before its first attempt with
-            /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
-            /// Selects the guided policy if another was chosen.
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_margin(0.1);")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_margin(mut self, margin: f64) -> Self {
-                self.settings.set_margin(margin);
-                self
-            }
+            settings_setters!(@setter $new, "with_margin(0.1)",
+                /// The margin of the default guided policy
+                /// ([`Guided`](crate::policy::Guided)): the share of the device kept free when
+                /// it estimates the next size from a failure's figures (default 0.05;
+                /// 0 ≤ margin < 1, otherwise the runner stops before its first attempt with
+                /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
+                /// Selects the guided policy if another was chosen.
+                fn with_margin(margin: f64) |settings| settings.set_margin(margin));
         }
     };
     ($runner:ident $(<$life:lifetime>)?, $new:literal, learning) => {
         impl$(<$life>)? $runner$(<$life>)? {
-            /// Whether the runner learns from every search (default: on). With a release that
-            /// reads figures (CUDA's pool counters, a
-            /// [`SimulatedDevice`](crate::memory::SimulatedDevice), the host's memory), each
-            /// success's peak and the memory in use before it fit memory against the size, and
-            /// the next search starts at the size that takes the fewest passes the figures say
-            /// fit. A growth attempt that runs out of memory is redone in place at the size
-            /// that fitted, and not tried again for 16 searches (32, 64, ... while it keeps
-            /// failing). It reads the allocator's counters once after each success: no
-            /// synchronize, no trim. Without figures nothing is learned: the size that fitted
-            /// is kept ([`with_grow_after`](Self::with_grow_after) grows back blindly).
-            ///
-            /// ```
-            #[doc = concat!("let fixed = batch_size_runtime::", $new, ".with_convergence(false);")]
-            /// # let _ = fixed;
-            /// ```
-            pub fn with_convergence(mut self, learn: bool) -> Self {
-                self.settings.learn = learn;
-                self
-            }
+            settings_setters!(@setter $new, "with_convergence(false)",
+                /// Whether the runner learns from every search (default: on). With a release
+                /// that reads figures (CUDA's pool counters, a
+                /// [`SimulatedDevice`](crate::memory::SimulatedDevice), the host's memory),
+                /// each success's peak and the memory in use before it fit memory against the
+                /// size, and the next search starts at the size that takes the fewest passes
+                /// the figures say fit. A growth attempt that runs out of memory is redone in
+                /// place at the size that fitted, and not tried again for 16 searches (32, 64,
+                /// ... while it keeps failing). It reads the allocator's counters once after
+                /// each success: no synchronize, no trim. Without figures nothing is learned:
+                /// the size that fitted is kept ([`with_grow_after`](Self::with_grow_after)
+                /// grows back blindly).
+                fn with_convergence(learn: bool) |settings| settings.learn = learn);
 
-            /// After `successes` clean searches in a row, tries a larger size again: double,
-            /// capped, while twice the size stays below the smallest size that ran out of
-            /// memory; that size itself is tried again once it has held growth back for 16
-            /// searches (32, 64, ... while it keeps failing). Off by default (0).
-            ///
-            /// ```
-            #[doc = concat!("let runner = batch_size_runtime::", $new, ".with_grow_after(4);")]
-            /// # let _ = runner;
-            /// ```
-            pub fn with_grow_after(mut self, successes: usize) -> Self {
-                self.settings.grow_after = successes;
-                self
-            }
+            settings_setters!(@setter $new, "with_grow_after(4)",
+                /// After `successes` clean searches in a row, tries a larger size again:
+                /// double, capped, while twice the size stays below the smallest size that ran
+                /// out of memory; that size itself is tried again once it has held growth back
+                /// for 16 searches (32, 64, ... while it keeps failing). 0 never grows.
+                fn with_grow_after(successes: usize) |settings| settings.grow_after = successes);
         }
     };
     ($runner:ident <$life:lifetime>, $new:literal, $($group:ident),+) => {

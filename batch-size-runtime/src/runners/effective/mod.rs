@@ -38,6 +38,7 @@ use std::time::Duration;
 use crate::agree::{Agree, Collective};
 use crate::engine::{settings_setters, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
+use crate::opaque::Opaque;
 use crate::policy::LadderControl;
 use crate::policy::{even_micro, Convergence, Probing};
 use crate::policy::{GrowBack, RunnerCache};
@@ -86,6 +87,7 @@ pub struct Recovery {
 /// Each step is one search of the engine: the same OOM rules, release, logs and report as the
 /// attribute. A step that runs out of memory at the smallest micro size returns
 /// `E::from(NoExecutableBatchSize)`; any other error or panic comes back unchanged.
+#[derive(Debug)]
 pub struct EffectiveBatch<'r> {
     effective: usize,
     micro: usize,
@@ -109,26 +111,13 @@ pub struct EffectiveBatch<'r> {
     /// With uneven shares: this rank's part of the global batch, and what it measured.
     uneven: bool,
     shares: Option<Shares<'r>>,
-    clock: Option<Clock<'r>>,
+    clock: Option<Opaque<Clock<'r>>>,
     /// The plan of the last step that ran (what `step_then`'s `apply` gets).
     last_plan: Option<BatchPlan>,
     /// The remedies allowed once the micro-batch reaches `min_micro`, and the micro size the
     /// search starts again from after one (the first step's).
     remedies: Option<Arc<dyn LadderControl>>,
     first_micro: usize,
-}
-
-impl std::fmt::Debug for EffectiveBatch<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EffectiveBatch")
-            .field("effective", &self.effective)
-            .field("micro", &self.micro)
-            .field("steps", &self.steps)
-            .field("recoveries", &self.recoveries)
-            .field("agreement", &self.agreement)
-            .field("shares", &self.shares)
-            .finish_non_exhaustive()
-    }
 }
 
 settings_setters!(
@@ -351,7 +340,7 @@ impl<'r> EffectiveBatch<'r> {
     /// # let _ = runner;
     /// ```
     pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
-        self.clock = Some(Box::new(clock));
+        self.clock = Some(Opaque(Box::new(clock)));
         self
     }
 

@@ -16,8 +16,8 @@
 //!
 //! Shares change between steps, never inside one.
 
+use crate::opaque::Opaque;
 use std::collections::VecDeque;
-use std::fmt;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -35,23 +35,14 @@ const WINDOW: usize = 4;
 pub(crate) type Clock<'r> = Box<dyn FnMut() -> Duration + Send + 'r>;
 
 /// The shares of one global batch and what this rank measured.
+#[derive(Debug)]
 pub(crate) struct Shares<'r> {
     global: usize,
     rank: usize,
     lengths: Vec<usize>,
     throughput: Throughput,
-    clock: Option<Clock<'r>>,
+    clock: Option<Opaque<Clock<'r>>>,
     origin: Instant,
-}
-
-impl fmt::Debug for Shares<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shares")
-            .field("global", &self.global)
-            .field("rank", &self.rank)
-            .field("lengths", &self.lengths)
-            .finish_non_exhaustive()
-    }
 }
 
 /// Why the shares changed, for the log.
@@ -77,7 +68,7 @@ impl<'r> Shares<'r> {
         }
     }
 
-    pub(crate) fn with_clock(mut self, clock: Option<Clock<'r>>) -> Self {
+    pub(crate) fn with_clock(mut self, clock: Option<Opaque<Clock<'r>>>) -> Self {
         self.clock = clock;
         self
     }

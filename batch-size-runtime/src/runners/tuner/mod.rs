@@ -14,6 +14,7 @@ use crate::engine::{settings_setters, BatchSizeSearch, Settings};
 use crate::error::StopReason;
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
+use crate::opaque::Opaque;
 use crate::record::SearchReport;
 
 // One concept a file: the search (a size policy) and what the trials measure of speed.
@@ -97,29 +98,17 @@ use throughput::{fastest, Shared};
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 #[must_use = "a tuner does nothing until it is run"]
+#[derive(Debug)]
 pub struct Tuner {
     settings: Settings<'static>,
     headroom: f64,
     max_trials: usize,
     choice: Choice,
     tolerance: f64,
-    clock: Option<Clock>,
+    clock: Option<Opaque<Clock>>,
 }
 
 type Clock = Box<dyn FnMut() -> Duration + Send>;
-
-impl std::fmt::Debug for Tuner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tuner")
-            .field("settings", &self.settings)
-            .field("headroom", &self.headroom)
-            .field("max_trials", &self.max_trials)
-            .field("choice", &self.choice)
-            .field("tolerance", &self.tolerance)
-            .field("clock", &self.clock.as_ref().map(|_| "custom"))
-            .finish()
-    }
-}
 
 /// Which size a [`Tuner`] returns as [`Tuned::batch_size`].
 ///
@@ -365,7 +354,7 @@ impl Tuner {
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'static) -> Self {
-        self.clock = Some(Box::new(clock));
+        self.clock = Some(Opaque(Box::new(clock)));
         self
     }
 
@@ -418,10 +407,13 @@ impl Tuner {
         if self.max_trials == 0 {
             search.invalidate("`max_trials` must be at least 1, got 0".to_owned());
         }
-        let mut clock = self.clock.unwrap_or_else(|| {
-            let origin = Instant::now();
-            Box::new(move || origin.elapsed())
-        });
+        let mut clock: Clock = match self.clock {
+            Some(Opaque(clock)) => clock,
+            None => {
+                let origin = Instant::now();
+                Box::new(move || origin.elapsed())
+            }
+        };
         let timings = Arc::clone(&shared);
         let (result, report) = search.run_with_report(move |size| {
             let start = clock();
