@@ -246,8 +246,3 @@ pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use runners::effective::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
 pub use runners::remedies;
 pub use runners::tuner::{Choice, Tuned, Tuner};
-
-// The README's snippets run as doctests, so that what it teaches keeps compiling.
-#[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-struct ReadmeDoctests;

@@ -141,3 +141,21 @@ impl Fields {
         }
     }
 }
+
+// The README's and the docs' snippets run as doctests of this crate, which has what they use
+// (candle on the CPU, anyhow, thiserror), so that what they teach keeps compiling and running.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/GUIDE.md")]
+struct GuideDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/HOW_IT_WORKS.md")]
+struct HowItWorksDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/SEVERAL_GPUS.md")]
+struct SeveralGpusDoctests;
