@@ -8,7 +8,9 @@ use std::sync::Arc;
 use super::throughput::{fastest, Shared};
 use super::Choice;
 use crate::error::StopReason;
-use crate::policy::fit::{peak_bytes, MemoryFit};
+use crate::policy::fit::{
+    failure_above, peak_bytes, points_up_to, used_at_start, MemoryFit, Point,
+};
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 
@@ -60,8 +62,22 @@ pub(super) struct TunerPolicy {
     guessed_in: Option<f64>,
     /// Why the last decision went below a size that had run, when it did.
     rationale: Option<String>,
+    /// Bytes the user declared the trial allocates whatever its size (weights, gradients, an
+    /// optimizer's state allocated inside it): with one size run, the line's part at size 0.
+    fixed_memory: Option<u64>,
+    /// Trials the memory fit chose directly (probes and aims at its margin's size).
+    aims: u32,
+    /// The size of the last aim, until its outcome is scored.
+    aimed: Option<usize>,
+    /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
+    /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
+    aiming_over: bool,
     shared: Arc<Shared>,
 }
+
+/// At most this many trials chosen by the fit's aim (the second probe, the aim, corrections);
+/// then the search bisects, or keeps the margin below the largest size that ran.
+const MOST_AIMS: u32 = 5;
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
 /// apart that a small model's growth is not lost in an allocator's rounding (2 MiB blocks hide
@@ -130,8 +146,129 @@ impl TunerPolicy {
             overshoots: 0,
             guessed_in: None,
             rationale: None,
+            fixed_memory: None,
+            aims: 0,
+            aimed: None,
+            aiming_over: false,
             shared,
         }
+    }
+
+    /// Bytes the trial allocates whatever its size, as the user declared them.
+    pub(super) fn with_fixed_memory(mut self, bytes: Option<u64>) -> Self {
+        self.fixed_memory = bytes;
+        self
+    }
+
+    /// Memory against the size, from the trials since the memory last changed: the line
+    /// through two sizes that ran (bent by a third below them and by the smallest failure
+    /// above), or through one size and what was in use before it (plus the fixed bytes the user
+    /// declared). `true` with two sizes: only then does the fit judge a trial's margin.
+    fn fit(&self, history: &SearchReport, low: usize) -> Option<(MemoryFit, bool)> {
+        let since = since_memory_changed(history);
+        let attempts = || history.attempts().skip(since);
+        let points = points_up_to(attempts(), low);
+        let failure = failure_above(attempts(), low);
+        if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
+            return Some((fit, true));
+        }
+        let (attempt, point) = attempts()
+            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size == low)
+            .filter_map(|attempt| {
+                let (peak, total) = peak_bytes(attempt)?;
+                Some((
+                    attempt,
+                    Point {
+                        size: low,
+                        peak,
+                        total,
+                    },
+                ))
+            })
+            .last()?;
+        let start = used_at_start(attempt)?;
+        let declared = self
+            .fixed_memory
+            .and_then(|fixed| MemoryFit::through_start(point, start.saturating_add(fixed), failure));
+        declared
+            .or_else(|| MemoryFit::through_start(point, start, failure))
+            .map(|fit| (fit, false))
+    }
+
+    /// The fit's own choice: the size that keeps the margin below the size it predicts fills
+    /// the device, run to confirm it. A trial that ran there (within the resolution below it)
+    /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
+    /// one that failed bends the fit. `None` where the figures give no fit (the search grows
+    /// and bisects as without figures), or once the fit stops choosing (see
+    /// [`aiming_over`](Self::aiming_over)).
+    fn aim(
+        &mut self,
+        history: &SearchReport,
+        last: &Attempt,
+        low: usize,
+        high: Option<usize>,
+    ) -> Option<Decision> {
+        if self.aiming_over {
+            return None;
+        }
+        if self.aimed.take() == Some(last.batch_size) && !last.outcome.is_success() {
+            self.overshoots += 1;
+        }
+        let (fit, measured) = self.fit(history, low)?;
+        let filling = fit.size_filling_device().filter(|&size| size >= 1.0);
+        let contradicted = match (filling, high) {
+            (Some(filling), Some(high)) => filling >= high as f64,
+            (None, _) => true,
+            _ => false,
+        };
+        if contradicted || self.overshoots >= 2 || self.aims >= MOST_AIMS {
+            // What fails is not what the fit explains (a limit that is not the memory, an
+            // allocator that cannot use all of it), or it does not settle: bisect.
+            self.aiming_over = true;
+            self.overshoots = self.overshoots.max(2);
+            return Some(match high {
+                Some(high) if high - low > self.resolution(low) => {
+                    Decision::Try(geometric_middle(low, high))
+                }
+                _ => self.finish(history),
+            });
+        }
+        let filling = filling.unwrap_or(low as f64);
+        let mut target = ((filling * (1.0 - self.margin)).floor() as usize).max(self.min);
+        if let Some(max) = self.max {
+            target = target.min(kept_size(max, self.margin, self.min));
+        }
+        if let Some(high) = high {
+            target = target.min(high.saturating_sub(1)).max(self.min);
+        }
+        let ran = last.outcome.is_success() && last.batch_size <= low;
+        if ran
+            && (measured || self.fixed_memory.is_some())
+            && last.batch_size <= target
+            && last.batch_size.saturating_add(self.resolution(last.batch_size)) >= target
+        {
+            // The trial ran where the fit, with its own peak, keeps the margin: the answer.
+            return Some(self.kept(history, last.batch_size));
+        }
+        let next = if measured || self.fixed_memory.is_some() {
+            target
+        } else {
+            // One size ran: the line through the memory before it counts every byte the trial
+            // allocated as growing with its size; it is a probe of at least `GROWTH` times, so
+            // that the second point is on a wide span.
+            target.max(low.saturating_mul(GROWTH))
+        };
+        let next = self
+            .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
+            .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
+            .max(self.min);
+        if next == last.batch_size && last.outcome.is_success() {
+            // Nothing else to try at this resolution.
+            return Some(self.kept(history, next));
+        }
+        self.aims += 1;
+        self.aimed = Some(next);
+        Some(Decision::Try(next))
     }
 
     fn cap(&self, size: usize) -> usize {
@@ -282,6 +419,7 @@ impl SizePolicy for TunerPolicy {
             self.shared.kept.store(0, Ordering::Relaxed);
             self.guess = None;
             self.guessed_in = None;
+            self.aimed = None;
         }
         match self.phase {
             Phase::Confirming if last.outcome.is_success() => {
@@ -313,6 +451,9 @@ impl SizePolicy for TunerPolicy {
         // One trial is kept for the margin's size.
         if history.len() + 1 >= self.max_trials {
             return self.finish(history);
+        }
+        if let Some(decision) = self.aim(history, last, low, high) {
+            return decision;
         }
         if self.max.is_some_and(|max| low >= max) {
             return self.finish(history);
