@@ -249,7 +249,12 @@ fn tune(workload: Workload, figures: bool, choice: Choice) -> (usize, usize, usi
         ),
         // The tuner returns the trial's own error; its record is the last report.
         Err(_) => batch_size_runtime::last_report().map_or((0, 0, 0, Vec::new()), |report| {
-            (0, report.len(), report.out_of_memory_count(), report.tried())
+            (
+                0,
+                report.len(),
+                report.out_of_memory_count(),
+                report.tried(),
+            )
         }),
     }
 }

@@ -141,14 +141,18 @@ impl MemoryFit {
     /// As [`from_points`](Self::from_points), bent upwards as far as the points themselves
     /// demand where three sizes show the peak growing faster than a line (a `size²` term seen
     /// before any failure): the quadratic through the line's two points and the largest point
-    /// below them, where it bends more than the failure does. Extrapolating the secant of a
+    /// below them (at least an eighth of the line's span below), where it bends more than the
+    /// failure does. Extrapolating the secant of a
     /// curve that bends up predicts more room than there is; this never does on a quadratic.
     pub(crate) fn bent_by_points(points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
         let mut fit = Self::from_points(points, failure)?;
+        // Only where the three are spread alike: the peak of a size far smaller than the span
+        // above it is mostly an allocator's rounding (2 MiB blocks at size 1), not a bend.
         let below = points
             .iter()
             .filter(|point| (point.size as f64) < fit.lower)
-            .max_by_key(|point| point.size);
+            .max_by_key(|point| point.size)
+            .filter(|point| (fit.lower - point.size as f64) * 8.0 >= fit.size - fit.lower);
         if let Some(below) = below {
             // Peaks of the same size: the highest (as from_points dedups).
             let peak = points

@@ -67,8 +67,13 @@ pub(super) struct TunerPolicy {
     fixed_memory: Option<u64>,
     /// Trials the memory fit chose directly (probes and aims at its margin's size).
     aims: u32,
-    /// The size of the last aim, until its outcome is scored.
-    aimed: Option<usize>,
+    /// The size of the last aim, until its outcome is scored, and whether a fit through two
+    /// sizes chose it (only such a trial confirms the fit's margin).
+    aimed: Option<(usize, bool)>,
+    /// Aims that ran with more room than the resolution: each doubles the least step above
+    /// them, so that a fit that misses (a part that appears above some size) costs a few
+    /// trials, not a crawl.
+    aim_misses: u32,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
     /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
     aiming_over: bool,
@@ -149,6 +154,7 @@ impl TunerPolicy {
             fixed_memory: None,
             aims: 0,
             aimed: None,
+            aim_misses: 0,
             aiming_over: false,
             shared,
         }
@@ -167,7 +173,18 @@ impl TunerPolicy {
     fn fit(&self, history: &SearchReport, low: usize) -> Option<(MemoryFit, bool)> {
         let since = since_memory_changed(history);
         let attempts = || history.attempts().skip(since);
-        let points = points_up_to(attempts(), low);
+        let mut points = points_up_to(attempts(), low);
+        // Where a size between half and seven eighths of the largest ran, the line is drawn
+        // over that span only: probes far below show mostly what does not grow, and may be of
+        // another regime (a workspace chosen by size); the span is still wide enough that an
+        // allocator's rounding and noise move its slope little.
+        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
+        let local = |size: usize| {
+            size.saturating_mul(2) >= top && size.saturating_mul(8) <= top.saturating_mul(7)
+        };
+        if points.iter().any(|point| local(point.size)) {
+            points.retain(|point| point.size == top || local(point.size));
+        }
         let failure = failure_above(attempts(), low);
         if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
             return Some((fit, true));
@@ -187,9 +204,9 @@ impl TunerPolicy {
             })
             .last()?;
         let start = used_at_start(attempt)?;
-        let declared = self
-            .fixed_memory
-            .and_then(|fixed| MemoryFit::through_start(point, start.saturating_add(fixed), failure));
+        let declared = self.fixed_memory.and_then(|fixed| {
+            MemoryFit::through_start(point, start.saturating_add(fixed), failure)
+        });
         declared
             .or_else(|| MemoryFit::through_start(point, start, failure))
             .map(|fit| (fit, false))
@@ -211,7 +228,11 @@ impl TunerPolicy {
         if self.aiming_over {
             return None;
         }
-        if self.aimed.take() == Some(last.batch_size) && !last.outcome.is_success() {
+        let aimed = self
+            .aimed
+            .take()
+            .filter(|&(size, _)| size == last.batch_size);
+        if aimed.is_some() && !last.outcome.is_success() {
             self.overshoots += 1;
         }
         let (fit, measured) = self.fit(history, low)?;
@@ -221,7 +242,7 @@ impl TunerPolicy {
             (None, _) => true,
             _ => false,
         };
-        if contradicted || self.overshoots >= 2 || self.aims >= MOST_AIMS {
+        if contradicted || self.overshoots >= 2 {
             // What fails is not what the fit explains (a limit that is not the memory, an
             // allocator that cannot use all of it), or it does not settle: bisect.
             self.aiming_over = true;
@@ -242,16 +263,38 @@ impl TunerPolicy {
             target = target.min(high.saturating_sub(1)).max(self.min);
         }
         let ran = last.outcome.is_success() && last.batch_size <= low;
-        if ran
-            && (measured || self.fixed_memory.is_some())
-            && last.batch_size <= target
-            && last.batch_size.saturating_add(self.resolution(last.batch_size)) >= target
-        {
-            // The trial ran where the fit, with its own peak, keeps the margin: the answer.
-            return Some(self.kept(history, last.batch_size));
+        let judged = measured || self.fixed_memory.is_some();
+        let confirms = ran && aimed.is_some_and(|(_, judged)| judged);
+        let resolution = self.resolution(last.batch_size);
+        if confirms && last.batch_size <= target {
+            if last.batch_size.saturating_add(resolution) >= target {
+                // The fit's size ran, and the fit with its own peak keeps the margin there:
+                // the answer.
+                return Some(self.kept(history, last.batch_size));
+            }
+            self.aim_misses += 1;
         }
-        let next = if measured || self.fixed_memory.is_some() {
-            target
+        if self.aims >= MOST_AIMS {
+            // As many aims and not settled. Where the fit's size is below a size that ran, it
+            // runs, and its trial is the answer; else the estimate keeps moving up (a part
+            // that appears above some size, an allocator's rounding): the search brackets the
+            // limit with trials, as before the fit aimed.
+            self.aiming_over = true;
+            if judged && target < low {
+                self.phase = Phase::Confirming;
+                return Some(Decision::Try(target));
+            }
+            return None;
+        }
+        let next = if judged {
+            // After a miss, at least a step above it that doubles with each miss.
+            let step = resolution
+                .saturating_mul(1usize.checked_shl(self.aim_misses).unwrap_or(usize::MAX));
+            if target > last.batch_size && self.aim_misses > 0 {
+                target.max(last.batch_size.saturating_add(step))
+            } else {
+                target
+            }
         } else {
             // One size ran: the line through the memory before it counts every byte the trial
             // allocated as growing with its size; it is a probe of at least `GROWTH` times, so
@@ -262,12 +305,12 @@ impl TunerPolicy {
             .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
             .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
             .max(self.min);
-        if next == last.batch_size && last.outcome.is_success() {
-            // Nothing else to try at this resolution.
+        if next == last.batch_size && last.outcome.is_success() && judged {
+            // The fit's size is the one that just ran: nothing else to try.
             return Some(self.kept(history, next));
         }
         self.aims += 1;
-        self.aimed = Some(next);
+        self.aimed = Some((next, judged));
         Some(Decision::Try(next))
     }
 
