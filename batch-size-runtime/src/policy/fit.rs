@@ -144,8 +144,18 @@ impl MemoryFit {
     /// below them (at least an eighth of the line's span below), where it bends more than the
     /// failure does. Extrapolating the secant of a
     /// curve that bends up predicts more room than there is; this never does on a quadratic.
+    ///
+    /// Where a size between the line's two shows a peak well above the line (the slope from it
+    /// to the largest is under half the line's), a part appeared between the line's smaller
+    /// size and it (a workspace chosen above some size, a buffer that does not grow with the
+    /// batch): the line is drawn from that size instead, on the same side of the jump. A line
+    /// across a jump is steeper than the memory above it and predicts far less room than there
+    /// is, and no failure would ever show it.
     pub(crate) fn bent_by_points(points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
         let mut fit = Self::from_points(points, failure)?;
+        if let Some(above_the_jump) = fit.past_a_jump(points, failure) {
+            return Some(above_the_jump);
+        }
         // Only where the three are spread alike: the peak of a size far smaller than the span
         // above it is mostly an allocator's rounding (2 MiB blocks at size 1), not a bend.
         let below = points
@@ -191,6 +201,50 @@ impl MemoryFit {
             (lower.size as f64, lower.peak as f64),
             (top.size as f64, top.peak as f64),
             top.total as f64,
+            failure,
+        )
+    }
+
+    /// The line from the size between this line's two whose slope to the largest is the
+    /// least, where that slope is under half this line's and the size is at least a sixteenth
+    /// below the largest (closer, an allocator's rounding and noise decide the slope).
+    fn past_a_jump(&self, points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
+        let slope = |point: &Point| (self.peak - point.peak as f64) / (self.size - point.size as f64);
+        let nearer = points
+            .iter()
+            .filter(|point| {
+                let size = point.size as f64;
+                size > self.lower && size * 16.0 <= self.size * 15.0
+            })
+            .min_by(|a, b| slope(a).total_cmp(&slope(b)))?;
+        if slope(nearer) * 2.0 >= self.per_sample {
+            return None;
+        }
+        Self::line(
+            (nearer.size as f64, nearer.peak as f64),
+            (self.size, self.peak),
+            self.total,
+            failure,
+        )
+    }
+
+    /// The bytes a sample, as this fit counts them between its two sizes.
+    pub(crate) fn per_sample(&self) -> f64 {
+        self.per_sample
+    }
+
+    /// The smaller size the fit's line runs through.
+    pub(crate) fn smaller(&self) -> f64 {
+        self.lower
+    }
+
+    /// This fit's largest point with another slope: what the memory would be above it if the
+    /// bytes a sample were `per_sample` (bent, as ever, by `failure`).
+    pub(crate) fn with_slope(&self, per_sample: f64, failure: Option<(usize, u64)>) -> Option<Self> {
+        Self::line(
+            (self.size - 1.0, self.peak - per_sample),
+            (self.size, self.peak),
+            self.total,
             failure,
         )
     }

@@ -212,6 +212,39 @@ impl TunerPolicy {
             .map(|fit| (fit, false))
     }
 
+    /// Where the fit's slope is more than twice that of the sizes up to its smaller, and no
+    /// size failed: the margin's size with the gentler slope from the largest. Two sizes far
+    /// apart cannot tell a bend (a `size²` term) from a part that appears above some size and
+    /// does not grow (a workspace chosen by size): the bend would be right, the jump leaves
+    /// room the steep line never shows. The gentler size is tried; a failure there bends the
+    /// fit, a success puts a size on the same side of the jump.
+    fn gentler(
+        &self,
+        history: &SearchReport,
+        low: usize,
+        fit: &MemoryFit,
+        high: Option<usize>,
+    ) -> Option<usize> {
+        if high.is_some() {
+            return None;
+        }
+        let since = since_memory_changed(history);
+        let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
+            .into_iter()
+            .filter(|point| (point.size as f64) <= fit.smaller())
+            .collect();
+        let slope = MemoryFit::from_points(&below, None)?.per_sample();
+        if slope * 2.0 >= fit.per_sample() {
+            return None;
+        }
+        let filling = fit.with_slope(slope, None)?.size_filling_device()?;
+        let mut size = (filling * (1.0 - self.margin)).floor() as usize;
+        if let Some(max) = self.max {
+            size = size.min(kept_size(max, self.margin, self.min));
+        }
+        Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP))))
+    }
+
     /// The fit's own choice: the size that keeps the margin below the size it predicts fills
     /// the device, run to confirm it. A trial that ran there (within the resolution below it)
     /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
@@ -269,7 +302,16 @@ impl TunerPolicy {
         if confirms && last.batch_size <= target {
             if last.batch_size.saturating_add(resolution) >= target {
                 // The fit's size ran, and the fit with its own peak keeps the margin there:
-                // the answer.
+                // the answer, unless the sizes below it grew far more gently (see
+                // [`gentler`](Self::gentler)): then that slope's size is tried first.
+                let gentler = self
+                    .gentler(history, low, &fit, high)
+                    .filter(|&size| size > last.batch_size.saturating_add(resolution));
+                if let Some(size) = gentler {
+                    self.aims += 1;
+                    self.aimed = Some((size, true));
+                    return Some(Decision::Try(size));
+                }
                 return Some(self.kept(history, last.batch_size));
             }
             self.aim_misses += 1;
