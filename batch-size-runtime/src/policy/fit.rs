@@ -101,6 +101,12 @@ pub(crate) fn failure_above<'a>(
         .min_by_key(|(size, _)| *size)
 }
 
+/// How much steeper a line must be than the memory between nearer sizes for the gentler slope
+/// to be tried: a line `k` times too steep keeps about `0.95 / (0.95 + 0.05 k)` of what fits
+/// with a 5 % margin (0.945 at 1.1), and a gentler slope that is wrong costs a failure, never a
+/// size above one.
+pub(crate) const GENTLER: f64 = 1.1;
+
 /// One size that ran, with the bytes in use at its peak and the device's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Point {
@@ -145,8 +151,8 @@ impl MemoryFit {
     /// failure does. Extrapolating the secant of a
     /// curve that bends up predicts more room than there is; this never does on a quadratic.
     ///
-    /// Where a size between the line's two shows a peak well above the line (the slope from it
-    /// to the largest is under half the line's), a part appeared between the line's smaller
+    /// Where a size between the line's two shows a peak above the line (the slope from it to
+    /// the largest is under the line's by more than [`GENTLER`]), a part appeared between the line's smaller
     /// size and it (a workspace chosen above some size, a buffer that does not grow with the
     /// batch): the line is drawn from that size instead, on the same side of the jump. A line
     /// across a jump is steeper than the memory above it and predicts far less room than there
@@ -206,10 +212,11 @@ impl MemoryFit {
     }
 
     /// The line from the size between this line's two whose slope to the largest is the
-    /// least, where that slope is under half this line's and the size is at least a sixteenth
+    /// least, where this line is [`GENTLER`] times steeper or more and the size is at least a sixteenth
     /// below the largest (closer, an allocator's rounding and noise decide the slope).
     fn past_a_jump(&self, points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
-        let slope = |point: &Point| (self.peak - point.peak as f64) / (self.size - point.size as f64);
+        let slope =
+            |point: &Point| (self.peak - point.peak as f64) / (self.size - point.size as f64);
         let nearer = points
             .iter()
             .filter(|point| {
@@ -217,7 +224,7 @@ impl MemoryFit {
                 size > self.lower && size * 16.0 <= self.size * 15.0
             })
             .min_by(|a, b| slope(a).total_cmp(&slope(b)))?;
-        if slope(nearer) * 2.0 >= self.per_sample {
+        if slope(nearer) * GENTLER >= self.per_sample {
             return None;
         }
         Self::line(
@@ -240,7 +247,11 @@ impl MemoryFit {
 
     /// This fit's largest point with another slope: what the memory would be above it if the
     /// bytes a sample were `per_sample` (bent, as ever, by `failure`).
-    pub(crate) fn with_slope(&self, per_sample: f64, failure: Option<(usize, u64)>) -> Option<Self> {
+    pub(crate) fn with_slope(
+        &self,
+        per_sample: f64,
+        failure: Option<(usize, u64)>,
+    ) -> Option<Self> {
         Self::line(
             (self.size - 1.0, self.peak - per_sample),
             (self.size, self.peak),

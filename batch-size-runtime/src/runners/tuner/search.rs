@@ -9,7 +9,7 @@ use super::throughput::{fastest, Shared};
 use super::Choice;
 use crate::error::StopReason;
 use crate::policy::fit::{
-    failure_above, peak_bytes, points_up_to, used_at_start, MemoryFit, Point,
+    failure_above, peak_bytes, points_up_to, used_at_start, MemoryFit, Point, GENTLER,
 };
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
@@ -70,6 +70,9 @@ pub(super) struct TunerPolicy {
     /// The size of the last aim, until its outcome is scored, and whether a fit through two
     /// sizes chose it (only such a trial confirms the fit's margin).
     aimed: Option<(usize, bool)>,
+    /// The bytes the fit that chose the last aim predicted at its size, where a failure above
+    /// bent that fit.
+    predicted: Option<f64>,
     /// Aims that ran with more room than the resolution: each doubles the least step above
     /// them, so that a fit that misses (a part that appears above some size) costs a few
     /// trials, not a crawl.
@@ -154,6 +157,7 @@ impl TunerPolicy {
             fixed_memory: None,
             aims: 0,
             aimed: None,
+            predicted: None,
             aim_misses: 0,
             aiming_over: false,
             shared,
@@ -212,7 +216,7 @@ impl TunerPolicy {
             .map(|fit| (fit, false))
     }
 
-    /// Where the fit's slope is more than twice that of the sizes up to its smaller, and no
+    /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more, and no
     /// size failed: the margin's size with the gentler slope from the largest. Two sizes far
     /// apart cannot tell a bend (a `size²` term) from a part that appears above some size and
     /// does not grow (a workspace chosen by size): the bend would be right, the jump leaves
@@ -234,7 +238,7 @@ impl TunerPolicy {
             .filter(|point| (point.size as f64) <= fit.smaller())
             .collect();
         let slope = MemoryFit::from_points(&below, None)?.per_sample();
-        if slope * 2.0 >= fit.per_sample() {
+        if slope * GENTLER >= fit.per_sample() {
             return None;
         }
         let filling = fit.with_slope(slope, None)?.size_filling_device()?;
@@ -268,6 +272,7 @@ impl TunerPolicy {
         if aimed.is_some() && !last.outcome.is_success() {
             self.overshoots += 1;
         }
+        let predicted = self.predicted.take().filter(|_| aimed.is_some());
         let (fit, measured) = self.fit(history, low)?;
         let filling = fit.size_filling_device().filter(|&size| size >= 1.0);
         let contradicted = match (filling, high) {
@@ -275,9 +280,10 @@ impl TunerPolicy {
             (None, _) => true,
             _ => false,
         };
-        if contradicted || self.overshoots >= 2 {
+        if contradicted || self.overshoots >= 2 || self.bend_refuted(last, predicted, &fit) {
             // What fails is not what the fit explains (a limit that is not the memory, an
-            // allocator that cannot use all of it), or it does not settle: bisect.
+            // allocator that cannot use all of it, a part that appears above some size), or it
+            // does not settle: bisect.
             self.aiming_over = true;
             self.overshoots = self.overshoots.max(2);
             return Some(match high {
@@ -353,7 +359,25 @@ impl TunerPolicy {
         }
         self.aims += 1;
         self.aimed = Some((next, judged));
+        self.predicted = high.map(|_| fit.bytes(next as f64));
         Some(Decision::Try(next))
+    }
+
+    /// Whether the last aim ran with a peak well below what the fit that chose it predicted
+    /// (by more than a quarter of the margin's bytes there), that fit being bent by a failure
+    /// above. A `size²` term shows in the sizes below the failure as the bend predicts; a part
+    /// that appears only above some size (a workspace chosen by size, a buffer allocated late)
+    /// bends the fit through the failure as if it were one, and the fit then predicts far less
+    /// room than there is below the failure: bisecting between the two finds it.
+    fn bend_refuted(&self, last: &Attempt, predicted: Option<f64>, fit: &MemoryFit) -> bool {
+        let Some(predicted) = predicted else {
+            return false;
+        };
+        let Some((peak, _)) = peak_bytes(last).filter(|_| last.outcome.is_success()) else {
+            return false;
+        };
+        let tolerance = self.margin / 4.0 * last.batch_size as f64 * fit.per_sample();
+        (peak as f64) < predicted - tolerance
     }
 
     fn cap(&self, size: usize) -> usize {
@@ -505,6 +529,7 @@ impl SizePolicy for TunerPolicy {
             self.guess = None;
             self.guessed_in = None;
             self.aimed = None;
+            self.predicted = None;
         }
         match self.phase {
             Phase::Confirming if last.outcome.is_success() => {
