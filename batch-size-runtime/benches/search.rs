@@ -207,8 +207,9 @@ fn step_micros(size: usize) -> u64 {
 
 /// The tuner on `workload`: with the device's figures, or without (no release backend, errors
 /// that carry no figures, a device that frees at once), choosing the largest or the fastest
-/// size (a simulated clock: [`step_micros`]). Returns the size, trials and failures.
-fn tune(workload: Workload, figures: bool, choice: Choice) -> (usize, usize, usize) {
+/// size (a simulated clock: [`step_micros`]). Returns the size, trials and failures, and the
+/// sizes tried.
+fn tune(workload: Workload, figures: bool, choice: Choice) -> (usize, usize, usize, Vec<usize>) {
     let attempt_number = AtomicU64::new(0);
     let device = if figures {
         workload.device()
@@ -244,10 +245,16 @@ fn tune(workload: Workload, figures: bool, choice: Choice) -> (usize, usize, usi
             tuned.batch_size(),
             tuned.report().len(),
             tuned.report().out_of_memory_count(),
+            tuned.report().tried(),
         ),
         // The tuner returns the trial's own error; its record is the last report.
-        Err(_) => batch_size_runtime::last_report().map_or((0, 0, 0), |report| {
-            (0, report.len(), report.out_of_memory_count())
+        Err(_) => batch_size_runtime::last_report().map_or((0, 0, 0, Vec::new()), |report| {
+            (
+                0,
+                report.len(),
+                report.out_of_memory_count(),
+                report.tried(),
+            )
         }),
     }
 }
@@ -378,7 +385,7 @@ fn main() {
             tune(workload, true, Choice::Fastest),
             tune(workload, false, Choice::Fastest),
         ];
-        for (total, (_, trials, _)) in fastest_trials.iter_mut().zip(fastest) {
+        for (total, (_, trials, _, _)) in fastest_trials.iter_mut().zip(&fastest) {
             *total += trials;
         }
         let cells = [
@@ -387,7 +394,7 @@ fn main() {
             (lightning.found, lightning.attempts, lightning.failures),
             (power.found, power.attempts, power.failures),
         ];
-        let shown: Vec<String> = cells
+        let mut shown: Vec<String> = cells
             .iter()
             .map(|(found, trials, failures)| {
                 format!(
@@ -396,6 +403,7 @@ fn main() {
                 )
             })
             .collect();
+        shown[0].push_str(&format!(": {}", self::shown(&with.3)));
         let reruns = (cached_rerun(workload, false), cached_rerun(workload, true));
         println!(
             "| {} | {fit} | {} | {} | {} | {} | {} in {} / {} in {} trials | {} / {} attempt(s) |",

@@ -55,17 +55,30 @@ fn tune(choice: Choice, figures: bool, micros_of: fn(usize) -> u64) -> Tuned {
         .unwrap()
 }
 
-#[test]
-fn throughput_that_saturates_at_64_gives_64_as_fastest_while_200_fit() {
-    for figures in [true, false] {
-        let tuned = tune(Choice::Fastest, figures, |size| saturating(size, 64));
-        // Bisection stops within half the margin of the limit.
+/// The margin's size: with figures the fit's (its own trial confirms it, nothing ran above
+/// it), near 95 % of the 204 the memory allows (the 200 above which the trial fails is not in
+/// the figures, and is above it); without, 95 % of the largest size that ran, which bisection
+/// found within a quarter of the margin of 200.
+fn assert_margin_size(tuned: &Tuned, figures: bool) -> usize {
+    if figures {
+        assert_eq!(tuned.largest(), tuned.largest_fit(), "{}", tuned.report());
+        assert!((192..=194).contains(&tuned.largest()), "{}", tuned.report());
+    } else {
         assert!(
             (196..=200).contains(&tuned.largest_fit()),
             "{}",
             tuned.report()
         );
         assert_eq!(tuned.largest(), tuned.largest_fit() * 95 / 100);
+    }
+    tuned.largest()
+}
+
+#[test]
+fn throughput_that_saturates_at_64_gives_64_as_fastest_while_200_fit() {
+    for figures in [true, false] {
+        let tuned = tune(Choice::Fastest, figures, |size| saturating(size, 64));
+        assert_margin_size(&tuned, figures);
         assert_eq!(tuned.fastest(), 64, "{:?}", tuned.throughput());
         assert_eq!(tuned.batch_size(), 64);
         // The size returned ran last, successfully: the search's answer, and the cache's.
@@ -87,8 +100,7 @@ fn throughput_that_saturates_at_64_gives_64_as_fastest_while_200_fit() {
 #[test]
 fn with_the_default_choice_the_largest_is_returned_and_fastest_is_judged_over_the_trials_run() {
     let tuned = tune(Choice::Largest, true, |size| saturating(size, 64));
-    assert_eq!(tuned.batch_size(), tuned.largest_fit() * 95 / 100);
-    assert_eq!(tuned.largest(), tuned.batch_size());
+    assert_eq!(tuned.batch_size(), assert_margin_size(&tuned, true));
     // No trial was added for the fastest: among the sizes the search ran (1, 2, then near the
     // limit) the smallest at full speed.
     let ran: Vec<usize> = tuned
@@ -105,8 +117,7 @@ fn throughput_that_keeps_growing_gives_the_largest() {
     for figures in [true, false] {
         // Every step takes 1 ms, whatever its size.
         let tuned = tune(Choice::Fastest, figures, |_| 1000);
-        let largest = tuned.largest_fit() * 95 / 100;
-        assert_eq!(tuned.largest(), largest);
+        let largest = assert_margin_size(&tuned, figures);
         assert_eq!(tuned.fastest(), largest, "{:?}", tuned.throughput());
         assert_eq!(tuned.batch_size(), largest);
         // The power of two below the margin's size showed the drop; no trial after it.
@@ -259,16 +270,22 @@ fn a_rerun_from_the_cache_reports_the_largest_that_fit_when_it_was_written() {
     batch_size_runtime::policy::clear_process_cache();
     let dir = std::env::temp_dir().join(format!("tuner-largest-fit-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
+    // Without figures, so that a size above the one kept ran (with figures the fit's size is
+    // confirmed by its own trial and is the largest that ran).
     let tune = |choice| {
         let device = SimulatedDevice::new(16 << 30);
         Tuner::new()
             .choose(choice)
-            .with_release(device.clone())
+            .with_release(Release::none())
             .with_cache("tuner largest_fit test")
             .with_cache_dir(&dir)
             .run(|size| -> anyhow::Result<()> {
-                let _weights = device.alloc(2 << 30)?;
-                let _activations = device.alloc(size as u64 * (60 << 20))?;
+                let fits = || -> Result<(), OutOfMemory> {
+                    let _weights = device.alloc(2 << 30)?;
+                    let _activations = device.alloc(size as u64 * (60 << 20))?;
+                    Ok(())
+                };
+                fits().map_err(|_| OutOfMemory::new())?;
                 Ok(())
             })
             .unwrap()
@@ -297,13 +314,17 @@ fn an_entry_written_before_largest_fit_was_kept_still_loads() {
     let dir = std::env::temp_dir().join(format!("tuner-old-entry-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let device = SimulatedDevice::new(16 << 30);
+    // Without figures, so that the entry's `largest_fit` (a size that ran above the one kept)
+    // differs from the size kept.
     let tune = || {
         Tuner::new()
-            .with_release(device.clone())
+            .with_release(Release::none())
             .with_cache("tuner old entry test")
             .with_cache_dir(&dir)
             .run(|size| -> anyhow::Result<()> {
-                let _activations = device.alloc(size as u64 * (60 << 20))?;
+                let _activations = device
+                    .alloc(size as u64 * (60 << 20))
+                    .map_err(|_| OutOfMemory::new())?;
                 Ok(())
             })
             .unwrap()

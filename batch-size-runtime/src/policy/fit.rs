@@ -70,6 +70,43 @@ pub(crate) fn needed_at_least(attempt: &Attempt) -> Option<u64> {
     Some(peak.max(start.saturating_add(attempt.requested.unwrap_or(0))))
 }
 
+/// The sizes among `attempts` that ran at or below `largest`, with their peaks, where the
+/// figures say them.
+pub(crate) fn points_up_to<'a>(
+    attempts: impl Iterator<Item = &'a Attempt>,
+    largest: usize,
+) -> Vec<Point> {
+    attempts
+        .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size <= largest)
+        .filter_map(|attempt| {
+            let (peak, total) = peak_bytes(attempt)?;
+            Some(Point {
+                size: attempt.batch_size,
+                peak,
+                total,
+            })
+        })
+        .collect()
+}
+
+/// The smallest size among `attempts` above `largest` that ran out of memory, with the bytes
+/// it needed at least, where the figures say them.
+pub(crate) fn failure_above<'a>(
+    attempts: impl Iterator<Item = &'a Attempt>,
+    largest: usize,
+) -> Option<(usize, u64)> {
+    attempts
+        .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > largest)
+        .filter_map(|attempt| Some((attempt.batch_size, needed_at_least(attempt)?)))
+        .min_by_key(|(size, _)| *size)
+}
+
+/// How much steeper a line must be than the memory between nearer sizes for the gentler slope
+/// to be tried: a line `k` times too steep keeps about `0.95 / (0.95 + 0.05 k)` of what fits
+/// with a 5 % margin (0.945 at 1.1), and a gentler slope that is wrong costs a failure, never a
+/// size above one.
+pub(crate) const GENTLER: f64 = 1.1;
+
 /// One size that ran, with the bytes in use at its peak and the device's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Point {
@@ -100,24 +137,54 @@ impl MemoryFit {
     /// The fit to `history`'s attempts at or below `largest`, the largest success (see
     /// [`from_points`](Self::from_points)); the smallest failure above `largest` bends it.
     pub(crate) fn new(history: &SearchReport, largest: usize) -> Option<Self> {
-        let points: Vec<Point> = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size <= largest)
-            .filter_map(|attempt| {
-                let (peak, total) = peak_bytes(attempt)?;
-                Some(Point {
-                    size: attempt.batch_size,
-                    peak,
-                    total,
-                })
-            })
-            .collect();
-        let failure = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_out_of_memory() && attempt.batch_size > largest)
-            .filter_map(|attempt| Some((attempt.batch_size, needed_at_least(attempt)?)))
-            .min_by_key(|(size, _)| *size);
-        Self::from_points(&points, failure)
+        let attempts = || history.attempts();
+        Self::from_points(
+            &points_up_to(attempts(), largest),
+            failure_above(attempts(), largest),
+        )
+    }
+
+    /// As [`from_points`](Self::from_points), bent upwards as far as the points themselves
+    /// demand where three sizes show the peak growing faster than a line (a `size²` term seen
+    /// before any failure): the quadratic through the line's two points and the largest point
+    /// below them (at least an eighth of the line's span below), where it bends more than the
+    /// failure does. Extrapolating the secant of a
+    /// curve that bends up predicts more room than there is; this never does on a quadratic.
+    ///
+    /// Where a size between the line's two shows a peak above the line (the slope from it to
+    /// the largest is under the line's by more than [`GENTLER`]), a part appeared between the line's smaller
+    /// size and it (a workspace chosen above some size, a buffer that does not grow with the
+    /// batch): the line is drawn from that size instead, on the same side of the jump. A line
+    /// across a jump is steeper than the memory above it and predicts far less room than there
+    /// is, and no failure would ever show it.
+    pub(crate) fn bent_by_points(points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
+        let mut fit = Self::from_points(points, failure)?;
+        if let Some(above_the_jump) = fit.past_a_jump(points, failure) {
+            return Some(above_the_jump);
+        }
+        // Only where the three are spread alike: the peak of a size far smaller than the span
+        // above it is mostly an allocator's rounding (2 MiB blocks at size 1), not a bend.
+        let below = points
+            .iter()
+            .filter(|point| (point.size as f64) < fit.lower)
+            .max_by_key(|point| point.size)
+            .filter(|point| (fit.lower - point.size as f64) * 8.0 >= fit.size - fit.lower);
+        if let Some(below) = below {
+            // Peaks of the same size: the highest (as from_points dedups).
+            let peak = points
+                .iter()
+                .filter(|point| point.size == below.size)
+                .map(|point| point.peak)
+                .max()
+                .unwrap_or(below.peak) as f64;
+            let size = below.size as f64;
+            let span = (size - fit.lower) * (size - fit.size);
+            let bend = (peak - fit.bytes(size)) / span;
+            if bend.is_finite() && bend > fit.curvature {
+                fit.curvature = bend;
+            }
+        }
+        Some(fit)
     }
 
     /// The line through the largest point and the largest at most half of it (the slope over a
@@ -140,6 +207,55 @@ impl MemoryFit {
             (lower.size as f64, lower.peak as f64),
             (top.size as f64, top.peak as f64),
             top.total as f64,
+            failure,
+        )
+    }
+
+    /// The line from the size between this line's two whose slope to the largest is the
+    /// least, where this line is [`GENTLER`] times steeper or more and the size is at least a sixteenth
+    /// below the largest (closer, an allocator's rounding and noise decide the slope).
+    fn past_a_jump(&self, points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
+        let slope =
+            |point: &Point| (self.peak - point.peak as f64) / (self.size - point.size as f64);
+        let nearer = points
+            .iter()
+            .filter(|point| {
+                let size = point.size as f64;
+                size > self.lower && size * 16.0 <= self.size * 15.0
+            })
+            .min_by(|a, b| slope(a).total_cmp(&slope(b)))?;
+        if slope(nearer) * GENTLER >= self.per_sample {
+            return None;
+        }
+        Self::line(
+            (nearer.size as f64, nearer.peak as f64),
+            (self.size, self.peak),
+            self.total,
+            failure,
+        )
+    }
+
+    /// The bytes a sample, as this fit counts them between its two sizes.
+    pub(crate) fn per_sample(&self) -> f64 {
+        self.per_sample
+    }
+
+    /// The smaller size the fit's line runs through.
+    pub(crate) fn smaller(&self) -> f64 {
+        self.lower
+    }
+
+    /// This fit's largest point with another slope: what the memory would be above it if the
+    /// bytes a sample were `per_sample` (bent, as ever, by `failure`).
+    pub(crate) fn with_slope(
+        &self,
+        per_sample: f64,
+        failure: Option<(usize, u64)>,
+    ) -> Option<Self> {
+        Self::line(
+            (self.size - 1.0, self.peak - per_sample),
+            (self.size, self.peak),
+            self.total,
             failure,
         )
     }
@@ -208,18 +324,29 @@ impl MemoryFit {
 
     /// The largest size whose predicted bytes fit in `bytes`.
     pub(crate) fn limit_within(&self, bytes: f64) -> Option<usize> {
+        let limit = self.size_filling(bytes)?.floor();
+        (limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
+    }
+
+    /// The size, in fractions of a sample, whose predicted bytes fill the device: what a
+    /// share of it is taken from (flooring first would lose up to a sample twice).
+    pub(crate) fn size_filling_device(&self) -> Option<f64> {
+        self.size_filling(self.total)
+    }
+
+    /// The size, in fractions of a sample, whose predicted bytes are `bytes`.
+    fn size_filling(&self, bytes: f64) -> Option<f64> {
         let room = bytes - self.peak;
-        if room <= 0.0 {
+        let size = if room <= 0.0 {
             // The largest point is over (its state grew since it ran): back along the line.
-            let below = (self.size + room / self.per_sample).floor();
-            return (below.is_finite() && below >= 1.0).then_some(below as usize);
-        }
-        // c·u² + b·u = room, with u the samples above the largest success; written so that a
-        // straight line (c = 0) divides without cancelling.
-        let slope = self.per_sample + self.curvature * (self.size - self.lower);
-        let above = 2.0 * room / (slope + (slope * slope + 4.0 * self.curvature * room).sqrt());
-        let limit = (self.size + above).floor();
-        (limit.is_finite() && limit >= 1.0).then(|| limit.min(usize::MAX as f64) as usize)
+            self.size + room / self.per_sample
+        } else {
+            // c·u² + b·u = room, with u the samples above the largest success; written so
+            // that a straight line (c = 0) divides without cancelling.
+            let slope = self.per_sample + self.curvature * (self.size - self.lower);
+            self.size + 2.0 * room / (slope + (slope * slope + 4.0 * self.curvature * room).sqrt())
+        };
+        size.is_finite().then_some(size)
     }
 }
 

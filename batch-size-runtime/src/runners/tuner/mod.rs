@@ -42,16 +42,29 @@ use throughput::{fastest, Shared};
 /// builds its batch from the size it is given and runs at least one forward and backward pass.
 ///
 /// # How it searches
-/// With memory figures (the release backend reads the device's peak), it runs `min` and four
-/// times `min`, fits memory = fixed + per-sample × size through the peaks of two successes,
-/// bent upwards to what the smallest failure above them needed (the peak before the failing
-/// allocation plus what it asked for: attention's size² shows there), and jumps to the size
-/// predicted to fill the device. Without figures it grows four times a trial, then bisects in
-/// ratio. Either way it stops once the largest size that ran and the smallest that failed are
-/// within a quarter of the margin (at least 1): finer would refine a size the margin then takes
-/// 5 % off. The margin is then taken off the largest size that ran, and that size's trial is
-/// run too. It never returns a size whose own trial did not succeed, and never tries one above
-/// `with_max`.
+/// With memory figures (the release backend reads the device's peak), it runs `min`, then a
+/// second size (where the line through the memory in use before the first trial and its peak
+/// says, at least four times `min`), fits memory against the size through the two peaks, bent
+/// upwards to what the smallest failure above them needed (the memory in use when the failing
+/// allocation was made plus what it asked for: attention's size² shows there), and runs the
+/// size that keeps the margin below the size the fit predicts fills the device. That trial is
+/// the answer when the fit, with its own peak, still keeps the margin there (within a quarter
+/// of the margin below it); a trial that failed bends the fit, one that ran with more room or
+/// less is followed by the fit's new size. The margin is then the fit's, confirmed by one real
+/// trial: no trial ran above the size returned, and [`Tuned::largest_fit`] is that size. Where
+/// the fit does not describe the trials (a failed size it says fits, two of its sizes failed,
+/// five trials without settling) the search bisects in ratio between the largest success and
+/// the smallest failure, as without figures.
+///
+/// Without figures it grows four times a trial, then bisects in ratio, and stops once the
+/// largest size that ran and the smallest that failed are within a quarter of the margin (at
+/// least 1): finer would refine a size the margin then takes 5 % off. The margin is then taken
+/// off the largest size that ran, and that size's trial is run too.
+///
+/// Either way it never returns a size whose own trial did not succeed, never one above a size
+/// that failed, and never tries one above `with_max`. A limit that is not the memory (a kernel's
+/// grid, a data loader) is not in the figures: the fit's margin is from the memory's limit, and
+/// a size between the two fails once and then is bisected.
 ///
 /// # When memory shrinks between trials
 /// A trial that runs out of memory below a size that ran (fragmentation, memory an allocator
@@ -62,11 +75,10 @@ use throughput::{fastest, Shared};
 /// after which ran. The size returned is always below every size that failed, and its trial ran
 /// last.
 ///
-/// The fit is a guide, never trusted over a trial: where it has a failed size fitting, or two
-/// of its guesses failed, it is dropped for bisection (a limit that is not the device's memory);
-/// once a failure brackets the limit, a guess that does not halve the bracket is followed by a
-/// bisection; a guess that fits with room to spare doubles the least step of the next; a jump
-/// goes at most 128 times the largest size that ran.
+/// The fit is a guide, never trusted over a trial; a jump goes at most 128 times the largest
+/// size that ran. Where you know the bytes your trial allocates whatever its size (weights,
+/// gradients, an optimizer's state created inside it), [`with_fixed_memory`](Self::with_fixed_memory)
+/// gives the fit its line from the first trial.
 ///
 /// # Throughput
 /// Every successful trial is timed ([`with_clock`](Self::with_clock); by default the wall
@@ -79,7 +91,8 @@ use throughput::{fastest, Shared};
 ///
 /// # Default
 /// `min` 1, no `max`, `margin` 0.05 (as Lightning's), `max_trials` 25, release
-/// [`Release::cuda()`], no cache, [`Choice::Largest`], tolerance 0.02, the wall clock.
+/// [`Release::cuda()`], no cache, [`Choice::Largest`], tolerance 0.02, the wall clock, no fixed
+/// memory declared.
 ///
 /// ```
 /// use batch_size_runtime::{memory::SimulatedDevice, Tuner};
@@ -92,9 +105,9 @@ use throughput::{fastest, Shared};
 ///         let _activations = device.alloc(batch_size as u64 * (100 << 20))?; // 100 MiB a sample
 ///         Ok(())
 ///     })?;
-/// assert_eq!(tuned.largest_fit(), 122);                    // the largest that fits
-/// assert!(tuned.batch_size() >= 115 && tuned.batch_size() < 122); // 5 % kept
-/// assert!(tuned.report().len() <= 5);                      // Lightning's binsearch: 13 trials
+/// assert!(tuned.batch_size() >= 115 && tuned.batch_size() < 122); // 122 fit; 5 % kept
+/// assert_eq!(tuned.largest_fit(), tuned.batch_size());     // no trial ran above it
+/// assert!(tuned.report().len() <= 4);                      // Lightning's binsearch: 13 trials
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 #[must_use = "a tuner does nothing until it is run"]
@@ -106,6 +119,7 @@ pub struct Tuner {
     choice: Choice,
     tolerance: f64,
     clock: Option<Opaque<Clock>>,
+    fixed_memory: Option<u64>,
 }
 
 type Clock = Box<dyn FnMut() -> Duration + Send>;
@@ -273,7 +287,36 @@ impl Tuner {
             choice: Choice::Largest,
             tolerance: 0.02,
             clock: None,
+            fixed_memory: None,
         }
+    }
+
+    /// Bytes the trial allocates whatever its size: weights, gradients and an optimizer's state
+    /// it creates itself (parameters × bytes × (1 + gradients + optimizer states)). Not what
+    /// is already on the device before the trial: that is read. With figures, the first trial's
+    /// peak less these bytes is then what the size costs, and the second trial goes near the
+    /// answer. A declaration above what the first trial used is ignored; one below it costs a
+    /// trial, never a size above the limit.
+    ///
+    /// ```
+    /// use batch_size_runtime::{memory::SimulatedDevice, Tuner};
+    ///
+    /// let device = SimulatedDevice::new(16 << 30);
+    /// let tuned = Tuner::new()
+    ///     .with_release(device.clone())
+    ///     .with_fixed_memory(9 << 30)
+    ///     .run(|batch_size| -> anyhow::Result<()> {
+    ///         let _weights_and_adam = device.alloc(9 << 30)?;
+    ///         let _activations = device.alloc(batch_size as u64 * (60 << 20))?;
+    ///         Ok(())
+    ///     })?;
+    /// assert_eq!(tuned.batch_size(), 113); // 119 fit; 5 % kept
+    /// assert_eq!(tuned.report().len(), 2); // 1, then 113
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_fixed_memory(mut self, bytes: u64) -> Self {
+        self.fixed_memory = Some(bytes);
+        self
     }
 
     /// The headroom: the share taken off the largest size that ran (0 ≤ headroom < 1; default
@@ -385,7 +428,8 @@ impl Tuner {
             self.choice,
             tolerance,
             Arc::clone(&shared),
-        );
+        )
+        .with_fixed_memory(self.fixed_memory);
         // The tuner's settings are the search's, but for its own policy: the cache under the
         // tuner's key (the fastest size is another answer than the largest: another entry).
         if let (Some(cache), Choice::Fastest) = (&mut settings.cache, self.choice) {
@@ -430,7 +474,12 @@ impl Tuner {
         let (largest_fit, largest) = match report.cache_hit.map(|hit| hit.largest_fit) {
             Some(entry_largest) => {
                 let largest_fit = entry_largest.unwrap_or(ran_largest).max(ran_largest);
-                (largest_fit, kept_size(largest_fit, margin, min))
+                // Never below the size cached: where nothing ran above it, it was kept with the
+                // margin already.
+                (
+                    largest_fit,
+                    kept_size(largest_fit, margin, min).max(batch_size),
+                )
             }
             None => match shared.kept.load(Ordering::Relaxed) {
                 0 => (ran_largest, batch_size),

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use super::throughput::{fastest, Shared};
 use super::Choice;
 use crate::error::StopReason;
-use crate::policy::fit::{peak_bytes, MemoryFit};
+use crate::policy::fit::{
+    failure_above, peak_bytes, points_up_to, used_at_start, MemoryFit, Point, GENTLER,
+};
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 
@@ -60,8 +62,30 @@ pub(super) struct TunerPolicy {
     guessed_in: Option<f64>,
     /// Why the last decision went below a size that had run, when it did.
     rationale: Option<String>,
+    /// Bytes the user declared the trial allocates whatever its size (weights, gradients, an
+    /// optimizer's state allocated inside it): with one size run, the line's part at size 0.
+    fixed_memory: Option<u64>,
+    /// Trials the memory fit chose directly (probes and aims at its margin's size).
+    aims: u32,
+    /// The size of the last aim, until its outcome is scored, and whether a fit through two
+    /// sizes chose it (only such a trial confirms the fit's margin).
+    aimed: Option<(usize, bool)>,
+    /// The bytes the fit that chose the last aim predicted at its size, where a failure above
+    /// bent that fit.
+    predicted: Option<f64>,
+    /// Aims that ran with more room than the resolution: each doubles the least step above
+    /// them, so that a fit that misses (a part that appears above some size) costs a few
+    /// trials, not a crawl.
+    aim_misses: u32,
+    /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
+    /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
+    aiming_over: bool,
     shared: Arc<Shared>,
 }
+
+/// At most this many trials chosen by the fit's aim (the second probe, the aim, corrections);
+/// then the search bisects, or keeps the margin below the largest size that ran.
+const MOST_AIMS: u32 = 5;
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
 /// apart that a small model's growth is not lost in an allocator's rounding (2 MiB blocks hide
@@ -130,8 +154,230 @@ impl TunerPolicy {
             overshoots: 0,
             guessed_in: None,
             rationale: None,
+            fixed_memory: None,
+            aims: 0,
+            aimed: None,
+            predicted: None,
+            aim_misses: 0,
+            aiming_over: false,
             shared,
         }
+    }
+
+    /// Bytes the trial allocates whatever its size, as the user declared them.
+    pub(super) fn with_fixed_memory(mut self, bytes: Option<u64>) -> Self {
+        self.fixed_memory = bytes;
+        self
+    }
+
+    /// Memory against the size, from the trials since the memory last changed: the line
+    /// through two sizes that ran (bent by a third below them and by the smallest failure
+    /// above), or through one size and what was in use before it (plus the fixed bytes the user
+    /// declared). `true` with two sizes: only then does the fit judge a trial's margin.
+    fn fit(&self, history: &SearchReport, low: usize) -> Option<(MemoryFit, bool)> {
+        let since = since_memory_changed(history);
+        let attempts = || history.attempts().skip(since);
+        let mut points = points_up_to(attempts(), low);
+        // Where a size between half and seven eighths of the largest ran, the line is drawn
+        // over that span only: probes far below show mostly what does not grow, and may be of
+        // another regime (a workspace chosen by size); the span is still wide enough that an
+        // allocator's rounding and noise move its slope little.
+        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
+        let local = |size: usize| {
+            size.saturating_mul(2) >= top && size.saturating_mul(8) <= top.saturating_mul(7)
+        };
+        if points.iter().any(|point| local(point.size)) {
+            points.retain(|point| point.size == top || local(point.size));
+        }
+        let failure = failure_above(attempts(), low);
+        if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
+            return Some((fit, true));
+        }
+        let (attempt, point) = attempts()
+            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size == low)
+            .filter_map(|attempt| {
+                let (peak, total) = peak_bytes(attempt)?;
+                Some((
+                    attempt,
+                    Point {
+                        size: low,
+                        peak,
+                        total,
+                    },
+                ))
+            })
+            .last()?;
+        let start = used_at_start(attempt)?;
+        let declared = self.fixed_memory.and_then(|fixed| {
+            MemoryFit::through_start(point, start.saturating_add(fixed), failure)
+        });
+        declared
+            .or_else(|| MemoryFit::through_start(point, start, failure))
+            .map(|fit| (fit, false))
+    }
+
+    /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more, and no
+    /// size failed: the margin's size with the gentler slope from the largest. Two sizes far
+    /// apart cannot tell a bend (a `size²` term) from a part that appears above some size and
+    /// does not grow (a workspace chosen by size): the bend would be right, the jump leaves
+    /// room the steep line never shows. The gentler size is tried; a failure there bends the
+    /// fit, a success puts a size on the same side of the jump.
+    fn gentler(
+        &self,
+        history: &SearchReport,
+        low: usize,
+        fit: &MemoryFit,
+        high: Option<usize>,
+    ) -> Option<usize> {
+        if high.is_some() {
+            return None;
+        }
+        let since = since_memory_changed(history);
+        let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
+            .into_iter()
+            .filter(|point| (point.size as f64) <= fit.smaller())
+            .collect();
+        let slope = MemoryFit::from_points(&below, None)?.per_sample();
+        if slope * GENTLER >= fit.per_sample() {
+            return None;
+        }
+        let filling = fit.with_slope(slope, None)?.size_filling_device()?;
+        let mut size = (filling * (1.0 - self.margin)).floor() as usize;
+        if let Some(max) = self.max {
+            size = size.min(kept_size(max, self.margin, self.min));
+        }
+        Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP))))
+    }
+
+    /// The fit's own choice: the size that keeps the margin below the size it predicts fills
+    /// the device, run to confirm it. A trial that ran there (within the resolution below it)
+    /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
+    /// one that failed bends the fit. `None` where the figures give no fit (the search grows
+    /// and bisects as without figures), or once the fit stops choosing (see
+    /// [`aiming_over`](Self::aiming_over)).
+    fn aim(
+        &mut self,
+        history: &SearchReport,
+        last: &Attempt,
+        low: usize,
+        high: Option<usize>,
+    ) -> Option<Decision> {
+        if self.aiming_over {
+            return None;
+        }
+        let aimed = self
+            .aimed
+            .take()
+            .filter(|&(size, _)| size == last.batch_size);
+        if aimed.is_some() && !last.outcome.is_success() {
+            self.overshoots += 1;
+        }
+        let predicted = self.predicted.take().filter(|_| aimed.is_some());
+        let (fit, measured) = self.fit(history, low)?;
+        let filling = fit.size_filling_device().filter(|&size| size >= 1.0);
+        let contradicted = match (filling, high) {
+            (Some(filling), Some(high)) => filling >= high as f64,
+            (None, _) => true,
+            _ => false,
+        };
+        if contradicted || self.overshoots >= 2 || self.bend_refuted(last, predicted, &fit) {
+            // What fails is not what the fit explains (a limit that is not the memory, an
+            // allocator that cannot use all of it, a part that appears above some size), or it
+            // does not settle: bisect.
+            self.aiming_over = true;
+            self.overshoots = self.overshoots.max(2);
+            return Some(match high {
+                Some(high) if high - low > self.resolution(low) => {
+                    Decision::Try(geometric_middle(low, high))
+                }
+                _ => self.finish(history),
+            });
+        }
+        let filling = filling.unwrap_or(low as f64);
+        let mut target = ((filling * (1.0 - self.margin)).floor() as usize).max(self.min);
+        if let Some(max) = self.max {
+            target = target.min(kept_size(max, self.margin, self.min));
+        }
+        if let Some(high) = high {
+            target = target.min(high.saturating_sub(1)).max(self.min);
+        }
+        let ran = last.outcome.is_success() && last.batch_size <= low;
+        let judged = measured || self.fixed_memory.is_some();
+        let confirms = ran && aimed.is_some_and(|(_, judged)| judged);
+        let resolution = self.resolution(last.batch_size);
+        if confirms && last.batch_size <= target {
+            if last.batch_size.saturating_add(resolution) >= target {
+                // The fit's size ran, and the fit with its own peak keeps the margin there:
+                // the answer, unless the sizes below it grew far more gently (see
+                // [`gentler`](Self::gentler)): then that slope's size is tried first.
+                let gentler = self
+                    .gentler(history, low, &fit, high)
+                    .filter(|&size| size > last.batch_size.saturating_add(resolution));
+                if let Some(size) = gentler {
+                    self.aims += 1;
+                    self.aimed = Some((size, true));
+                    return Some(Decision::Try(size));
+                }
+                return Some(self.kept(history, last.batch_size));
+            }
+            self.aim_misses += 1;
+        }
+        if self.aims >= MOST_AIMS {
+            // As many aims and not settled. Where the fit's size is below a size that ran, it
+            // runs, and its trial is the answer; else the estimate keeps moving up (a part
+            // that appears above some size, an allocator's rounding): the search brackets the
+            // limit with trials, as before the fit aimed.
+            self.aiming_over = true;
+            if judged && target < low {
+                self.phase = Phase::Confirming;
+                return Some(Decision::Try(target));
+            }
+            return None;
+        }
+        let next = if judged {
+            // After a miss, at least a step above it that doubles with each miss.
+            let step = resolution
+                .saturating_mul(1usize.checked_shl(self.aim_misses).unwrap_or(usize::MAX));
+            if target > last.batch_size && self.aim_misses > 0 {
+                target.max(last.batch_size.saturating_add(step))
+            } else {
+                target
+            }
+        } else {
+            // One size ran: the line through the memory before it counts every byte the trial
+            // allocated as growing with its size; it is a probe of at least `GROWTH` times, so
+            // that the second point is on a wide span.
+            target.max(low.saturating_mul(GROWTH))
+        };
+        let next = self
+            .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
+            .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
+            .max(self.min);
+        if next == last.batch_size && last.outcome.is_success() && judged {
+            // The fit's size is the one that just ran: nothing else to try.
+            return Some(self.kept(history, next));
+        }
+        self.aims += 1;
+        self.aimed = Some((next, judged));
+        self.predicted = high.map(|_| fit.bytes(next as f64));
+        Some(Decision::Try(next))
+    }
+
+    /// Whether the last aim ran with a peak well below what the fit that chose it predicted
+    /// (by more than a quarter of the margin's bytes there), that fit being bent by a failure
+    /// above. A `size²` term shows in the sizes below the failure as the bend predicts; a part
+    /// that appears only above some size (a workspace chosen by size, a buffer allocated late)
+    /// bends the fit through the failure as if it were one, and the fit then predicts far less
+    /// room than there is below the failure: bisecting between the two finds it.
+    fn bend_refuted(&self, last: &Attempt, predicted: Option<f64>, fit: &MemoryFit) -> bool {
+        let Some(predicted) = predicted else {
+            return false;
+        };
+        let Some((peak, _)) = peak_bytes(last).filter(|_| last.outcome.is_success()) else {
+            return false;
+        };
+        let tolerance = self.margin / 4.0 * last.batch_size as f64 * fit.per_sample();
+        (peak as f64) < predicted - tolerance
     }
 
     fn cap(&self, size: usize) -> usize {
@@ -282,6 +528,8 @@ impl SizePolicy for TunerPolicy {
             self.shared.kept.store(0, Ordering::Relaxed);
             self.guess = None;
             self.guessed_in = None;
+            self.aimed = None;
+            self.predicted = None;
         }
         match self.phase {
             Phase::Confirming if last.outcome.is_success() => {
@@ -313,6 +561,9 @@ impl SizePolicy for TunerPolicy {
         // One trial is kept for the margin's size.
         if history.len() + 1 >= self.max_trials {
             return self.finish(history);
+        }
+        if let Some(decision) = self.aim(history, last, low, high) {
+            return decision;
         }
         if self.max.is_some_and(|max| low >= max) {
             return self.finish(history);
