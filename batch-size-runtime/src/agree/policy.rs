@@ -92,6 +92,11 @@ impl<P: SizePolicy, C: Collective> PolicyWrapper for Agree<P, C> {
     holds_inner!(P);
 
     /// Every attempt ends with a round of the agreement, successes too: the engine must ask.
+    /// Every size is the ranks' verdict.
+    fn agrees_with_others(&self) -> bool {
+        true
+    }
+
     fn accepts_every_success(&self) -> bool {
         false
     }

@@ -542,22 +542,36 @@ impl Search<'_> {
         let failed_size = attempt.batch_size;
         attempt.requested = found.requested;
         attempt.memory_at_end = non_empty(self.release.memory());
-        self.smallest_failed = Some(
-            self.smallest_failed
-                .map_or(failed_size, |smallest| smallest.min(failed_size)),
-        );
 
         self.release_before_next_attempt();
         attempt.memory_after_release = non_empty(self.release.memory());
         let number = attempt.number;
+        let held = self.held_from_earlier_work(&attempt);
         self.report.push(attempt);
 
-        // The policy sees the failure with the memory the release made free.
-        let decision = self.policy.after(&self.report);
-        self.rationale = self.policy.rationale();
-        let decision = self.nothing_kept_above_a_failure(decision);
-        self.next = self.within_the_rules(decision);
-        self.remedy_if_no_size_is_left();
+        if let Some(held) = held {
+            // Memory a pool kept from earlier work failed this size, not the size itself:
+            // it runs once more, with that memory given back, before the search goes lower.
+            // The failure proves nothing about the size, so it bounds nothing, and the policy
+            // sees it in the history with the retry's outcome.
+            self.rationale = Some(format!(
+                "the pool held {} reserved but unallocated from earlier work when batch size \
+                 {failed_size} started; the release gave it back: {failed_size} again",
+                Bytes(held)
+            ));
+            self.next = self.within_the_rules(Decision::Try(failed_size));
+        } else {
+            self.smallest_failed = Some(
+                self.smallest_failed
+                    .map_or(failed_size, |smallest| smallest.min(failed_size)),
+            );
+            // The policy sees the failure with the memory the release made free.
+            let decision = self.policy.after(&self.report);
+            self.rationale = self.policy.rationale();
+            let decision = self.nothing_kept_above_a_failure(decision);
+            self.next = self.within_the_rules(decision);
+            self.remedy_if_no_size_is_left();
+        }
         self.log_retry(failed_size, number, &found.description);
         self.notify_last();
         self.last_error = Some(error.unwrap_or_else(|| {
@@ -567,6 +581,42 @@ impl Search<'_> {
         if matches!(self.next, Next::Accepted) {
             self.finish();
         }
+    }
+
+    /// Bytes a pool held reserved but unallocated when `failed` started (what earlier work
+    /// left: a caching pool, an arena's regions) that the attempt could not use: the failing
+    /// allocation, on top of the attempt's peak, would have fit in the memory in use, free and
+    /// held at its start together, so a pool that reuses what it holds (CUDA's) would not have
+    /// failed there. Only where the release has given that memory back. `None` otherwise: where
+    /// a figure is missing (the request's bytes, the peak), for a size already tried in this
+    /// search (the retry's own failure is an answer), and for sizes agreed with other ranks
+    /// (they would not retry with it). Read from the figures taken anyway at the attempt's
+    /// start and end and after the release: nothing is added to the success path.
+    fn held_from_earlier_work(&self, failed: &Attempt) -> Option<u64> {
+        if self.policy.agrees_with_others()
+            || self
+                .report
+                .attempts()
+                .any(|earlier| earlier.batch_size == failed.batch_size)
+        {
+            return None;
+        }
+        let at_start = failed.memory_at_start.as_ref()?;
+        let held = at_start.pool_unallocated().filter(|&held| held > 0)?;
+        let requested = failed.requested?;
+        let peak = failed.memory_at_end.as_ref()?.peak()?;
+        let in_use_at_start = at_start.pool_used().unwrap_or(0);
+        let room = in_use_at_start
+            .saturating_add(at_start.free())
+            .saturating_add(held);
+        let could_not_use = peak.saturating_add(requested) <= room;
+        // Given back: what the pool holds unallocated now is at most half of it.
+        let given_back = failed
+            .memory_after_release
+            .as_ref()
+            .and_then(MemorySnapshot::pool_unallocated)
+            .is_some_and(|left| left <= held / 2);
+        (could_not_use && given_back).then_some(held)
     }
 
     /// Gives memory back before the next attempt; a release that fails is said, not fatal.

@@ -173,6 +173,40 @@ impl MemorySnapshot {
     pub fn free(&self) -> u64 {
         self.devices.iter().map(|device| device.free).sum()
     }
+
+    /// Bytes the pools hold from the devices but have not allocated (reserved less in use),
+    /// summed over the devices whose pool counts both; `None` where none does.
+    ///
+    /// ```
+    /// # use batch_size_runtime::memory::{MemoryBackend, SimulatedDevice};
+    /// let device = SimulatedDevice::new(100).with_caching();
+    /// drop(device.alloc(30)?);
+    /// let _held = device.alloc(20)?;
+    /// assert_eq!(device.memory().pool_unallocated(), Some(30)); // freed, kept by the cache
+    /// # Ok::<(), batch_size_runtime::OutOfMemory>(())
+    /// ```
+    pub fn pool_unallocated(&self) -> Option<u64> {
+        self.sum_over_devices(|device| {
+            Some(device.pool_reserved?.saturating_sub(device.pool_used?))
+        })
+    }
+
+    /// Bytes the pools have allocated, summed over the devices that count them.
+    pub fn pool_used(&self) -> Option<u64> {
+        self.sum_over_devices(|device| device.pool_used)
+    }
+
+    /// The attempt's peak in use, summed over the devices that keep one.
+    pub fn peak(&self) -> Option<u64> {
+        self.sum_over_devices(|device| device.peak)
+    }
+
+    fn sum_over_devices(&self, figure: impl Fn(&DeviceMemory) -> Option<u64>) -> Option<u64> {
+        self.devices
+            .iter()
+            .filter_map(figure)
+            .reduce(u64::saturating_add)
+    }
 }
 
 impl fmt::Display for MemorySnapshot {

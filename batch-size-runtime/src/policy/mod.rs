@@ -190,6 +190,14 @@ pub trait SizePolicy: Send + fmt::Debug {
         Decision::Stop(reason)
     }
 
+    /// Whether every size this policy proposes is agreed with other ranks (the agreement
+    /// between ranks wraps it): the engine then never runs a size of its own choosing, such as
+    /// the retry of a size whose pool held memory from earlier work, which the other ranks
+    /// would not run. Default: `false`.
+    fn agrees_with_others(&self) -> bool {
+        false
+    }
+
     /// What the next attempt runs under besides its size, kept on its record
     /// ([`Attempt::settings`](crate::Attempt::settings)): the remedies in force. Default: `None`.
     fn settings(&self) -> Option<String> {

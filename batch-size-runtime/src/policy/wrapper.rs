@@ -59,6 +59,10 @@ pub(crate) trait PolicyWrapper: Send + fmt::Debug {
     fn settings(&self) -> Option<String> {
         self.inner().settings()
     }
+
+    fn agrees_with_others(&self) -> bool {
+        self.inner().agrees_with_others()
+    }
 }
 
 impl<W: PolicyWrapper> SizePolicy for W {
@@ -92,6 +96,9 @@ impl<W: PolicyWrapper> SizePolicy for W {
     fn settings(&self) -> Option<String> {
         PolicyWrapper::settings(self)
     }
+    fn agrees_with_others(&self) -> bool {
+        PolicyWrapper::agrees_with_others(self)
+    }
 }
 
 /// The policy a wrapper holds in its field `inner`, of type `$inner`: the two accessors every
@@ -113,6 +120,18 @@ pub(crate) use holds_inner;
 
 /// A boxed policy is the policy it holds.
 impl<P: SizePolicy + ?Sized> PolicyWrapper for Box<P> {
+    type Inner = P;
+    fn inner(&self) -> &P {
+        self
+    }
+    fn inner_mut(&mut self) -> &mut P {
+        self
+    }
+}
+
+/// A lent policy is the policy it lends: a runner keeps its policy, lends it to the loop with
+/// `with_policy(&mut policy)`, and reads what it learned when the loop returns.
+impl<P: SizePolicy + ?Sized> PolicyWrapper for &mut P {
     type Inner = P;
     fn inner(&self) -> &P {
         self

@@ -68,6 +68,10 @@ impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
     /// Each chunk after a success holds other items: a chunk that ran out of memory earlier
     /// says nothing for good about the size of the next ones (growing back decides how soon
     /// such a size is tried again).
+    fn agrees_with_others(&self) -> bool {
+        self.agreement.is_some() || self.inner.agrees_with_others()
+    }
+
     fn each_success_is_new_work(&self) -> bool {
         true
     }
