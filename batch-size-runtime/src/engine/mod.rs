@@ -27,11 +27,12 @@ use crate::agree::{Agree, Collective};
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
-use crate::policy::{Cached, HitSlot};
+use crate::policy::Cached;
 use crate::policy::{LadderControl, Remediate};
 use crate::policy::{Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 use crate::AttemptError;
+#[allow(unused_imports)] // for the docs' links
 use crate::Release;
 
 mod active;
@@ -117,7 +118,6 @@ impl<'r> BatchSizeSearch<'r> {
                 invalid: None,
                 hooks: None,
                 first_fit_at_debug: false,
-                cache_hit: None,
             },
             settings: Settings::default(),
             agreement: None,
@@ -509,16 +509,16 @@ impl<'r> BatchSizeSearch<'r> {
         } = shared;
         settings.min = min;
         settings.max_size = settings.max_size.min(max.unwrap_or(usize::MAX));
-        settings.release = release;
         settings.invalid = invalid.map(|why| why.to_string());
-        settings.policy = match policy {
+        let mut policy = match policy {
             Some(policy) => ActivePolicy::Custom(policy),
             None => ActivePolicy::Shrink(shrink),
         };
         // The wrappers, in one order: remedies around the size rule, the cache around them
         // (it remembers the remedies' levels with the size), the agreement outermost (every
-        // rank sees the same verdict, cached or not).
-        let remedies = remedies.map(|(ladder, restart)| {
+        // rank sees the same verdict, cached or not). Each takes the policy by value.
+        let mut ladder = None;
+        if let Some((control, restart)) = remedies {
             if agreement.is_some() {
                 settings.invalid.get_or_insert_with(|| {
                     "remedies are not agreed between ranks yet: search with remedies on one rank, \
@@ -526,41 +526,37 @@ impl<'r> BatchSizeSearch<'r> {
                         .to_owned()
                 });
             }
-            let inner =
-                std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
-            settings.policy = ActivePolicy::Custom(Box::new(Remediate::new(
-                inner,
-                Arc::clone(&ladder),
+            policy = ActivePolicy::Custom(Box::new(Remediate::new(
+                policy,
+                Arc::clone(&control),
                 restart.unwrap_or(settings.starting),
                 settings.min,
                 settings.label,
             )));
-            ladder
-        });
-        // Without a key the cache's settings hold only a folder: nothing is cached.
-        if let Some(cache) = cache.filter(|cache| !cache.key.is_empty()) {
-            let release = settings.release.get_or_insert_with(Release::default);
-            let hit = HitSlot::default();
-            settings.cache_hit = Some(hit.clone());
-            let inner =
-                std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
-            let cached = Cached::new(
-                inner,
-                cache,
-                settings.label,
-                settings.starting,
-                settings.min,
-                release,
-                remedies,
-            )
-            .telling(hit);
-            settings.policy = ActivePolicy::Custom(Box::new(cached));
+            ladder = Some(control);
         }
+        let release = match cache.filter(|cache| !cache.key.is_empty()) {
+            // Without a key the cache's settings hold only a folder: nothing is cached.
+            None => release,
+            Some(cache) => {
+                let release = release.unwrap_or_default();
+                policy = ActivePolicy::Custom(Box::new(Cached::new(
+                    policy,
+                    cache,
+                    settings.label,
+                    settings.starting,
+                    settings.min,
+                    &release,
+                    ladder,
+                )));
+                Some(release)
+            }
+        };
         if let Some(collective) = agreement {
-            let inner =
-                std::mem::replace(&mut settings.policy, ActivePolicy::Shrink(Reduction::Halve));
-            settings.policy = ActivePolicy::Custom(Box::new(Agree::new(inner, collective)));
+            policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
         }
+        settings.release = release;
+        settings.policy = policy;
         Search::new(settings)
     }
 }

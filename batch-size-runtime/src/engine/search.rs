@@ -11,9 +11,8 @@ use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
-use crate::policy::HitSlot;
 use crate::policy::{Decision, SizePolicy};
-use crate::record::{self, Attempt, Outcome, SearchReport};
+use crate::record::{self, Attempt, CacheHit, Outcome, SearchReport};
 use crate::unwind::PanicPayload;
 
 /// What a search is started with: the builder's settings, the policy already wrapped in the
@@ -35,8 +34,6 @@ pub(crate) struct SearchSettings<'r> {
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) first_fit_at_debug: bool,
-    /// With a cache: where it says that the search returned a cached size.
-    pub(crate) cache_hit: Option<HitSlot>,
 }
 
 #[derive(Debug)]
@@ -98,8 +95,6 @@ pub struct Search<'r> {
     /// The search ended and `report` is whole: the driver takes it as a value; a loop of the
     /// user's own publishes it to `last_report()` (the public methods below).
     finished: bool,
-    /// Where the cache policy says it returned a cached size, read into the report at the end.
-    cache_hit: Option<HitSlot>,
     last_error: Option<KeptError>,
     smallest_failed: Option<usize>,
     succeeded_once: bool,
@@ -124,7 +119,6 @@ impl<'r> Search<'r> {
             invalid,
             hooks,
             first_fit_at_debug,
-            cache_hit,
         } = settings;
         let release = release.unwrap_or_default();
         let next = if let Some(why) = invalid {
@@ -161,7 +155,6 @@ impl<'r> Search<'r> {
             running: None,
             report: SearchReport::default(),
             finished: false,
-            cache_hit,
             last_error: None,
             smallest_failed: None,
             succeeded_once: false,
@@ -306,8 +299,8 @@ impl Search<'_> {
     /// The search is over: the report goes to `on_report` and waits for the caller, moved, not
     /// cloned (the success path copies as little as it can).
     fn finish(&mut self) {
-        if let Some(hit) = self.cache_hit.as_ref().and_then(HitSlot::take) {
-            self.report.cache_hit = Some(hit);
+        if let Some(largest_fit) = self.policy.served_from_cache() {
+            self.report.cache_hit = Some(CacheHit { largest_fit });
         }
         if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);

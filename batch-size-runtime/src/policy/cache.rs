@@ -77,22 +77,6 @@ pub struct CacheEntry {
     pub remedies: Option<Vec<Option<usize>>>,
 }
 
-/// Where the cache policy of one search says that it returned a cached size: shared with the
-/// search, which moves it into its report when it ends (a value of that search, not of the
-/// thread: an async search may end on another).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct HitSlot(Arc<Mutex<Option<CacheHit>>>);
-
-impl HitSlot {
-    fn set(&self, hit: CacheHit) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(hit);
-    }
-
-    pub(crate) fn take(&self) -> Option<CacheHit> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
-    }
-}
-
 static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
 
 /// Forgets the entries kept in this process (the files on disk stay).
@@ -126,8 +110,8 @@ pub(crate) struct Cached<P> {
     warned: bool,
     /// The remedies the search may apply, whose levels are kept with the size.
     remedies: Option<Arc<dyn LadderControl>>,
-    /// Where a hit is told to the search, for its report.
-    hit: HitSlot,
+    /// Set when the search ran the cached size and returned it: read into its report.
+    hit: Option<CacheHit>,
 }
 
 impl<P: fmt::Debug> fmt::Debug for Cached<P> {
@@ -346,14 +330,6 @@ fn write_entry(file: &Path, entry: &CacheEntry) -> std::io::Result<()> {
     })()
 }
 
-impl<P> Cached<P> {
-    /// Tells a hit to `hit`, which the search reads into its report.
-    pub(crate) fn telling(mut self, hit: HitSlot) -> Self {
-        self.hit = hit;
-        self
-    }
-}
-
 impl<P: SizePolicy> Cached<P> {
     /// The cache around `inner`, for a search of `label` from `starting` (no size below `min`),
     /// over the device `release` reads.
@@ -415,7 +391,7 @@ impl<P: SizePolicy> Cached<P> {
             entry,
             free_now,
             label,
-            hit: HitSlot::default(),
+            hit: None,
             from_cache: false,
             warned,
             remedies,
@@ -505,6 +481,10 @@ impl<P> Cached<P> {
 impl<P: SizePolicy> PolicyWrapper for Cached<P> {
     holds_inner!(P);
 
+    fn served_from_cache(&self) -> Option<Option<usize>> {
+        self.hit.map(|hit| hit.largest_fit)
+    }
+
     /// A success is remembered here before it is accepted: the engine must ask.
     fn accepts_every_success(&self) -> bool {
         false
@@ -540,7 +520,7 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
             self.remember(history);
             if cached_and_ran {
                 let largest_fit = self.entry.as_ref().and_then(|entry| entry.largest_fit);
-                self.hit.set(CacheHit { largest_fit });
+                self.hit = Some(CacheHit { largest_fit });
             }
         }
         decision

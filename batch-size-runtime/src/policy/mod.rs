@@ -100,7 +100,7 @@ mod shrink;
 mod wrapper;
 
 pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
-pub(crate) use cache::{CacheSettings, Cached, HitSlot, RunnerCache};
+pub(crate) use cache::{CacheSettings, Cached, RunnerCache};
 pub(crate) use converge::{even_micro, larger_budget, Convergence, Probing};
 pub use evidence::Evidence;
 pub(crate) use grow_back::GrowBack;
@@ -196,6 +196,16 @@ pub trait SizePolicy: Send + fmt::Debug {
     /// would not run. Default: `false`.
     fn agrees_with_others(&self) -> bool {
         false
+    }
+
+    /// For the cache of sizes that fit, which wraps the policy: `Some` when the search ran the
+    /// size its entry kept and returned it, with the largest size that ran when the entry was
+    /// written (a tuner's, before its margin). The engine reads it into the report as the
+    /// search ends ([`SearchReport::from_cache`]): a value of the search, not a cell shared
+    /// with it. Not for other policies.
+    #[doc(hidden)]
+    fn served_from_cache(&self) -> Option<Option<usize>> {
+        None
     }
 
     /// What the next attempt runs under besides its size, kept on its record
