@@ -584,6 +584,28 @@ mod tests {
     }
 
     #[test]
+    fn the_readmes_function_expands_to_at_most_20_lines_naming_at_most_6_items() {
+        // README.md's first snippet, as a user writes it (candle's own `Result` and `Device`):
+        // 18 lines, naming drive_attempts, search, starting_of and batch_size_as.
+        let expansion = find_executable_batch_size(
+            quote! { starting = 256 },
+            quote! {
+                fn train(batch_size: usize, device: &Device) -> Result<f32> {
+                    let inputs = Tensor::randn(0f32, 1.0, (batch_size, 64), device)?;
+                    let weights = Tensor::randn(0f32, 0.1, (64, 8), device)?;
+                    let loss = inputs.matmul(&weights)?.sqr()?.mean_all()?;
+                    loss.to_scalar::<f32>()
+                }
+            },
+        );
+        let formatted = rustfmt(&expansion);
+        let lines = formatted.lines().count();
+        assert!(lines <= 20, "{lines} lines:\n{formatted}");
+        let found = private_items(&expansion);
+        assert!(found.len() <= 6, "{found:?}");
+    }
+
+    #[test]
     fn a_body_that_does_not_parse_keeps_the_rewritten_signature() {
         let expansion = find_executable_batch_size(
             quote! { starting = 8 },
