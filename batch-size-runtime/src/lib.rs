@@ -239,7 +239,8 @@ pub mod __private;
 
 pub use attempt::AttemptError;
 pub use engine::{BatchSizeSearch, Search};
-pub use error::{NoExecutableBatchSize, OutOfMemory, StopReason};
+pub use error::{NoExecutableBatchSize, StopReason};
+pub use memory::out_of_memory::OutOfMemory;
 pub use memory::release::Release;
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};

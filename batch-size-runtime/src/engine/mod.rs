@@ -24,16 +24,16 @@ use std::error::Error;
 use std::sync::Arc;
 
 use crate::agree::{Agree, Collective};
+use crate::attempt::AttemptError;
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
+#[allow(unused_imports)] // for the docs' links
+use crate::memory::Release;
 use crate::policy::Cached;
 use crate::policy::{LadderControl, Remediate};
 use crate::policy::{Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
-use crate::AttemptError;
-#[allow(unused_imports)] // for the docs' links
-use crate::Release;
 
 mod active;
 pub(crate) mod dispatch;

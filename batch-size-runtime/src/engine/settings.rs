@@ -187,7 +187,7 @@ macro_rules! settings_setters {
                 /// [`SimulatedDevice`](crate::memory::SimulatedDevice), your
                 /// [`MemoryBackend`](crate::memory::MemoryBackend); default:
                 /// [`Release::cuda()`](crate::Release::cuda)).
-                fn with_release(release: impl Into<crate::Release>)
+                fn with_release(release: impl Into<crate::memory::Release>)
                     |settings| settings.release = Some(release.into()));
 
             settings_setters!(@setter $new, "with_cache(\"my-model on a100\")",

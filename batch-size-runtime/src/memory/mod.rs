@@ -29,6 +29,7 @@
 
 mod cuda;
 mod host;
+pub(crate) mod out_of_memory;
 pub(crate) mod release;
 mod simulated;
 
@@ -36,6 +37,7 @@ use std::fmt;
 
 pub use cuda::CudaBackend;
 pub use host::{HostLimit, HostLimitKind, HostMemory};
+pub(crate) use out_of_memory::OutOfMemory;
 pub(crate) use release::Release;
 pub use simulated::{SimAllocation, SimulatedDevice};
 

@@ -19,8 +19,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::memory::{DeviceMemory, MemoryBackend, MemorySnapshot, ReleaseError};
-use crate::OutOfMemory;
+use crate::memory::{DeviceMemory, MemoryBackend, MemorySnapshot, OutOfMemory, ReleaseError};
 
 #[derive(Debug, Default)]
 struct Usage {

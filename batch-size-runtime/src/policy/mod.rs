@@ -86,8 +86,8 @@
 
 use std::fmt;
 
-use crate::SearchReport;
-use crate::StopReason;
+use crate::error::StopReason;
+use crate::record::SearchReport;
 
 mod cache;
 mod converge;

@@ -36,18 +36,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::agree::{Agree, Collective};
+use crate::attempt::AttemptError;
+use crate::engine::BatchSizeSearch;
 use crate::engine::{settings_setters, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
+#[allow(unused_imports)] // for the docs' links
+use crate::memory::Release;
 use crate::opaque::Opaque;
 use crate::policy::LadderControl;
 use crate::policy::{even_micro, Convergence, Probing};
 use crate::policy::{GrowBack, RunnerCache};
-use crate::remedies::Remedies;
-use crate::AttemptError;
-use crate::BatchSizeSearch;
-#[allow(unused_imports)] // for the docs' links
-use crate::Release;
-use crate::SearchReport;
+use crate::record::SearchReport;
+use crate::runners::remedies::Remedies;
 
 // One concept a file: the division of a step (the plan), even micro-batches, and the shares of
 // one global batch between ranks; the runner here.
