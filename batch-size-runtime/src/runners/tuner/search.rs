@@ -77,6 +77,9 @@ pub(super) struct TunerPolicy {
     /// them, so that a fit that misses (a part that appears above some size) costs a few
     /// trials, not a crawl.
     aim_misses: u32,
+    /// An aim judged by a line from far below it was followed by that line's size: from then
+    /// on an aim within the resolution of the fit's size is the answer.
+    ran_past_far_line: bool,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
     /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
     aiming_over: bool,
@@ -159,6 +162,7 @@ impl TunerPolicy {
             aimed: None,
             predicted: None,
             aim_misses: 0,
+            ran_past_far_line: false,
             aiming_over: false,
             shared,
         }
@@ -306,7 +310,18 @@ impl TunerPolicy {
         let confirms = ran && aimed.is_some_and(|(_, judged)| judged);
         let resolution = self.resolution(last.batch_size);
         if confirms && last.batch_size <= target {
-            if last.batch_size.saturating_add(resolution) >= target {
+            // A line drawn from a size under half the aim measured its slope far from it:
+            // whatever appears between (a workspace chosen by size, small tensors rounded up
+            // to whole blocks) counts as growth, and the refit predicts less room than there
+            // is, by an amount no trial has measured. Its size, when above the aim, runs once
+            // before the resolution's slack is taken as well.
+            let far = fit.smaller() * 2.0 < last.batch_size as f64;
+            let slack = if far && !self.ran_past_far_line {
+                0
+            } else {
+                resolution
+            };
+            if last.batch_size.saturating_add(slack) >= target {
                 // The fit's size ran, and the fit with its own peak keeps the margin there:
                 // the answer, unless the sizes below it grew far more gently (see
                 // [`gentler`](Self::gentler)): then that slope's size is tried first.
@@ -320,7 +335,11 @@ impl TunerPolicy {
                 }
                 return Some(self.kept(history, last.batch_size));
             }
-            self.aim_misses += 1;
+            if last.batch_size.saturating_add(resolution) >= target {
+                self.ran_past_far_line = true;
+            } else {
+                self.aim_misses += 1;
+            }
         }
         if self.aims >= MOST_AIMS {
             // As many aims and not settled. Where the fit's size is below a size that ran, it
