@@ -253,6 +253,35 @@ impl TunerPolicy {
         Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP))))
     }
 
+    /// Where the fit's line is drawn from a size under half the largest and the sizes up to
+    /// that one grew [`GENTLER`] times more gently (a part appeared between: a workspace chosen
+    /// by size), and the gentler slope's size is too close to try: three quarters of the
+    /// largest, so that the line is drawn on the aim's side of the jump (see
+    /// [`fit`](Self::fit)). The line across the jump is steeper than the memory above it by an
+    /// amount no two sizes near the aim have measured.
+    fn beside_the_aim(
+        &self,
+        history: &SearchReport,
+        low: usize,
+        fit: &MemoryFit,
+        high: Option<usize>,
+    ) -> Option<usize> {
+        if high.is_some() || fit.smaller() * 2.0 >= low as f64 {
+            return None;
+        }
+        let since = since_memory_changed(history);
+        let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
+            .into_iter()
+            .filter(|point| (point.size as f64) <= fit.smaller())
+            .collect();
+        let slope = MemoryFit::from_points(&below, None)?.per_sample();
+        if slope * GENTLER >= fit.per_sample() {
+            return None;
+        }
+        let size = low.saturating_mul(3) / 4;
+        (size as f64 > fit.smaller()).then_some(size)
+    }
+
     /// The fit's own choice: the size that keeps the margin below the size it predicts fills
     /// the device, run to confirm it. A trial that ran there (within the resolution below it)
     /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
@@ -330,6 +359,11 @@ impl TunerPolicy {
                     .filter(|&size| size > last.batch_size.saturating_add(resolution));
                 if let Some(size) = gentler {
                     self.aims += 1;
+                    self.aimed = Some((size, true));
+                    return Some(Decision::Try(size));
+                }
+                // A measurement below a size that ran, not an aim: it counts as none.
+                if let Some(size) = self.beside_the_aim(history, low, &fit, high) {
                     self.aimed = Some((size, true));
                     return Some(Decision::Try(size));
                 }
