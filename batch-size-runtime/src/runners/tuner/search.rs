@@ -77,6 +77,9 @@ pub(super) struct TunerPolicy {
     /// them, so that a fit that misses (a part that appears above some size) costs a few
     /// trials, not a crawl.
     aim_misses: u32,
+    /// An aim judged by a line from far below it was followed by that line's size: from then
+    /// on an aim within the resolution of the fit's size is the answer.
+    ran_past_far_line: bool,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
     /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
     aiming_over: bool,
@@ -159,6 +162,7 @@ impl TunerPolicy {
             aimed: None,
             predicted: None,
             aim_misses: 0,
+            ran_past_far_line: false,
             aiming_over: false,
             shared,
         }
@@ -249,6 +253,35 @@ impl TunerPolicy {
         Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP))))
     }
 
+    /// Where the fit's line is drawn from a size under half the largest and the sizes up to
+    /// that one grew [`GENTLER`] times more gently (a part appeared between: a workspace chosen
+    /// by size), and the gentler slope's size is too close to try: three quarters of the
+    /// largest, so that the line is drawn on the aim's side of the jump (see
+    /// [`fit`](Self::fit)). The line across the jump is steeper than the memory above it by an
+    /// amount no two sizes near the aim have measured.
+    fn beside_the_aim(
+        &self,
+        history: &SearchReport,
+        low: usize,
+        fit: &MemoryFit,
+        high: Option<usize>,
+    ) -> Option<usize> {
+        if high.is_some() || fit.smaller() * 2.0 >= low as f64 {
+            return None;
+        }
+        let since = since_memory_changed(history);
+        let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
+            .into_iter()
+            .filter(|point| (point.size as f64) <= fit.smaller())
+            .collect();
+        let slope = MemoryFit::from_points(&below, None)?.per_sample();
+        if slope * GENTLER >= fit.per_sample() {
+            return None;
+        }
+        let size = low.saturating_mul(3) / 4;
+        (size as f64 > fit.smaller()).then_some(size)
+    }
+
     /// The fit's own choice: the size that keeps the margin below the size it predicts fills
     /// the device, run to confirm it. A trial that ran there (within the resolution below it)
     /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
@@ -306,7 +339,18 @@ impl TunerPolicy {
         let confirms = ran && aimed.is_some_and(|(_, judged)| judged);
         let resolution = self.resolution(last.batch_size);
         if confirms && last.batch_size <= target {
-            if last.batch_size.saturating_add(resolution) >= target {
+            // A line drawn from a size under half the aim measured its slope far from it:
+            // whatever appears between (a workspace chosen by size, small tensors rounded up
+            // to whole blocks) counts as growth, and the refit predicts less room than there
+            // is, by an amount no trial has measured. Its size, when above the aim, runs once
+            // before the resolution's slack is taken as well.
+            let far = fit.smaller() * 2.0 < last.batch_size as f64;
+            let slack = if far && !self.ran_past_far_line {
+                0
+            } else {
+                resolution
+            };
+            if last.batch_size.saturating_add(slack) >= target {
                 // The fit's size ran, and the fit with its own peak keeps the margin there:
                 // the answer, unless the sizes below it grew far more gently (see
                 // [`gentler`](Self::gentler)): then that slope's size is tried first.
@@ -318,9 +362,18 @@ impl TunerPolicy {
                     self.aimed = Some((size, true));
                     return Some(Decision::Try(size));
                 }
+                // A measurement below a size that ran, not an aim: it counts as none.
+                if let Some(size) = self.beside_the_aim(history, low, &fit, high) {
+                    self.aimed = Some((size, true));
+                    return Some(Decision::Try(size));
+                }
                 return Some(self.kept(history, last.batch_size));
             }
-            self.aim_misses += 1;
+            if last.batch_size.saturating_add(resolution) >= target {
+                self.ran_past_far_line = true;
+            } else {
+                self.aim_misses += 1;
+            }
         }
         if self.aims >= MOST_AIMS {
             // As many aims and not settled. Where the fit's size is below a size that ran, it
