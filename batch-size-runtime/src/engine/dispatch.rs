@@ -412,19 +412,29 @@ pub mod ladder {
         []
     );
 
-    /// Not a `Result`: only a panic can be out-of-memory.
-    pub trait ClassifyPanicOnly {
-        /// The kind chosen.
-        type Kind;
-        /// The kind chosen.
-        fn batch_size_classify_kind(&self) -> Self::Kind;
+    /// The bottom rung, for any return type: the kind when it is not a `Result`.
+    macro_rules! not_a_result {
+        ($(#[$doc:meta])* $trait:ident, $method:ident, $kind:ident) => {
+            $(#[$doc])*
+            pub trait $trait {
+                /// The kind chosen.
+                type Kind;
+                /// The kind chosen.
+                fn $method(&self) -> Self::Kind;
+            }
+            impl<R> $trait for Tag<R> {
+                type Kind = $kind<R>;
+                fn $method(&self) -> $kind<R> {
+                    $kind::new()
+                }
+            }
+        };
     }
-    impl<R> ClassifyPanicOnly for Tag<R> {
-        type Kind = PanicOnly<R>;
-        fn batch_size_classify_kind(&self) -> PanicOnly<R> {
-            PanicOnly::new()
-        }
-    }
+
+    not_a_result!(
+        /// Not a `Result`: only a panic can be out-of-memory.
+        ClassifyPanicOnly, batch_size_classify_kind, PanicOnly
+    );
 
     rung!(GiveUpViaFrom, batch_size_give_up_kind, &&&&&Tag<Result<T, E>>, ViaFrom<E>,
         [E: From<NoExecutableBatchSize>]);
@@ -442,17 +452,8 @@ pub mod ladder {
         []
     );
 
-    /// Not a `Result`: a panic with the message.
-    pub trait GiveUpPanic {
-        /// The kind chosen.
-        type Kind;
-        /// The kind chosen.
-        fn batch_size_give_up_kind(&self) -> Self::Kind;
-    }
-    impl<R> GiveUpPanic for Tag<R> {
-        type Kind = PanicWithError<R>;
-        fn batch_size_give_up_kind(&self) -> PanicWithError<R> {
-            PanicWithError::new()
-        }
-    }
+    not_a_result!(
+        /// Not a `Result`: a panic with the message.
+        GiveUpPanic, batch_size_give_up_kind, PanicWithError
+    );
 }
