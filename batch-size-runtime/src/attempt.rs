@@ -1,22 +1,5 @@
-//! What a runner needs of the error type your closure returns: a way to look at it (is it
-//! out-of-memory?), a way to keep it as the `source()` of [`NoExecutableBatchSize`], and
-//! `From<NoExecutableBatchSize>` for what it returns when no size fits. Every runner ([`BatchSizeSearch::run`](crate::BatchSizeSearch::run),
-//! [`EffectiveBatch::step`](crate::EffectiveBatch::step), [`Chunked::run`](crate::Chunked::run),
-//! [`Tuner::run`](crate::Tuner::run)) takes the same error types:
-//!
-//! - your own error type: `Error + Send + Sync + 'static` with `From<NoExecutableBatchSize>` (a
-//!   `thiserror` enum with a `#[error(transparent)] NoBatchSize(#[from] NoExecutableBatchSize)`
-//!   variant), looked at through its `source()` chain;
-//! - `anyhow::Error` and `Box<dyn Error + Send + Sync>`, looked at through their chain;
-//! - a framework's error type (cudarc's `DriverError`, candle's `Error`) has no
-//!   `From<NoExecutableBatchSize>`: hold it in your enum with `#[from]`, or return `anyhow::Error`.
-//!   (A generic method cannot choose between "convert" and "give the last error back" by
-//!   whether the conversion exists; the attribute can, and gives the last out-of-memory error
-//!   back for such a type.)
-//!
-//! An error that is not out-of-memory comes back from the runner unchanged: same type, same
-//! value. The marker type parameter is inferred; you never write it. It is what lets one
-//! signature take both kinds without overlapping impls (`anyhow::Error` is not an `Error`).
+//! What a runner needs of the error type a closure returns (the docs users read are on
+//! [`AttemptError`]).
 
 use std::error::Error;
 
@@ -62,8 +45,27 @@ where
     }
 }
 
-/// An error type a runner can classify and give back unchanged, and build when no size fits;
-/// see the [module](self).
+/// An error type a runner can classify and give back unchanged, and build when no size fits.
+///
+/// What a runner needs of the error type your closure returns: a way to look at it (is it
+/// out-of-memory?), a way to keep it as the `source()` of [`NoExecutableBatchSize`], and
+/// `From<NoExecutableBatchSize>` for what it returns when no size fits. Every runner ([`BatchSizeSearch::run`](crate::BatchSizeSearch::run),
+/// [`EffectiveBatch::step`](crate::EffectiveBatch::step), [`Chunked::run`](crate::Chunked::run),
+/// [`Tuner::run`](crate::Tuner::run)) takes the same error types:
+///
+/// - your own error type: `Error + Send + Sync + 'static` with `From<NoExecutableBatchSize>` (a
+///   `thiserror` enum with a `#[error(transparent)] NoBatchSize(#[from] NoExecutableBatchSize)`
+///   variant), looked at through its `source()` chain;
+/// - `anyhow::Error` and `Box<dyn Error + Send + Sync>`, looked at through their chain;
+/// - a framework's error type (cudarc's `DriverError`, candle's `Error`) has no
+///   `From<NoExecutableBatchSize>`: hold it in your enum with `#[from]`, or return `anyhow::Error`.
+///   (A generic method cannot choose between "convert" and "give the last error back" by
+///   whether the conversion exists; the attribute can, and gives the last out-of-memory error
+///   back for such a type.)
+///
+/// An error that is not out-of-memory comes back from the runner unchanged: same type, same
+/// value. The marker type parameter is inferred; you never write it. It is what lets one
+/// signature take both kinds without overlapping impls (`anyhow::Error` is not an `Error`).
 #[diagnostic::on_unimplemented(
     message = "a batch-size runner cannot take `{Self}` as the closure's error type",
     label = "the closure's error type",

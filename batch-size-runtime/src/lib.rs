@@ -31,7 +31,7 @@
 //! | `@find_executable_batch_size(...)` decorator | [`#[find_executable_batch_size(...)]`](find_executable_batch_size) attribute |
 //! | `starting_batch_size=128` | `starting = 128` (any integer expression, may use the other parameters) |
 //! | halving (before Jul 2025), `x 0.9` since | guided by each failure's figures by default (exact halving without figures), `factor = 0.9` for Accelerate 1.x |
-//! | `reduce_batch_size_fn` (no argument) | `reduce = \|failed\| ...` with the [`FailedAttempt`] (size, number, error, memory) |
+//! | `reduce_batch_size_fn` (no argument) | `reduce = \|failed\| ...` with the [`FailedAttempt`](policy::FailedAttempt) (size, number, error, memory) |
 //! | none | `min = 4`, `max_attempts = 6` |
 //! | `gc.collect()` + `torch.cuda.empty_cache()`, `release_memory(*objs)` | values are dropped when the attempt returns or unwinds; then [`Release`]: CUDA's pools synchronized and trimmed, plus your hooks (`release = ...`) |
 //! | `RuntimeError("No executable batch size found, reached zero.")` | [`NoExecutableBatchSize`]: sizes tried, last OOM, memory figures, `source()` |
@@ -49,7 +49,7 @@
 //! # Panics
 //! An out-of-memory panic inside an attempt is caught and retried, and its message is kept from
 //! the panic hook so that a recovered OOM does not look like a crash: the retry is logged at
-//! WARN instead. [`set_quiet_oom_panics(false)`](set_quiet_oom_panics) prints them again. Any
+//! WARN instead. [`set_quiet_oom_panics(false)`](oom::set_quiet_oom_panics) prints them again. Any
 //! other panic resumes with its original payload. With `panic = "abort"` nothing can be caught:
 //! return errors instead.
 //!
@@ -73,7 +73,7 @@
 /// - `factor = FLOAT` (0 < f < 1) or `reduce = EXPR` (a `FnMut(&FailedAttempt) -> usize`), not
 ///   both. Default: the guided policy ([`policy::Guided`]), which halves where the error gives no figures.
 /// - `margin = FLOAT`: the guided policy's margin, 0 ≤ margin < 1 (default 0.05).
-/// - `policy = EXPR`: any [`SizePolicy`] instead (excludes `factor` and `reduce`).
+/// - `policy = EXPR`: any [`SizePolicy`](policy::SizePolicy) instead (excludes `factor` and `reduce`).
 /// - `max_attempts = EXPR`: at most this many attempts.
 /// - `release = EXPR`: anything `Into<`[`Release`]`>` (default: [`Release::cuda()`]).
 /// - `when = EXPR`: a `Fn(&dyn Error) -> bool` that counts more errors as out-of-memory, for
@@ -85,13 +85,13 @@
 ///   attempt's micro-batches add up to (gradient accumulation); `starting` is then the first
 ///   micro size ([`EffectiveBatch`] for a training loop of many steps).
 /// - `cache = EXPR`: a key (`Into<String>`): the size that fit is remembered and the next call
-///   starts there ([`BatchSizeSearch::with_cache`], [`cache`]).
+///   starts there ([`BatchSizeSearch::with_cache`], [`policy::CacheEntry`]).
 /// - `cache_dir = EXPR`: the folder for the cache's files (with `cache`; without it, a compile
 ///   error) ([`BatchSizeSearch::with_cache_dir`]).
 /// - `agree = EXPR`: a rank ([`agree::ThreadRank`], `agree::nccl::NcclRank`, any
 ///   [`agree::Collective`]): every rank of the job settles on the same size
 ///   ([`BatchSizeSearch::with_agreement`]).
-/// - `remedies = EXPR`: a [`Remedies`] (or `&Remedies`), with a [`Remedied`] first parameter
+/// - `remedies = EXPR`: a [`Remedies`](remedies::Remedies) (or `&Remedies`), with a [`Remedied`](remedies::Remedied) first parameter
 ///   carrying the batch size and the settings: when even `min` runs out of memory, the next
 ///   remedy is applied and the batch size searched again from `starting`
 ///   ([`BatchSizeSearch::with_remedies`], [`runners::remedies`]).

@@ -1,109 +1,5 @@
-//! Sharing a communicator's unique Id (128 bytes) between the ranks of a job, the two ways
-//! jobs are launched: a file every rank can read (a shared folder, one machine or an NFS
-//! mount), or the launcher's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT`, as `torchrun`, Slurm scripts and MPI wrappers set them) with rank 0 handing
-//! the Id over TCP.
-//!
-//! Rank 0 creates the Id (`ncclGetUniqueId`); the others receive the same bytes. Nothing here
-//! depends on NCCL: it moves 128 bytes, and returns by its timeout whatever a peer sends or how
-//! slowly (see [Time limits](self#time-limits)).
-//!
-//! ```
-//! use std::thread;
-//! use batch_size_runtime::agree::IdExchange;
-//!
-//! let path = std::env::temp_dir().join(format!("doc-nccl-id-{}", std::process::id()));
-//! let ranks: Vec<_> = (0..3)
-//!     .map(|rank| {
-//!         let exchange = IdExchange::file(&path, rank, 3);
-//!         thread::spawn(move || exchange.exchange(|| Ok::<_, std::io::Error>([7u8; 128])))
-//!     })
-//!     .collect();
-//! for rank in ranks {
-//!     assert_eq!(rank.join().unwrap()?, [7u8; 128]);
-//! }
-//! # std::fs::remove_file(&path).ok();
-//! # Ok::<(), batch_size_runtime::agree::ExchangeError>(())
-//! ```
-//!
-//! # Several machines
-//! With the environment: every process gets `MASTER_ADDR` (the address of the machine of
-//! rank 0, reachable from all), `MASTER_PORT`, its `RANK` and the `WORLD_SIZE`; rank 0 listens
-//! on every interface. `torchrun`'s own agent already serves its store on `MASTER_PORT`, so
-//! under `torchrun` (`TORCHELASTIC_USE_AGENT_STORE=True`) the exchange uses the next port;
-//! `BATCH_SIZE_EXCHANGE_PORT` chooses another. With a file: a path on storage every machine
-//! mounts, fresh for each job (put the job's id in it): rank 0 replaces the file atomically,
-//! and a rank that started early could read an old one.
-//!
-//! # Security
-//! Whoever has the Id can join the communicator, so only the job's own ranks should get it.
-//! Over TCP, set a job token: [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE) (read by
-//! [`from_env`](IdExchange::from_env)) or [`with_token`](IdExchange::with_token), the same secret
-//! on every rank. Rank 0 and each rank then prove to each other that they know it, without
-//! sending it: each side sends a fresh random nonce, and answers with an HMAC-SHA-256 of both
-//! nonces and the rank under the token; a rank checks rank 0's answer before it trusts anything,
-//! and the Id travels masked and tagged under the same key.
-//!
-//! Rank 0 drops a peer that fails (another token, no token, an answer recorded from an earlier
-//! connection) with a WARN naming its address, tells it so at once (it learns nothing it did
-//! not know: that its proof failed), and goes on serving the others. A rank that meets a peer
-//! which does not prove the token (rank 0 with another token or none, a process posing as rank
-//! 0) takes nothing from it, sends it no proof of its own, only that its proof failed (so a
-//! rank 0 with another token logs why at once), and stops with
-//! [`ExchangeError::Unauthenticated`] naming [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE): it
-//! does not try again until its timeout, since another token is a setting that no retry
-//! mends. The price: a process that answers on rank 0's port before rank 0 can end a rank's
-//! exchange early, which it could do anyway by keeping the port; it never gets the Id nor
-//! gives a wrong one.
-//!
-//! A refusal is shown in rank 0's words ([`ExchangeError::Refused`]) only once rank 0 has
-//! proved the token. Before that, with a token, its words are not shown at all
-//! ([`ExchangeError::Unauthenticated`] lists the likely causes in this crate's own words);
-//! without a token, where nothing can be proved, they are quoted as the peer's, marked
-//! unverified ([`ExchangeError::UnprovenRefusal`]).
-//!
-//! Without a token, the exchange works as before: on one machine (`MASTER_ADDR` a loopback
-//! address) rank 0 listens on loopback only; on any other address it logs one WARN, since any
-//! process that reaches the port can then take the Id or a rank's place.
-//!
-//! The token can come from the launcher's run id, which every rank of a job shares: torchrun
-//! sets `TORCHELASTIC_RUN_ID` to `--rdzv-id` (its default, `none`, is no secret; give each job a
-//! random one, say `--rdzv-id=$(openssl rand -hex 16)`, and keep in mind that a command line is
-//! visible to the machine's other users):
-//!
-//! ```no_run
-//! use batch_size_runtime::agree::IdExchange;
-//! let run_id = std::env::var("TORCHELASTIC_RUN_ID")?;
-//! let exchange = IdExchange::from_env()?.with_token(format!("batch-size {run_id}"));
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
-//!
-//! No peer can stall the others: rank 0 serves each connection on its own thread, gives each
-//! [`CONNECTION_PATIENCE`] at most, and holds [`MAX_HELD_CONNECTIONS`] at once (a new one
-//! closes the one held longest).
-//!
-//! # Time limits
-//! Each limit is a deadline over every read and write it covers, not a limit per read: the
-//! socket's timeout is set from the time left before each one, so a peer that sends one byte
-//! at a time, just often enough, gains nothing.
-//!
-//! - **The exchange** ([`with_timeout`](IdExchange::with_timeout), 120 s by default): a rank
-//!   returns by it, and so does rank 0, closing every connection it still holds. Over by a few
-//!   milliseconds at most (the accept loop's pause of 2 ms, a socket's timer); the tests measure
-//!   1.50 to 1.53 s for 1.5 s against peers trickling a byte every 400 ms.
-//! - **One connection** ([`CONNECTION_PATIENCE`], 5 s, or
-//!   [`with_connection_patience`](IdExchange::with_connection_patience)): rank 0 closes a
-//!   connection that long after accepting it; a rank gives up a try that long after it began,
-//!   connecting included, and tries again while its timeout lasts. Both end with the exchange
-//!   at the latest.
-//! - **Not bounded here:** resolving `MASTER_ADDR` (the system's resolver decides how long),
-//!   and rank 0's `create`.
-//!
-//! When `accept` fails (out of file descriptors, say), rank 0 pauses before the next try, from
-//! 10 ms doubling to 1 s (never past its deadline), and logs each kind of error once.
-//!
-//! With a file, rank 0 creates it readable and writable by its owner only (0600 on unix), but
-//! the folder must not be writable by others: whoever can write there can replace the Id.
+//! Sharing a communicator's Id between the ranks of a job (the docs users read are on
+//! [`IdExchange`]).
 
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -131,6 +27,113 @@ enum Way {
     Tcp { host: String, port: u16 },
 }
 
+/// Sharing a communicator's unique Id (128 bytes) between the ranks of a job, the two ways
+/// jobs are launched: a file every rank can read (a shared folder, one machine or an NFS
+/// mount), or the launcher's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+/// `MASTER_PORT`, as `torchrun`, Slurm scripts and MPI wrappers set them) with rank 0 handing
+/// the Id over TCP.
+///
+/// Rank 0 creates the Id (`ncclGetUniqueId`); the others receive the same bytes. Nothing here
+/// depends on NCCL: it moves 128 bytes, and returns by its timeout whatever a peer sends or how
+/// slowly (see [Time limits](IdExchange#time-limits)).
+///
+/// ```
+/// use std::thread;
+/// use batch_size_runtime::agree::IdExchange;
+///
+/// let path = std::env::temp_dir().join(format!("doc-nccl-id-{}", std::process::id()));
+/// let ranks: Vec<_> = (0..3)
+///     .map(|rank| {
+///         let exchange = IdExchange::file(&path, rank, 3);
+///         thread::spawn(move || exchange.exchange(|| Ok::<_, std::io::Error>([7u8; 128])))
+///     })
+///     .collect();
+/// for rank in ranks {
+///     assert_eq!(rank.join().unwrap()?, [7u8; 128]);
+/// }
+/// # std::fs::remove_file(&path).ok();
+/// # Ok::<(), batch_size_runtime::agree::ExchangeError>(())
+/// ```
+///
+/// # Several machines
+/// With the environment: every process gets `MASTER_ADDR` (the address of the machine of
+/// rank 0, reachable from all), `MASTER_PORT`, its `RANK` and the `WORLD_SIZE`; rank 0 listens
+/// on every interface. `torchrun`'s own agent already serves its store on `MASTER_PORT`, so
+/// under `torchrun` (`TORCHELASTIC_USE_AGENT_STORE=True`) the exchange uses the next port;
+/// `BATCH_SIZE_EXCHANGE_PORT` chooses another. With a file: a path on storage every machine
+/// mounts, fresh for each job (put the job's id in it): rank 0 replaces the file atomically,
+/// and a rank that started early could read an old one.
+///
+/// # Security
+/// Whoever has the Id can join the communicator, so only the job's own ranks should get it.
+/// Over TCP, set a job token: [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE) (read by
+/// [`from_env`](IdExchange::from_env)) or [`with_token`](IdExchange::with_token), the same secret
+/// on every rank. Rank 0 and each rank then prove to each other that they know it, without
+/// sending it: each side sends a fresh random nonce, and answers with an HMAC-SHA-256 of both
+/// nonces and the rank under the token; a rank checks rank 0's answer before it trusts anything,
+/// and the Id travels masked and tagged under the same key.
+///
+/// Rank 0 drops a peer that fails (another token, no token, an answer recorded from an earlier
+/// connection) with a WARN naming its address, tells it so at once (it learns nothing it did
+/// not know: that its proof failed), and goes on serving the others. A rank that meets a peer
+/// which does not prove the token (rank 0 with another token or none, a process posing as rank
+/// 0) takes nothing from it, sends it no proof of its own, only that its proof failed (so a
+/// rank 0 with another token logs why at once), and stops with
+/// [`ExchangeError::Unauthenticated`] naming [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE): it
+/// does not try again until its timeout, since another token is a setting that no retry
+/// mends. The price: a process that answers on rank 0's port before rank 0 can end a rank's
+/// exchange early, which it could do anyway by keeping the port; it never gets the Id nor
+/// gives a wrong one.
+///
+/// A refusal is shown in rank 0's words ([`ExchangeError::Refused`]) only once rank 0 has
+/// proved the token. Before that, with a token, its words are not shown at all
+/// ([`ExchangeError::Unauthenticated`] lists the likely causes in this crate's own words);
+/// without a token, where nothing can be proved, they are quoted as the peer's, marked
+/// unverified ([`ExchangeError::UnprovenRefusal`]).
+///
+/// Without a token, the exchange works as before: on one machine (`MASTER_ADDR` a loopback
+/// address) rank 0 listens on loopback only; on any other address it logs one WARN, since any
+/// process that reaches the port can then take the Id or a rank's place.
+///
+/// The token can come from the launcher's run id, which every rank of a job shares: torchrun
+/// sets `TORCHELASTIC_RUN_ID` to `--rdzv-id` (its default, `none`, is no secret; give each job a
+/// random one, say `--rdzv-id=$(openssl rand -hex 16)`, and keep in mind that a command line is
+/// visible to the machine's other users):
+///
+/// ```no_run
+/// use batch_size_runtime::agree::IdExchange;
+/// let run_id = std::env::var("TORCHELASTIC_RUN_ID")?;
+/// let exchange = IdExchange::from_env()?.with_token(format!("batch-size {run_id}"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// No peer can stall the others: rank 0 serves each connection on its own thread, gives each
+/// [`CONNECTION_PATIENCE`] at most, and holds [`MAX_HELD_CONNECTIONS`] at once (a new one
+/// closes the one held longest).
+///
+/// # Time limits
+/// Each limit is a deadline over every read and write it covers, not a limit per read: the
+/// socket's timeout is set from the time left before each one, so a peer that sends one byte
+/// at a time, just often enough, gains nothing.
+///
+/// - **The exchange** ([`with_timeout`](IdExchange::with_timeout), 120 s by default): a rank
+///   returns by it, and so does rank 0, closing every connection it still holds. Over by a few
+///   milliseconds at most (the accept loop's pause of 2 ms, a socket's timer); the tests measure
+///   1.50 to 1.53 s for 1.5 s against peers trickling a byte every 400 ms.
+/// - **One connection** ([`CONNECTION_PATIENCE`], 5 s, or
+///   [`with_connection_patience`](IdExchange::with_connection_patience)): rank 0 closes a
+///   connection that long after accepting it; a rank gives up a try that long after it began,
+///   connecting included, and tries again while its timeout lasts. Both end with the exchange
+///   at the latest.
+/// - **Not bounded here:** resolving `MASTER_ADDR` (the system's resolver decides how long),
+///   and rank 0's `create`.
+///
+/// When `accept` fails (out of file descriptors, say), rank 0 pauses before the next try, from
+/// 10 ms doubling to 1 s (never past its deadline), and logs each kind of error once.
+///
+/// With a file, rank 0 creates it readable and writable by its owner only (0600 on unix), but
+/// the folder must not be writable by others: whoever can write there can replace the Id.
+///
 /// How the ranks of one job share the communicator's Id: [`file`](Self::file),
 /// [`tcp`](Self::tcp) or [`from_env`](Self::from_env), then [`exchange`](Self::exchange) on
 /// every rank.
@@ -184,7 +187,7 @@ impl IdExchange {
     /// to `host:port` (rank 0's address, reachable from every rank), retrying until the timeout
     /// since rank 0 may start after them. Rank 0 listens on loopback when `host` is a loopback
     /// address (one machine), else on every interface (`0.0.0.0`): then set a job token with
-    /// [`with_token`](Self::with_token) (see [Security](self#security)).
+    /// [`with_token`](Self::with_token) (see [Security](IdExchange#security)).
     ///
     /// ```
     /// use std::thread;
@@ -213,7 +216,7 @@ impl IdExchange {
     /// else `MASTER_PORT`.
     ///
     /// The job token: [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE) when it is set and not
-    /// empty (see [Security](self#security)).
+    /// empty (see [Security](IdExchange#security)).
     ///
     /// A missing or unparsable variable is an [`ExchangeError`] that names it, its value and
     /// what to set; a `RANK` not below `WORLD_SIZE` is [`ExchangeError::InvalidRank`].
@@ -344,7 +347,7 @@ impl IdExchange {
 
     /// A secret every rank of the job shares (the same bytes on every rank): over TCP, rank 0
     /// and each rank prove to each other that they know it before the Id is handed over, and a
-    /// peer that does not is dropped (see [Security](self#security)). It replaces the one
+    /// peer that does not is dropped (see [Security](IdExchange#security)). It replaces the one
     /// [`from_env`](Self::from_env) read from [`BATCH_SIZE_EXCHANGE_TOKEN`](TOKEN_VARIABLE).
     /// The file exchange does not use it. `Debug` does not show it.
     ///

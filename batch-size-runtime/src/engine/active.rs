@@ -2,6 +2,7 @@
 //! for the built-in ones, so that starting a search allocates nothing) and the per-search hooks.
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::engine::dispatch::When;
 use crate::error::StopReason;
@@ -88,12 +89,17 @@ impl<'r> PolicyWrapper for ActivePolicy<'r> {
 type Notify<'r> = Box<dyn FnMut(&Attempt) + Send + 'r>;
 type OnReport<'r> = Box<dyn FnOnce(&SearchReport) + Send + 'r>;
 
-/// The per-search callbacks: `when`, `notify`, `on_report`.
+/// The measure of time an attempt's duration is read with, where not the wall clock (a
+/// runner's simulated clock: the tuner's `with_clock`).
+pub(crate) type Clock<'r> = Box<dyn FnMut() -> Duration + Send + 'r>;
+
+/// The per-search callbacks: `when`, `notify`, `on_report`, and a clock of the caller's.
 #[derive(Default)]
 pub(crate) struct Hooks<'r> {
     pub(crate) when: Option<When<'r>>,
     pub(crate) notify: Option<Notify<'r>>,
     pub(crate) on_report: Option<OnReport<'r>>,
+    pub(crate) clock: Option<Clock<'r>>,
 }
 
 impl fmt::Debug for Hooks<'_> {
@@ -102,6 +108,7 @@ impl fmt::Debug for Hooks<'_> {
             .field("when", &self.when.is_some())
             .field("notify", &self.notify.is_some())
             .field("on_report", &self.on_report.is_some())
+            .field("clock", &self.clock.is_some())
             .finish()
     }
 }

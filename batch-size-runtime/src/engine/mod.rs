@@ -20,6 +20,7 @@
 //! ```
 
 use std::error::Error;
+use std::time::Duration;
 
 use std::sync::Arc;
 
@@ -53,7 +54,7 @@ pub(crate) use settings::{settings_setters, Invalid, Settings};
 /// again with a smaller size.
 ///
 /// # Default
-/// - sizes: [`Guided`], from each failure's figures, halving where there are none
+/// - sizes: [`Guided`](crate::policy::Guided), from each failure's figures, halving where there are none
 ///   (`with_factor(0.9)` is Accelerate 1.x, `with_policy(Halve)` toma)
 /// - `min`: 1; no cap on attempts
 /// - release: [`Release::cuda()`], which does nothing where CUDA is not in use
@@ -458,6 +459,14 @@ impl<'r> BatchSizeSearch<'r> {
         let (result, report) = self.run_reporting(attempt);
         crate::record::store_last_report(report.clone());
         (result, report)
+    }
+
+    /// Times attempts with `clock` instead of the wall clock (a runner's simulated clock), for
+    /// [`Attempt::duration`](crate::Attempt::duration).
+    #[allow(dead_code)] // the tuner times its trials with it next
+    pub(crate) fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
+        self.run.hooks.get_or_insert_with(Box::default).clock = Some(Box::new(clock));
+        self
     }
 
     /// [`run`](Self::run) for a runner of this crate: the result and the report as values,

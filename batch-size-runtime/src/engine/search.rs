@@ -3,7 +3,7 @@
 //! attribute's generated code; it is public for loops of your own.
 
 use std::error::Error;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{ActivePolicy, Hooks};
 use crate::engine::dispatch::OomRules;
@@ -50,6 +50,8 @@ enum Next {
 struct Running {
     batch_size: usize,
     started: Instant,
+    /// When it started by the caller's clock, where one was given.
+    started_by_clock: Option<Duration>,
     memory_at_start: Option<MemorySnapshot>,
     /// The remedies in force, where a policy applies any.
     settings: Option<String>,
@@ -243,6 +245,7 @@ impl Search<'_> {
                 self.running = Some(Running {
                     batch_size,
                     started: Instant::now(),
+                    started_by_clock: self.clock_now(),
                     memory_at_start,
                     settings: self.policy.settings(),
                 });
@@ -328,13 +331,24 @@ impl Search<'_> {
         }
     }
 
+    /// The caller's clock, where one was given.
+    #[inline]
+    fn clock_now(&mut self) -> Option<Duration> {
+        let clock = self.hooks.as_mut()?.clock.as_mut()?;
+        Some(clock())
+    }
+
     #[inline]
     fn finish_attempt(&mut self, outcome: Outcome) -> Attempt {
         let running = self.running.take();
+        let ended_by_clock = self.clock_now();
         let (batch_size, duration, memory_at_start, settings) = match running {
             Some(running) => (
                 running.batch_size,
-                running.started.elapsed(),
+                match (running.started_by_clock, ended_by_clock) {
+                    (Some(started), Some(ended)) => ended.saturating_sub(started),
+                    _ => running.started.elapsed(),
+                },
                 running.memory_at_start,
                 running.settings,
             ),

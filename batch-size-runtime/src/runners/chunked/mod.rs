@@ -1,20 +1,5 @@
-//! Work over many items in chunks (evaluation, inference, embeddings) that keeps its progress:
-//! a chunk that runs out of memory is redone smaller from its own start, the chunks before it
-//! are kept, and the chunk size grows back after a few clean chunks.
-//!
-//! ```
-//! use batch_size_runtime::{Chunked, OutOfMemory};
-//!
-//! let squares = Chunked::new(1000)
-//!     .with_starting(256)
-//!     .run(|items| -> anyhow::Result<Vec<u64>> {
-//!         if items.len() > 100 { Err(OutOfMemory::new())? } // 100 items at once fit
-//!         Ok(items.map(|i| (i * i) as u64).collect())
-//!     })?;
-//! assert_eq!(squares.len(), 1000);
-//! assert_eq!(squares[999], 999 * 999);
-//! # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
-//! ```
+//! Work over many items in chunks that keeps its progress (the docs users read are on
+//! [`Chunked`]).
 
 use std::fmt;
 use std::ops::Range;
@@ -111,7 +96,23 @@ impl<E> ChunkError<E> {
 type Cost<'r> = Box<dyn Fn(usize) -> u64 + Send + Sync + 'r>;
 type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 
-/// Runs a closure over `0..total_items` in chunks; see the [module docs](self).
+/// Work over many items in chunks (evaluation, inference, embeddings) that keeps its progress:
+/// a chunk that runs out of memory is redone smaller from its own start, the chunks before it
+/// are kept, and the chunk size grows back after a few clean chunks.
+///
+/// ```
+/// use batch_size_runtime::{Chunked, OutOfMemory};
+///
+/// let squares = Chunked::new(1000)
+///     .with_starting(256)
+///     .run(|items| -> anyhow::Result<Vec<u64>> {
+///         if items.len() > 100 { Err(OutOfMemory::new())? } // 100 items at once fit
+///         Ok(items.map(|i| (i * i) as u64).collect())
+///     })?;
+/// assert_eq!(squares.len(), 1000);
+/// assert_eq!(squares[999], 999 * 999);
+/// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+/// ```
 ///
 /// # Default
 /// - first chunk: all the items (`with_starting`);
@@ -120,7 +121,7 @@ type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 /// - growing: with a release that reads figures, toward the largest chunk they say fits
 ///   (`with_convergence`); without, after 4 clean chunks, double while twice the size stays
 ///   below the smallest size that failed (`with_grow_after`; 0 never grows);
-/// - release: [`Release::cuda()`].
+/// - release: [`Release::cuda()`](crate::Release::cuda).
 pub struct Chunked<'r> {
     total: usize,
     starting: Option<usize>,

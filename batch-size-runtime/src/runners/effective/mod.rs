@@ -1,35 +1,4 @@
-//! The effective batch kept exactly: one optimizer step over micro-batches whose size shrinks on
-//! out-of-memory while the number of micro-batches grows, recovered in place in the middle of
-//! training.
-//!
-//! Gradient accumulation computes the gradients of several small batches and steps once; with
-//! each micro-batch's mean loss weighted by its share of the batch, the sum is exactly the full
-//! batch's mean loss, whatever the division. [`BatchPlan`] is that division, [`EffectiveBatch`]
-//! runs one step at a time and, when a step runs out of memory, redoes only that step with a
-//! smaller micro-batch.
-//!
-//! ```
-//! use batch_size_runtime::{EffectiveBatch, OutOfMemory};
-//!
-//! let mut runner = EffectiveBatch::new(32).with_micro(32);
-//! let mut parameters = 0.0;
-//! for step in 0..3 {
-//!     runner.step(|plan| -> anyhow::Result<()> {
-//!         if plan.micro() > 8 { Err(OutOfMemory::new())? } // this device holds 8 samples
-//!         let mut gradient = 0.0;
-//!         for micro in plan.micro_batches() {
-//!             let loss_gradient = micro.range.len() as f64; // your backward pass here
-//!             gradient += micro.weight * loss_gradient / micro.range.len() as f64;
-//!         }
-//!         parameters -= 0.1 * gradient;
-//!         Ok(())
-//!     })?;
-//! }
-//! assert_eq!(runner.micro(), 8);                    // 32 and 16 ran out of memory once
-//! assert_eq!(runner.recoveries().len(), 1);         // at step 0, in place
-//! assert!((parameters + 0.3).abs() < 1e-12);        // every step's gradient the full batch's
-//! # Ok::<(), anyhow::Error>(())
-//! ```
+//! The effective batch kept exactly (the docs users read are on [`EffectiveBatch`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -69,6 +38,39 @@ pub struct Recovery {
     pub tried: Vec<usize>,
 }
 
+/// The effective batch kept exactly: one optimizer step over micro-batches whose size shrinks on
+/// out-of-memory while the number of micro-batches grows, recovered in place in the middle of
+/// training.
+///
+/// Gradient accumulation computes the gradients of several small batches and steps once; with
+/// each micro-batch's mean loss weighted by its share of the batch, the sum is exactly the full
+/// batch's mean loss, whatever the division. [`BatchPlan`] is that division, [`EffectiveBatch`]
+/// runs one step at a time and, when a step runs out of memory, redoes only that step with a
+/// smaller micro-batch.
+///
+/// ```
+/// use batch_size_runtime::{EffectiveBatch, OutOfMemory};
+///
+/// let mut runner = EffectiveBatch::new(32).with_micro(32);
+/// let mut parameters = 0.0;
+/// for step in 0..3 {
+///     runner.step(|plan| -> anyhow::Result<()> {
+///         if plan.micro() > 8 { Err(OutOfMemory::new())? } // this device holds 8 samples
+///         let mut gradient = 0.0;
+///         for micro in plan.micro_batches() {
+///             let loss_gradient = micro.range.len() as f64; // your backward pass here
+///             gradient += micro.weight * loss_gradient / micro.range.len() as f64;
+///         }
+///         parameters -= 0.1 * gradient;
+///         Ok(())
+///     })?;
+/// }
+/// assert_eq!(runner.micro(), 8);                    // 32 and 16 ran out of memory once
+/// assert_eq!(runner.recoveries().len(), 1);         // at step 0, in place
+/// assert!((parameters + 0.3).abs() < 1e-12);        // every step's gradient the full batch's
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+///
 /// Runs optimizer steps over micro-batches that keep the effective batch exactly; a step that
 /// runs out of memory (an error or a panic) is redone in place with a smaller micro-batch, and
 /// the size is kept for the steps after it. Steps already done are never redone.
@@ -76,7 +78,7 @@ pub struct Recovery {
 /// # Default
 /// - micro size: `effective` (one micro-batch) until a step runs out of memory;
 /// - minimum micro size: 1;
-/// - sizes: the guided policy ([`Guided`]), `with_factor` and
+/// - sizes: the guided policy ([`Guided`](crate::policy::Guided)), `with_factor` and
 ///   `with_reduce` as in the attribute;
 /// - learning from every step: on where the release reads figures; each step starts at the
 ///   micro size with the fewest passes the figures say fit
