@@ -249,6 +249,24 @@ proptest! {
         // No crawl: growth, a bounded number of the fit's guesses, then bisection in ratio
         // (Lightning's binsearch needs up to 2 log2(fit) + 1: 37 at these fits).
         prop_assert!(report.len() <= 20, "{}", report);
+        // No swing: a size that ran is not run again right after a larger one ran, unless a
+        // failure came between; the last trial may (the margin's size is the answer).
+        let trials: Vec<_> = report.attempts().collect();
+        for (index, trial) in trials.iter().enumerate().skip(1).take(trials.len().saturating_sub(2)) {
+            let previous = trials[index - 1];
+            let ran_before = trials[..index].iter().position(|earlier| {
+                earlier.batch_size == trial.batch_size && earlier.outcome.is_success()
+            });
+            if let Some(first) = ran_before {
+                let failed_since = trials[first..index].iter().any(|t| !t.outcome.is_success());
+                prop_assert!(
+                    failed_since
+                        || !previous.outcome.is_success()
+                        || previous.batch_size <= trial.batch_size,
+                    "{}", report
+                );
+            }
+        }
         // The search stopped with its bracket within a quarter of the margin (at least 1) of
         // the fit, so the margin's size is within about 1 % (and the floor) of 95 % of the fit.
         let lowest = (0.95 * fit as f64 / 1.0125).floor() - 1.0;

@@ -158,17 +158,62 @@ impl MemoryFit {
     /// across a jump is steeper than the memory above it and predicts far less room than there
     /// is, and no failure would ever show it.
     pub(crate) fn bent_by_points(points: &[Point], failure: Option<(usize, u64)>) -> Option<Self> {
-        let mut fit = Self::from_points(points, failure)?;
+        let fit = Self::from_points(points, failure)?;
         if let Some(above_the_jump) = fit.past_a_jump(points, failure) {
             return Some(above_the_jump);
         }
+        if let Some(toward_the_failure) = fit.toward_the_failure(failure) {
+            return Some(toward_the_failure.bent_by_a_point_below(points));
+        }
+        Some(fit.bent_by_a_point_below(points))
+    }
+
+    /// The line through the sizes above `edge` only, where a jump was detected between `edge`
+    /// and the sizes above it (the sizes up to `edge` grow [`GENTLER`] times more gently than
+    /// a line across, and a size chosen by their slope ran): from the size above `edge` whose
+    /// slope to the largest is the least (the one most surely past the jump) to the largest,
+    /// bent by `failure` and, where it lies above the line (a `size²` term, not a jump), by the
+    /// largest size below. A line across the jump counts the part that appeared as growth and
+    /// keeps a size that the sizes past the jump show to be too small, however close they are.
+    /// `None` without two sizes above `edge` whose peak grows.
+    pub(crate) fn past_an_edge(
+        points: &[Point],
+        edge: f64,
+        failure: Option<(usize, u64)>,
+    ) -> Option<Self> {
+        let mut above: Vec<Point> = points
+            .iter()
+            .filter(|point| point.size as f64 > edge)
+            .copied()
+            .collect();
+        // Peaks of the same size: the highest (noise counts against the fit).
+        above.sort_by(|a, b| a.size.cmp(&b.size).then(b.peak.cmp(&a.peak)));
+        above.dedup_by_key(|point| point.size);
+        let (top, nearer) = above.split_last()?;
+        let slope = |point: &Point| {
+            (top.peak as f64 - point.peak as f64) / (top.size as f64 - point.size as f64)
+        };
+        let lower = nearer.iter().min_by(|a, b| slope(a).total_cmp(&slope(b)))?;
+        let fit = Self::line(
+            (lower.size as f64, lower.peak as f64),
+            (top.size as f64, top.peak as f64),
+            top.total as f64,
+            failure,
+        )?;
+        Some(fit.bent_by_a_point_below(points))
+    }
+
+    /// This fit bent upwards by the largest of `points` below its smaller size, where that
+    /// point lies above the line (three sizes showing a `size²` term) by more than any failure
+    /// bends it.
+    fn bent_by_a_point_below(mut self, points: &[Point]) -> Self {
         // Only where the three are spread alike: the peak of a size far smaller than the span
         // above it is mostly an allocator's rounding (2 MiB blocks at size 1), not a bend.
         let below = points
             .iter()
-            .filter(|point| (point.size as f64) < fit.lower)
+            .filter(|point| (point.size as f64) < self.lower)
             .max_by_key(|point| point.size)
-            .filter(|point| (fit.lower - point.size as f64) * 8.0 >= fit.size - fit.lower);
+            .filter(|point| (self.lower - point.size as f64) * 8.0 >= self.size - self.lower);
         if let Some(below) = below {
             // Peaks of the same size: the highest (as from_points dedups).
             let peak = points
@@ -178,13 +223,13 @@ impl MemoryFit {
                 .max()
                 .unwrap_or(below.peak) as f64;
             let size = below.size as f64;
-            let span = (size - fit.lower) * (size - fit.size);
-            let bend = (peak - fit.bytes(size)) / span;
-            if bend.is_finite() && bend > fit.curvature {
-                fit.curvature = bend;
+            let span = (size - self.lower) * (size - self.size);
+            let bend = (peak - self.bytes(size)) / span;
+            if bend.is_finite() && bend > self.curvature {
+                self.curvature = bend;
             }
         }
-        Some(fit)
+        self
     }
 
     /// The line through the largest point and the largest at most half of it (the slope over a
@@ -233,6 +278,21 @@ impl MemoryFit {
             self.total,
             failure,
         )
+    }
+
+    /// The line from the largest size to what the smallest failure above it needed, where that
+    /// slope is [`GENTLER`] times gentler than this line's or more: a part appeared between
+    /// this line's two sizes (a workspace chosen by size), and only the largest size and the
+    /// failure are on the aim's side of it. Bent upwards by a curve (a `size²` term), the slope
+    /// to the failure is steeper than the line's, never gentler.
+    fn toward_the_failure(&self, failure: Option<(usize, u64)>) -> Option<Self> {
+        let (failed, needed) = failure?;
+        let failed = failed as f64;
+        let slope = (needed as f64 - self.peak) / (failed - self.size);
+        if !(failed > self.size && slope > 0.0 && slope * GENTLER < self.per_sample) {
+            return None;
+        }
+        self.with_slope(slope, failure)
     }
 
     /// The bytes a sample, as this fit counts them between its two sizes.

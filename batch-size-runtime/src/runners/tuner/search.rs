@@ -80,6 +80,13 @@ pub(super) struct TunerPolicy {
     /// An aim judged by a line from far below it was followed by that line's size: from then
     /// on an aim within the resolution of the fit's size is the answer.
     ran_past_far_line: bool,
+    /// The gentler slope's size (see [`gentler`](Self::gentler)), until it has run, and the
+    /// smaller size of the line across the jump that chose it.
+    gentler_aim: Option<(usize, f64)>,
+    /// Where the gentler slope's size ran: the size below which a part appeared (the smaller
+    /// size of the line across the jump). From then on the fit's line is drawn through the
+    /// sizes above it only (see [`fit`](Self::fit)).
+    jump_above: Option<f64>,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
     /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
     aiming_over: bool,
@@ -163,6 +170,8 @@ impl TunerPolicy {
             predicted: None,
             aim_misses: 0,
             ran_past_far_line: false,
+            gentler_aim: None,
+            jump_above: None,
             aiming_over: false,
             shared,
         }
@@ -178,9 +187,21 @@ impl TunerPolicy {
     /// through two sizes that ran (bent by a third below them and by the smallest failure
     /// above), or through one size and what was in use before it (plus the fixed bytes the user
     /// declared). `true` with two sizes: only then does the fit judge a trial's margin.
+    ///
+    /// Where a jump was detected and the gentler slope's size ran past it, the line is drawn
+    /// through the sizes past the jump only, however close they are: a line from below the
+    /// jump is steeper than the memory on the aim's side, and would keep the size below the
+    /// one that just ran (the search would swing between the two).
     fn fit(&self, history: &SearchReport, low: usize) -> Option<(MemoryFit, bool)> {
         let since = since_memory_changed(history);
         let attempts = || history.attempts().skip(since);
+        let failure = failure_above(attempts(), low);
+        if let Some(edge) = self.jump_above {
+            let points = points_up_to(attempts(), low);
+            if let Some(fit) = MemoryFit::past_an_edge(&points, edge, failure) {
+                return Some((fit, true));
+            }
+        }
         let mut points = points_up_to(attempts(), low);
         // Where a size between half and seven eighths of the largest ran, the line is drawn
         // over that span only: probes far below show mostly what does not grow, and may be of
@@ -193,7 +214,6 @@ impl TunerPolicy {
         if points.iter().any(|point| local(point.size)) {
             points.retain(|point| point.size == top || local(point.size));
         }
-        let failure = failure_above(attempts(), low);
         if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
             return Some((fit, true));
         }
@@ -250,7 +270,8 @@ impl TunerPolicy {
         if let Some(max) = self.max {
             size = size.min(kept_size(max, self.margin, self.min));
         }
-        Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP))))
+        // A size at or below the largest that ran has had its trial: its peak is in the fit.
+        Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP)))).filter(|&size| size > low)
     }
 
     /// Where the fit's line is drawn from a size under half the largest and the sizes up to
@@ -306,6 +327,11 @@ impl TunerPolicy {
             self.overshoots += 1;
         }
         let predicted = self.predicted.take().filter(|_| aimed.is_some());
+        if let Some((size, edge)) = self.gentler_aim.take() {
+            if last.batch_size == size && last.outcome.is_success() {
+                self.jump_above = Some(edge);
+            }
+        }
         let (fit, measured) = self.fit(history, low)?;
         let filling = fit.size_filling_device().filter(|&size| size >= 1.0);
         let contradicted = match (filling, high) {
@@ -360,6 +386,7 @@ impl TunerPolicy {
                 if let Some(size) = gentler {
                     self.aims += 1;
                     self.aimed = Some((size, true));
+                    self.gentler_aim = Some((size, fit.smaller()));
                     return Some(Decision::Try(size));
                 }
                 // A measurement below a size that ran, not an aim: it counts as none.
@@ -583,6 +610,8 @@ impl SizePolicy for TunerPolicy {
             self.guessed_in = None;
             self.aimed = None;
             self.predicted = None;
+            self.gentler_aim = None;
+            self.jump_above = None;
         }
         match self.phase {
             Phase::Confirming if last.outcome.is_success() => {
