@@ -463,7 +463,6 @@ impl<'r> BatchSizeSearch<'r> {
 
     /// Times attempts with `clock` instead of the wall clock (a runner's simulated clock), for
     /// [`Attempt::duration`](crate::Attempt::duration).
-    #[allow(dead_code)] // the tuner times its trials with it next
     pub(crate) fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
         self.run.hooks.get_or_insert_with(Box::default).clock = Some(Box::new(clock));
         self

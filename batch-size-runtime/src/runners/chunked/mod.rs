@@ -388,13 +388,14 @@ impl<'r> Chunked<'r> {
         }
         // Lent to this run's policy, and back when it ends.
         let mut shrink = std::mem::take(&mut self.settings.shrink);
-        let (search, run) = self.prepare(shrink.borrowed());
+        let run = self.new_run();
+        let search = self.prepare(shrink.borrowed(), &run);
         // Shared with each chunk's future by reference, so that the run's future is `Send`
         // when the work's is.
         let outputs = Mutex::new(Vec::with_capacity(self.total));
         let notify = Mutex::new(self.notify.take());
         let (cost_of, total) = (self.cost.as_ref(), self.total);
-        let (run_ref, outputs_ref, notify_ref) = (&*run, &outputs, &notify);
+        let (run_ref, outputs_ref, notify_ref) = (&run, &outputs, &notify);
         let attempt = Returning(move |budget| {
             let (range, cost) = begin_chunk(cost_of, total, run_ref, budget);
             let pending = work(range.clone());
@@ -422,14 +423,11 @@ impl<'r> Chunked<'r> {
         Ok(outputs.into_inner().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// The search of one run, and the progress its policy and chunks share.
-    fn prepare<'s>(&mut self, inner: Reduction<'s>) -> (BatchSizeSearch<'s>, Arc<Mutex<Run>>)
-    where
-        'r: 's,
-    {
+    /// A run's progress, before its first chunk.
+    fn new_run(&mut self) -> Mutex<Run> {
         self.chunks.clear();
         self.chunk_count = 0;
-        let run = Arc::new(Mutex::new(Run {
+        Mutex::new(Run {
             progress: Progress {
                 completed: 0,
                 total: self.total,
@@ -440,7 +438,15 @@ impl<'r> Chunked<'r> {
             chunks_run: 0,
             thin_at: 0,
             retries: 0,
-        }));
+        })
+    }
+
+    /// The search of one run. Its policy borrows the run's progress, which the chunks update in
+    /// turn (the policy decides between chunks, never while one runs): lent, not shared.
+    fn prepare<'s>(&mut self, inner: Reduction<'s>, run: &'s Mutex<Run>) -> BatchSizeSearch<'s>
+    where
+        'r: 's,
+    {
         let whole = match &self.cost {
             None => self.total,
             Some(cost) => {
@@ -469,7 +475,7 @@ impl<'r> Chunked<'r> {
             .clamp(1, whole.max(1));
         let policy = ChunkPolicy {
             inner,
-            run: Arc::clone(&run),
+            run,
             grow: GrowBack::new(
                 self.settings.grow_after,
                 self.settings.max.unwrap_or(usize::MAX),
@@ -486,7 +492,7 @@ impl<'r> Chunked<'r> {
         search.settings.min = self.settings.min;
         search.settings.release = self.settings.release.clone();
         search.settings.invalid = self.settings.invalid.clone();
-        (search, run)
+        search
     }
 
     /// Records how a chunk ended; on success, moves the progress past it and tells `notify`.
@@ -625,7 +631,8 @@ impl<'r> Chunked<'r> {
         }
         // Lent to this run's policy, and back when it ends.
         let mut shrink = std::mem::take(&mut self.settings.shrink);
-        let (search, run) = self.prepare(shrink.borrowed());
+        let run = self.new_run();
+        let search = self.prepare(shrink.borrowed(), &run);
         let mut notify = self.notify.take();
         let (cost_of, total) = (self.cost.as_ref(), self.total);
         let finished = drive_ended(

@@ -16,7 +16,8 @@ use crate::record::{Outcome, SearchReport};
 #[derive(Debug)]
 pub(super) struct ChunkPolicy<'r, P> {
     pub(super) inner: P,
-    pub(super) run: Arc<Mutex<Run>>,
+    /// The run's progress, lent by the runner; the chunks update it between decisions.
+    pub(super) run: &'r Mutex<Run>,
     pub(super) grow: GrowBack,
     /// What the chunks measured, and the chunk the figures say fills the device.
     pub(super) convergence: Convergence,
@@ -135,7 +136,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
     /// This rank's last chunk succeeded but another rank's did not: it is redone.
     fn take_back_last_chunk(&mut self, size: usize) {
         self.grow.failed(size);
-        let mut run = lock(&self.run);
+        let mut run = lock(self.run);
         let range = run.progress.current.clone();
         if run.progress.completed == range.end {
             run.progress.completed = range.start;
@@ -156,7 +157,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             return Decision::Accept;
         };
         let (items, cost) = {
-            let run = lock(&self.run);
+            let run = lock(self.run);
             (run.progress.current.len(), run.progress.current_cost)
         };
         // Memory goes with what the chunk held: its cost, not the budget it was packed to
@@ -189,7 +190,7 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             };
         }
         let done = {
-            let run = lock(&self.run);
+            let run = lock(self.run);
             run.progress.completed >= run.progress.total
         };
         if done {

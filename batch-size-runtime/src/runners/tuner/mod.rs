@@ -4,9 +4,7 @@
 //! then keep the margin, and run that size too. It times every trial, so that it can also name
 //! the fastest size (samples per second), and return it instead of the largest.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::attempt::AttemptError;
 use crate::engine::{settings_setters, BatchSizeSearch, Settings};
@@ -22,7 +20,7 @@ mod search;
 mod throughput;
 
 use search::{kept_size, largest_below_failures, TunerPolicy};
-use throughput::{fastest, Shared};
+use throughput::{fastest, throughput};
 
 /// Finds the largest batch size whose trial runs, in few trials.
 ///
@@ -412,22 +410,21 @@ impl Tuner {
     /// let error = Tuner::new().run(|_| -> anyhow::Result<()> { anyhow::bail!("no data") }).unwrap_err();
     /// assert_eq!(error.to_string(), "no data"); // your error, not a string in another one
     /// ```
-    pub fn run<T, E, M>(self, mut trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
+    pub fn run<T, E, M>(self, trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
     where
         E: AttemptError<M>,
     {
         let mut settings = self.settings;
         settings.check_bounds();
         let (margin, tolerance, min) = (self.headroom, self.tolerance, settings.min);
-        let shared = Arc::new(Shared::default());
-        let policy = TunerPolicy::new(
+        // The tuner's policy, lent to the search: what it learned is read from it afterwards.
+        let mut policy = TunerPolicy::new(
             min,
             settings.max,
             margin,
             self.max_trials,
             self.choice,
             tolerance,
-            Arc::clone(&shared),
         )
         .with_fixed_memory(self.fixed_memory);
         // The tuner's settings are the search's, but for its own policy: the cache under the
@@ -437,7 +434,7 @@ impl Tuner {
         }
         let mut search = BatchSizeSearch::new(min).with_label("tuner");
         search.settings = settings;
-        let mut search = search.with_policy(policy);
+        let mut search = search.with_policy(&mut policy);
         if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
             search.invalidate(format!(
                 "`headroom` must be at least 0 and below 1, got {margin}"
@@ -451,22 +448,12 @@ impl Tuner {
         if self.max_trials == 0 {
             search.invalidate("`max_trials` must be at least 1, got 0".to_owned());
         }
-        let mut clock: Clock = match self.clock {
-            Some(Opaque(clock)) => clock,
-            None => {
-                let origin = Instant::now();
-                Box::new(move || origin.elapsed())
-            }
-        };
-        let timings = Arc::clone(&shared);
-        let (result, report) = search.run_with_report(move |size| {
-            let start = clock();
-            let result = trial(size);
-            if result.is_ok() {
-                timings.record(size, clock().saturating_sub(start));
-            }
-            result
-        });
+        // Each trial is timed by the search, with the tuner's clock where one was given: the
+        // durations are in the report, for the policy and for the throughput below.
+        if let Some(Opaque(clock)) = self.clock {
+            search = search.with_clock(clock);
+        }
+        let (result, report) = search.run_with_report(trial);
         result?;
         let ran_largest = largest_below_failures(&report).unwrap_or(0);
         let batch_size = report.batch_size().unwrap_or(ran_largest);
@@ -481,12 +468,12 @@ impl Tuner {
                     kept_size(largest_fit, margin, min).max(batch_size),
                 )
             }
-            None => match shared.kept.load(Ordering::Relaxed) {
+            None => match policy.kept_size() {
                 0 => (ran_largest, batch_size),
                 kept => (ran_largest, kept),
             },
         };
-        let throughput = shared.throughput();
+        let throughput = throughput(&report);
         let fastest = fastest(&throughput, largest, tolerance).unwrap_or(largest);
         Ok(Tuned {
             batch_size,

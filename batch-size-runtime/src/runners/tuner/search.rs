@@ -2,10 +2,7 @@
 //! the fitted limit, bisect), confirm the margin's size, and for the fastest size descend by
 //! powers of two; never keep a size above one that failed.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
-use super::throughput::{fastest, Shared};
+use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
 use crate::policy::fit::{
@@ -90,7 +87,6 @@ pub(super) struct TunerPolicy {
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
     /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
     aiming_over: bool,
-    shared: Arc<Shared>,
 }
 
 /// At most this many trials chosen by the fit's aim (the second probe, the aim, corrections);
@@ -139,7 +135,7 @@ fn power_of_two_below(size: usize) -> usize {
 impl TunerPolicy {
     /// The search from `min` (never above `max`), keeping `margin` below the largest size
     /// that ran, in at most `max_trials` trials; for `choice`, within `tolerance` of the best
-    /// speed, which the trials record in `shared`.
+    /// speed, which the search's report gives (each trial's duration).
     pub(super) fn new(
         min: usize,
         max: Option<usize>,
@@ -147,7 +143,6 @@ impl TunerPolicy {
         max_trials: usize,
         choice: Choice,
         tolerance: f64,
-        shared: Arc<Shared>,
     ) -> Self {
         TunerPolicy {
             min,
@@ -173,8 +168,13 @@ impl TunerPolicy {
             gentler_aim: None,
             jump_above: None,
             aiming_over: false,
-            shared,
         }
+    }
+
+    /// The margin's size, once its trial ran (0 before, and after a failure below it): read by
+    /// the tuner when the search, to which it lent this policy, has returned.
+    pub(super) fn kept_size(&self) -> usize {
+        self.kept
     }
 
     /// Bytes the trial allocates whatever its size, as the user declared them.
@@ -509,7 +509,6 @@ impl TunerPolicy {
     /// The margin's size ran: the answer, or the start of the search for the fastest.
     fn kept(&mut self, history: &SearchReport, size: usize) -> Decision {
         self.kept = size;
-        self.shared.kept.store(size, Ordering::Relaxed);
         if self.choice == Choice::Largest {
             return Decision::Accept;
         }
@@ -527,7 +526,7 @@ impl TunerPolicy {
         {
             return self.conclude(history);
         }
-        let throughput = self.shared.throughput();
+        let throughput = throughput(history);
         let rate = |size: usize| {
             throughput
                 .iter()
@@ -562,8 +561,7 @@ impl TunerPolicy {
 
     /// The fastest size runs last, unless it just ran or no trial is left.
     fn conclude(&mut self, history: &SearchReport) -> Decision {
-        let chosen =
-            fastest(&self.shared.throughput(), self.kept, self.tolerance).unwrap_or(self.kept);
+        let chosen = fastest(&throughput(history), self.kept, self.tolerance).unwrap_or(self.kept);
         if ran_last(history, chosen) || history.len() >= self.max_trials {
             return Decision::Accept;
         }
@@ -605,7 +603,6 @@ impl SizePolicy for TunerPolicy {
             ));
             self.phase = Phase::Searching;
             self.kept = 0;
-            self.shared.kept.store(0, Ordering::Relaxed);
             self.guess = None;
             self.guessed_in = None;
             self.aimed = None;

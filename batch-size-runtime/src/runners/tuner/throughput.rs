@@ -1,9 +1,9 @@
 //! What the tuner measures of speed: the quickest successful trial at each size, samples per
 //! second, and the fastest size within a tolerance of the best.
 
-use std::sync::atomic::AtomicUsize;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use crate::record::SearchReport;
 
 /// The smallest size at or below `kept` within `tolerance` of the best throughput there.
 pub(super) fn fastest(throughput: &[(usize, f64)], kept: usize, tolerance: f64) -> Option<usize> {
@@ -18,37 +18,32 @@ pub(super) fn fastest(throughput: &[(usize, f64)], kept: usize, tolerance: f64) 
         .min()
 }
 
-/// What the timed trials and the policy share.
-#[derive(Debug, Default)]
-pub(super) struct Shared {
-    /// The quickest successful trial at each size.
-    timings: Mutex<Vec<(usize, Duration)>>,
-    /// The margin's size, once its trial ran (0 before).
-    pub(super) kept: AtomicUsize,
-}
-
-impl Shared {
-    pub(super) fn record(&self, size: usize, elapsed: Duration) {
-        if elapsed.is_zero() {
-            return;
+/// Samples per second at each size, by size: the size over its quickest successful trial, as
+/// the search timed it (with the tuner's clock). Trials that took no measurable time are left
+/// out. Read from the report: the policy and the runner each read it there, nothing is shared.
+pub(super) fn throughput(history: &SearchReport) -> Vec<(usize, f64)> {
+    let mut quickest: Vec<(usize, Duration)> = Vec::new();
+    for attempt in history
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_success())
+    {
+        if attempt.duration.is_zero() {
+            continue;
         }
-        let mut timings = self.timings.lock().unwrap_or_else(PoisonError::into_inner);
-        match timings.iter_mut().find(|(ran, _)| *ran == size) {
-            Some((_, quickest)) => *quickest = (*quickest).min(elapsed),
-            None => timings.push((size, elapsed)),
+        match quickest
+            .iter_mut()
+            .find(|(ran, _)| *ran == attempt.batch_size)
+        {
+            Some((_, time)) => *time = (*time).min(attempt.duration),
+            None => quickest.push((attempt.batch_size, attempt.duration)),
         }
     }
-
-    /// Samples per second at each size, by size.
-    pub(super) fn throughput(&self) -> Vec<(usize, f64)> {
-        let timings = self.timings.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut rates: Vec<(usize, f64)> = timings
-            .iter()
-            .map(|&(size, elapsed)| (size, size as f64 / elapsed.as_secs_f64()))
-            .collect();
-        rates.sort_by_key(|&(size, _)| size);
-        rates
-    }
+    let mut rates: Vec<(usize, f64)> = quickest
+        .into_iter()
+        .map(|(size, time)| (size, size as f64 / time.as_secs_f64()))
+        .collect();
+    rates.sort_by_key(|&(size, _)| size);
+    rates
 }
 
 #[cfg(test)]
@@ -57,12 +52,29 @@ mod tests {
 
     #[test]
     fn the_quickest_trial_of_a_size_counts_and_rates_come_by_size() {
-        let shared = Shared::default();
-        shared.record(64, Duration::from_millis(2));
-        shared.record(32, Duration::from_millis(1));
-        shared.record(64, Duration::from_millis(1)); // quicker: kept
-        shared.record(16, Duration::ZERO); // not timed: left out
-        assert_eq!(shared.throughput(), [(32, 32_000.0), (64, 64_000.0)]);
+        use crate::record::{Attempt, Outcome};
+        let trial = |size: usize, millis: u64, outcome: Outcome| Attempt {
+            number: 1,
+            batch_size: size,
+            outcome,
+            duration: Duration::from_millis(millis),
+            memory_at_start: None,
+            memory_at_end: None,
+            memory_after_release: None,
+            requested: None,
+            rationale: None,
+            settings: None,
+        };
+        let mut history = SearchReport::default();
+        history.push(trial(64, 2, Outcome::Succeeded));
+        history.push(trial(32, 1, Outcome::Succeeded));
+        history.push(trial(64, 1, Outcome::Succeeded)); // quicker: kept
+        history.push(trial(16, 0, Outcome::Succeeded)); // not timed: left out
+        let failed = Outcome::OutOfMemory {
+            error: "out of memory".to_owned(),
+        };
+        history.push(trial(128, 1, failed)); // did not run: left out
+        assert_eq!(throughput(&history), [(32, 32_000.0), (64, 64_000.0)]);
     }
 
     #[test]
