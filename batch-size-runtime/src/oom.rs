@@ -204,6 +204,11 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
         figures: &[],
     },
     OomPattern {
+        text: "every page size the memory tracks still holds live allocations",
+        origin: "cubecl-runtime 0.11 `IoError::PageSizesExhausted` (src/server/base.rs): \"Can't allocate N bytes: every page size ...\"; a cleanup relocates what it can",
+        figures: &[at("Can't allocate ", Figure::Requested)],
+    },
+    OomPattern {
         text: "can't allocate buffer of size: ",
         origin: "cubecl-runtime 0.11 `IoError::BufferTooBig` (src/server/base.rs): a buffer larger than the device (or cubecl's CPU storage) can give, smaller with a smaller batch",
         figures: &[at("buffer of size: ", Figure::Requested)],
@@ -227,6 +232,14 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
         text: "CUDA failure 2: out of memory",
         origin: "ONNX Runtime's CUDA execution provider (the ort crate)",
         figures: &[],
+    },
+    OomPattern {
+        text: "is smaller than requested bytes of",
+        origin: "ONNX Runtime's BFC arena with a cap (`BFCArena::AllocateRawInternal ... Available memory of A is smaller than requested bytes of R`, an arena made with `CreateArenaCfgV2`'s `max_mem`), 1.31 and 1.32 (the ort crate)",
+        figures: &[
+            at("requested bytes of ", Figure::Requested),
+            at("Available memory of ", Figure::Free),
+        ],
     },
     OomPattern {
         text: "Failed to allocate memory for requested buffer",
@@ -564,9 +577,18 @@ fn matched_pattern(text: &str) -> Option<OomPattern> {
 fn match_patterns(text: &str) -> Option<OomMatch> {
     matched_pattern(text).map(|pattern| OomMatch {
         kind: OomKind::Pattern(pattern),
-        description: truncate(text),
+        description: truncate(matched_line(text)),
         requested: read_figures(pattern.figures, text).requested,
     })
+}
+
+/// The line of `text` that says what ran out: the first line that matches a pattern by itself
+/// (burn's "An error happened during execution" puts the cause lines below), else the first.
+fn matched_line(text: &str) -> &str {
+    text.lines()
+        .find(|line| matched_pattern(line).is_some())
+        .map(str::trim)
+        .unwrap_or(text)
 }
 
 fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>)> {
@@ -798,6 +820,44 @@ mod tests {
             Some(4096)
         );
         assert_eq!(requested("CUDA error: out of memory"), None);
+    }
+
+    #[test]
+    fn onnx_runtime_capped_arena() {
+        // ONNX Runtime 1.32's text, as the ort crate returns it (real-allocators/tests/ort_cpu.rs).
+        let text = "Non-zero status code returned while running MatMul node. Name:'matmul' \
+                    Status Message: /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:359 \
+                    void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) \
+                    Available memory of 234881024 is smaller than requested bytes of 268435456";
+        let found = classify_text(text).unwrap();
+        assert_eq!(found.requested, Some(268_435_456));
+        let read = figures(text);
+        assert_eq!(
+            (read.requested, read.free),
+            (Some(268_435_456), Some(234_881_024))
+        );
+        let uncapped = "Failed to allocate memory for requested buffer of size 268435456";
+        assert_eq!(
+            classify_text(uncapped).unwrap().requested,
+            Some(268_435_456)
+        );
+    }
+
+    #[test]
+    fn describes_the_line_that_says_what_ran_out() {
+        // burn 0.22's ExecutionError wraps cubecl's IoError below its own first line.
+        let burn = "An error happened during execution\nCaused by:\n  out of device memory allocating 4096 bytes\n   0: backtrace";
+        let found = classify_text(burn).unwrap();
+        assert_eq!(
+            found.description,
+            "out of device memory allocating 4096 bytes"
+        );
+        assert_eq!(found.requested, Some(4096));
+        let pages = "Can't allocate 8192 bytes: every page size the memory tracks still holds live allocations\n";
+        assert_eq!(classify_text(pages).unwrap().requested, Some(8192));
+        // The lost handle alone is not out-of-memory: only a device thread's panic says so.
+        let lost = "An error happened during execution\nCaused by:\n  couldn't find resource for that handle: Memory location was never initialized";
+        assert!(classify_text(lost).is_none());
     }
 
     #[test]
