@@ -1,1 +1,152 @@
-//! placeholder
+//! What the tests against the frameworks' real allocators share: each scenario runs in a child
+//! process (the test binary run again with `REAL_ALLOCATORS_CHILD` set) under an address-space
+//! limit, prints `key=value` lines, and the parent checks them; the largest size that fits is
+//! found by bisection, each size in a fresh child.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test support: failing loudly is the point
+
+use std::process::Command;
+
+use batch_size_runtime::oom::OomKind;
+use batch_size_runtime::{Attempt, Outcome, SearchReport};
+
+/// Set in a child: which scenario it runs.
+pub const CHILD: &str = "REAL_ALLOCATORS_CHILD";
+
+/// Whether this process is a child running a scenario.
+pub fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// Sets RLIMIT_AS (what `ulimit -v` sets) for this process: allocations past it fail.
+pub fn set_address_space_limit(bytes: u64) {
+    #[repr(C)]
+    struct Rlimit {
+        current: u64,
+        max: u64,
+    }
+    extern "C" {
+        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
+    }
+    const RLIMIT_AS: std::ffi::c_int = 9; // Linux
+    let limit = Rlimit {
+        current: bytes,
+        max: u64::MAX,
+    };
+    // SAFETY: `limit` is a valid `struct rlimit` for the duration of the call.
+    assert_eq!(unsafe { setrlimit(RLIMIT_AS, &limit) }, 0);
+}
+
+/// The process's virtual size now (`VmSize`), in bytes.
+pub fn virtual_size() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmSize:"))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+/// Limits the address space to what it is now plus `room`: every child starts from the same
+/// room once its framework is warm.
+pub fn leave_room(room: u64) {
+    set_address_space_limit(virtual_size() + room);
+}
+
+/// Runs `scenario` (a test of the current binary) in a child with `extra` in its environment;
+/// its stdout's `key=value` lines.
+pub fn child(scenario: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
+    let (lines, ok, stderr) = child_status(scenario, extra);
+    assert!(ok, "{scenario} failed:\n{lines:?}\n{stderr}");
+    lines
+}
+
+/// [`child`], also when it fails: its lines, whether it succeeded, and its stderr.
+pub fn child_status(scenario: &str, extra: &[(&str, String)]) -> (Vec<(String, String)>, bool, String) {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
+        .env(CHILD, scenario);
+    for (key, value) in extra {
+        command.env(key, value);
+    }
+    let output = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let lines = stdout
+        .lines()
+        .filter_map(|line| line.split_once('='))
+        .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
+        .collect();
+    (
+        lines,
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// The value of `key` in a child's lines.
+pub fn value(lines: &[(String, String)], key: &str) -> String {
+    lines
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("no {key} in {lines:?}"))
+}
+
+/// The largest size in `1..=high` that runs in a fresh child (`one_size` scenario with
+/// `REAL_ALLOCATORS_SIZE`), by bisection; `fits(size)` says whether one child ran.
+pub fn largest_that_fits(high: usize, fits: impl Fn(usize) -> bool) -> usize {
+    let (mut ran, mut failed) = (0, high + 1);
+    while failed - ran > 1 {
+        let size = ran + (failed - ran) / 2;
+        if fits(size) {
+            ran = size;
+        } else {
+            failed = size;
+        }
+    }
+    ran
+}
+
+/// Every out-of-memory attempt of `report`: recognised by the crate's own table (no rule), and
+/// what `memory_back` says of its figures after the release.
+pub fn check_failures(report: &SearchReport, memory_back: impl Fn(&Attempt)) -> usize {
+    let failures: Vec<&Attempt> = report
+        .attempts()
+        .filter(|a| a.outcome.is_out_of_memory())
+        .collect();
+    assert!(!failures.is_empty(), "nothing ran out of memory: {report:?}");
+    for failed in &failures {
+        let Outcome::OutOfMemory { error } = &failed.outcome else {
+            unreachable!()
+        };
+        assert!(!error.is_empty(), "{failed:?}");
+        memory_back(failed);
+    }
+    // No rule was added in these processes: every match is the crate's own.
+    assert!(!matches!(
+        batch_size_runtime::oom::classify_text("x"),
+        Some(found) if found.kind == OomKind::Rule
+    ));
+    failures.len()
+}
+
+/// The line a scenario prints about its search: size found, attempts, and each failure's text.
+pub fn print_search(label: &str, found: usize, report: &SearchReport) {
+    println!("\n{label}.found={found}");
+    println!("{label}.attempts={}", report.attempts().count());
+    if let Some(Outcome::OutOfMemory { error }) = report
+        .attempts()
+        .map(|a| &a.outcome)
+        .find(|o| o.is_out_of_memory())
+    {
+        println!("{label}.error={error}");
+    }
+}
+
+/// Bytes reserved but unallocated in the first device of a snapshot, where the backend says.
+pub fn reserved_unallocated(snapshot: &batch_size_runtime::memory::MemorySnapshot) -> Option<u64> {
+    let device = snapshot.devices.first()?;
+    Some(device.pool_reserved?.saturating_sub(device.pool_used?))
+}

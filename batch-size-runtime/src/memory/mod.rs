@@ -27,14 +27,28 @@
 //! assert_eq!(failed.memory_after_release.as_ref().unwrap().free(), 1000);
 //! ```
 
+#[cfg(feature = "burn")]
+mod burn;
 mod cuda;
 mod host;
+#[cfg(feature = "ort")]
+mod ort;
+mod tch;
+#[cfg(feature = "wgpu")]
+mod wgpu;
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 pub use cuda::CudaBackend;
 pub use host::{HostLimit, HostLimitKind, HostMemory};
+
+#[cfg(feature = "burn")]
+pub use self::burn::BurnMemory;
+#[cfg(feature = "ort")]
+pub use self::ort::OrtArena;
+#[cfg(feature = "wgpu")]
+pub use self::wgpu::WgpuMemory;
 
 /// A byte count that displays itself the way PyTorch's OOM message does (`2.22 GiB`).
 ///
