@@ -109,6 +109,18 @@ pub fn largest_that_fits(high: usize, fits: impl Fn(usize) -> bool) -> usize {
     ran
 }
 
+/// The size a search found runs in a fresh process, and is not above the largest that fits
+/// there, within 2 %: a fresh process's limit varies by a MiB or so between runs (the threads
+/// and mappings a framework starts after the limit is set), which near the edge is a sample or
+/// two.
+pub fn assert_fits(scenario: &str, found: usize, largest: usize, fits: impl Fn(usize) -> bool) {
+    assert!(
+        found <= largest + largest / 50,
+        "{scenario}: {found} above the largest that fits, {largest}"
+    );
+    assert!(fits(found), "{scenario}: {found} does not run in a fresh process");
+}
+
 /// Every out-of-memory attempt of `report`: recognised by the crate's own table (no rule), and
 /// what `memory_back` says of its figures after the release.
 pub fn check_failures(report: &SearchReport, memory_back: impl Fn(&Attempt)) -> usize {
@@ -134,6 +146,18 @@ pub fn check_failures(report: &SearchReport, memory_back: impl Fn(&Attempt)) -> 
 
 /// The line a scenario prints about its search: size found, attempts, and each failure's text.
 pub fn print_search(label: &str, found: usize, report: &SearchReport) {
+    if std::env::var_os("REAL_ALLOCATORS_VERBOSE").is_some() {
+        for attempt in report.attempts() {
+            eprintln!(
+                "{label}: {} {:?} start {:?} end {:?} after {:?}",
+                attempt.batch_size,
+                attempt.outcome,
+                attempt.memory_at_start,
+                attempt.memory_at_end,
+                attempt.memory_after_release
+            );
+        }
+    }
     println!("\n{label}.found={found}");
     println!("{label}.attempts={}", report.attempts().count());
     if let Some(Outcome::OutOfMemory { error }) = report

@@ -12,16 +12,18 @@ use batch_size_runtime::memory::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunked, Tuner};
 use burn::tensor::{Device, DeviceKind, Tensor};
 use real_allocators::{
-    check_failures, child, child_status, is_child, largest_that_fits, leave_room, print_search,
+    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, leave_room, print_search,
     reserved_unallocated, value,
 };
 
 /// f32 values a sample: 256 KiB a tensor, four tensors live in a step.
 const WIDTH: usize = 65536;
 /// Address space left once the device is up.
-const ROOM: u64 = 256 << 20;
-/// Below llvmpipe's 128 MiB buffer limit for one tensor (500 × 256 KiB).
-const STARTING: usize = 500;
+const ROOM: u64 = 128 << 20;
+/// Below llvmpipe's 128 MiB buffer limit for one tensor (448 × 256 KiB). From 500, halving's
+/// 250 ran in the search's process and not in a fresh one (whose limit was 248): a size within
+/// a sample or two of the limit is decided by the process's history, not by the search.
+const STARTING: usize = 448;
 
 fn device() -> Device {
     Device::wgpu(DeviceKind::DefaultDevice)
@@ -63,6 +65,12 @@ fn memory_back(failed: &Attempt) {
     assert!(
         after.pool_used.unwrap() <= start.pool_used.unwrap(),
         "in use before {start:?}, after the release {after:?}"
+    );
+    // And the driver's memory with it (llvmpipe's is the process's): burn's counters alone said
+    // "nothing in use" while the pages were still mapped, until the release synced the device.
+    assert!(
+        after.free + (16 << 20) >= start.free,
+        "free before {start:?}, after the release {after:?}"
     );
     println!(
         "\nburn.reserved_unallocated={:?}->{:?}",
@@ -119,15 +127,20 @@ fn attribute_panicking() {
 fn chunked() {
     let Some(device) = scenario("chunked") else { return };
     let mut done = 0;
-    Chunked::new(1024)
+    let ran = Chunked::new(1024)
         .with_starting(STARTING)
         .with_release(release(&device))
         .for_each(|range| -> anyhow::Result<()> {
             step(&device, range.len())?;
             done += range.len();
             Ok(())
-        })
-        .unwrap();
+        });
+    if let Err(error) = ran {
+        for attempt in last_report().unwrap().attempts() {
+            eprintln!("{} {:?} {:?}", attempt.batch_size, attempt.outcome, attempt.memory_after_release);
+        }
+        panic!("{error}");
+    }
     assert_eq!(done, 1024);
     let report = last_report().unwrap();
     check_failures(&report, memory_back);
@@ -184,8 +197,7 @@ fn burn_on_llvmpipe() {
         let lines = child(scenario, &[]);
         let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
         let attempts = value(&lines, &format!("{label}.attempts"));
-        assert!(found <= largest, "{scenario}: {found} above the largest that fits, {largest}");
-        assert!(fits(found), "{scenario}: {found} does not run in a fresh process");
+        assert_fits(scenario, found, largest, &fits);
         let halving = if scenario == "attribute_result" {
             let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
             let found: usize = value(&lines, "result.found").parse().unwrap();

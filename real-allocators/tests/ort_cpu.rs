@@ -19,7 +19,7 @@ use ort::session::Session;
 use ort::value::Tensor;
 use ort::AsPointer;
 use real_allocators::{
-    check_failures, child, child_status, is_child, largest_that_fits, print_search,
+    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, print_search,
     reserved_unallocated, value,
 };
 
@@ -199,8 +199,7 @@ fn onnx_runtime_capped_arena() {
         let lines = child(scenario, &[]);
         let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
         let attempts = value(&lines, &format!("{label}.attempts"));
-        assert!(found <= largest, "{scenario}: {found} above the largest that fits, {largest}");
-        assert!(fits(found), "{scenario}: {found} does not run in a fresh process");
+        assert_fits(scenario, found, largest, &fits);
         let halving = if scenario == "attribute_result" {
             let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
             let found: usize = value(&lines, "result.found").parse().unwrap();
