@@ -63,7 +63,10 @@ pub fn child(scenario: &str, extra: &[(&str, String)]) -> Vec<(String, String)> 
 }
 
 /// [`child`], also when it fails: its lines, whether it succeeded, and its stderr.
-pub fn child_status(scenario: &str, extra: &[(&str, String)]) -> (Vec<(String, String)>, bool, String) {
+pub fn child_status(
+    scenario: &str,
+    extra: &[(&str, String)],
+) -> (Vec<(String, String)>, bool, String) {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
         .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
@@ -118,7 +121,10 @@ pub fn assert_fits(scenario: &str, found: usize, largest: usize, fits: impl Fn(u
         found <= largest + largest / 50,
         "{scenario}: {found} above the largest that fits, {largest}"
     );
-    assert!(fits(found), "{scenario}: {found} does not run in a fresh process");
+    assert!(
+        fits(found),
+        "{scenario}: {found} does not run in a fresh process"
+    );
 }
 
 /// Every out-of-memory attempt of `report`: recognised by the crate's own table (no rule), and
@@ -128,7 +134,10 @@ pub fn check_failures(report: &SearchReport, memory_back: impl Fn(&Attempt)) -> 
         .attempts()
         .filter(|a| a.outcome.is_out_of_memory())
         .collect();
-    assert!(!failures.is_empty(), "nothing ran out of memory: {report:?}");
+    assert!(
+        !failures.is_empty(),
+        "nothing ran out of memory: {report:?}"
+    );
     for failed in &failures {
         let Outcome::OutOfMemory { error } = &failed.outcome else {
             unreachable!()

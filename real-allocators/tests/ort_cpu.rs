@@ -40,7 +40,13 @@ fn session() -> Arc<Mutex<Session>> {
     // SAFETY: two keys and two values, valid for the call; `config` receives an arena config.
     let status = unsafe { (api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), 2, &mut config) };
     assert!(status.0.is_null());
-    let info = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default).unwrap();
+    let info = MemoryInfo::new(
+        AllocationDevice::CPU,
+        0,
+        AllocatorType::Arena,
+        MemoryType::Default,
+    )
+    .unwrap();
     // SAFETY: the environment, memory info and config are live; ONNX Runtime copies the config.
     let status = unsafe {
         (api.CreateAndRegisterAllocator)(environment.ptr().cast_mut(), info.ptr(), config)
@@ -89,7 +95,10 @@ fn memory_back(failed: &Attempt) {
         after.pool_reserved.unwrap() <= start.pool_reserved.unwrap().max(8 << 20),
         "reserved before {start:?}, after the release {after:?}"
     );
-    assert!(failed.requested.is_some_and(|bytes| bytes > 0), "{failed:?}");
+    assert!(
+        failed.requested.is_some_and(|bytes| bytes > 0),
+        "{failed:?}"
+    );
     println!(
         "\nort.reserved_unallocated={:?}->{:?}",
         reserved_unallocated(end),
@@ -111,7 +120,9 @@ fn scenario(name: &str) -> Option<Arc<Mutex<Session>>> {
 
 #[test]
 fn attribute_result() {
-    let Some(session) = scenario("attribute_result") else { return };
+    let Some(session) = scenario("attribute_result") else {
+        return;
+    };
     let (found, _) = train_result(&session).unwrap();
     let report = last_report().unwrap();
     if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
@@ -122,7 +133,9 @@ fn attribute_result() {
 
 #[test]
 fn chunked() {
-    let Some(session) = scenario("chunked") else { return };
+    let Some(session) = scenario("chunked") else {
+        return;
+    };
     let outputs = Chunked::new(8192)
         .with_starting(STARTING)
         .with_release(release(&session))
@@ -145,32 +158,49 @@ fn chunked() {
 
 #[test]
 fn tuner() {
-    let Some(session) = scenario("tuner") else { return };
+    let Some(session) = scenario("tuner") else {
+        return;
+    };
     let tuned = Tuner::new()
         .with_max(STARTING)
         .with_release(release(&session))
         .run(|batch_size| anyhow::Ok(infer(&session, batch_size)?))
         .unwrap();
-    check_failures(tuned.report(), memory_back);
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(tuned.report(), memory_back);
+    }
     print_search("tuner", tuned.batch_size(), tuned.report());
 }
 
 #[test]
 fn one_size() {
-    let Some(session) = scenario("one_size") else { return };
-    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE").unwrap().parse().unwrap();
+    let Some(session) = scenario("one_size") else {
+        return;
+    };
+    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap();
     infer(&session, size).unwrap();
 }
 
 /// The capped arena's message, as ONNX Runtime writes it, recognised by the table.
 #[test]
 fn capped_arena_message() {
-    let Some(session) = scenario("capped_arena_message") else { return };
+    let Some(session) = scenario("capped_arena_message") else {
+        return;
+    };
     let error = infer(&session, STARTING).unwrap_err();
     let found = oom::classify_error(&error).unwrap();
-    assert!(matches!(found.kind, OomKind::Pattern(pattern) if pattern.text == "is smaller than requested bytes of"), "{found:?}");
+    assert!(
+        matches!(found.kind, OomKind::Pattern(pattern) if pattern.text == "is smaller than requested bytes of"),
+        "{found:?}"
+    );
     let figures = oom::figures(&error.to_string());
-    assert!(figures.requested.is_some() && figures.free.is_some(), "{figures:?}");
+    assert!(
+        figures.requested.is_some() && figures.free.is_some(),
+        "{figures:?}"
+    );
     println!("\nmessage={found:?}");
 }
 
@@ -185,9 +215,8 @@ fn onnx_runtime_capped_arena() {
         return;
     }
     child("capped_arena_message", &[]);
-    let fits = |size: usize| {
-        child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1
-    };
+    let fits =
+        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
     let largest = largest_that_fits(STARTING, fits);
     println!("ort: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 8 && largest < STARTING, "{largest}");
@@ -200,13 +229,13 @@ fn onnx_runtime_capped_arena() {
         let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
         let attempts = value(&lines, &format!("{label}.attempts"));
         assert_fits(scenario, found, largest, &fits);
-        let halving = if scenario == "attribute_result" {
+        let halving = if scenario == "attribute_result" || scenario == "tuner" {
             let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
-            let found: usize = value(&lines, "result.found").parse().unwrap();
+            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
             format!(
                 "; without figures {found} ({:.3}) in {} attempts",
                 found as f64 / largest as f64,
-                value(&lines, "result.attempts")
+                value(&lines, &format!("{label}.attempts"))
             )
         } else {
             String::new()

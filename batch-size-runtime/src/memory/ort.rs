@@ -38,9 +38,10 @@ const SHRINK: (&str, &str) = ("memory.enable_memory_arena_shrinkage", "cpu:0");
 /// so and gives nothing back).
 #[derive(Debug)]
 pub struct OrtArena {
-    session: Arc<Mutex<Session>>,
     /// The session's CPU allocator (the arena): `ort`'s `Allocator` is `Send`, not `Sync`.
+    /// Declared before the session: fields drop in order, and the allocator must go first.
     allocator: Mutex<Option<Allocator>>,
+    session: Arc<Mutex<Session>>,
     host: HostMemory,
     max_in_use_at_start: Mutex<Option<u64>>,
 }
@@ -66,19 +67,24 @@ impl OrtArena {
                 MemoryType::Default,
             )
             .and_then(|info| Allocator::new(&session, info))
-            .map_err(|error| tracing::debug!(%error, "no CPU allocator for the session: no figures"))
+            .map_err(
+                |error| tracing::debug!(%error, "no CPU allocator for the session: no figures"),
+            )
             .ok()
         };
         OrtArena {
-            session: Arc::clone(session),
             allocator: Mutex::new(allocator),
+            session: Arc::clone(session),
             host: HostMemory::new(),
             max_in_use_at_start: Mutex::new(None),
         }
     }
 
     fn stats(&self) -> Option<Stats> {
-        let allocator = self.allocator.lock().unwrap_or_else(PoisonError::into_inner);
+        let allocator = self
+            .allocator
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let allocator = allocator.as_ref()?;
         let api = ort::api();
         let mut pairs = ptr::null_mut();
@@ -147,11 +153,9 @@ impl MemoryBackend for OrtArena {
         let mut session = match self.session.try_lock() {
             Ok(session) => session,
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                return Err(ReleaseError::new(
-                    "ONNX Runtime's arena: the session is locked outside the attempt; lock it inside",
-                ))
-            }
+            Err(TryLockError::WouldBlock) => return Err(ReleaseError::new(
+                "ONNX Runtime's arena: the session is locked outside the attempt; lock it inside",
+            )),
         };
         let inputs = Self::zero_samples(&session)?;
         let mut options = RunOptions::new()
