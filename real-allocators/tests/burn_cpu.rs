@@ -216,7 +216,7 @@ fn burn_on_llvmpipe() {
         let lines = child(scenario, &[]);
         let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
         let attempts = value(&lines, &format!("{label}.attempts"));
-        assert_fits(scenario, found, largest, &fits);
+        assert_fits(scenario, found, largest, fits);
         let halving = if scenario == "attribute_result" || scenario == "tuner" {
             let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
             let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
