@@ -58,8 +58,14 @@ struct Stats {
 impl OrtArena {
     /// The CPU arena of `session`.
     pub fn new(session: &Arc<Mutex<Session>>) -> Self {
-        let allocator = {
-            let session = session.lock().unwrap_or_else(PoisonError::into_inner);
+        // Never waits: a caller that holds the lock while the release is built gets no figures,
+        // not a deadlock.
+        let locked = match session.try_lock() {
+            Ok(session) => Some(session),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        let allocator = locked.and_then(|session| {
             MemoryInfo::new(
                 AllocationDevice::CPU,
                 0,
@@ -71,7 +77,7 @@ impl OrtArena {
                 |error| tracing::debug!(%error, "no CPU allocator for the session: no figures"),
             )
             .ok()
-        };
+        });
         OrtArena {
             allocator: Mutex::new(allocator),
             session: Arc::clone(session),
