@@ -53,6 +53,9 @@ struct Quiet {
     reading: usize,
     /// The innermost running attempt's judge.
     attempt: Option<Judge>,
+    /// [`SIDE_OOMS`] when that attempt began: a panic of the attempt after another thread ran
+    /// out of memory is that out-of-memory's consequence, kept quiet as it is.
+    side_seen: u64,
 }
 
 thread_local! {
@@ -60,6 +63,7 @@ thread_local! {
         Cell::new(Quiet {
             reading: 0,
             attempt: None,
+            side_seen: 0,
         })
     };
 }
@@ -337,6 +341,16 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
             );
             true
         }
+        // burn's `into_data()` panics with the lost handle after its device thread ran out.
+        None if SIDE_OOMS.load(Ordering::Acquire) != quiet.side_seen
+            && crate::unwind::quiet_oom_panics() =>
+        {
+            tracing::debug!(
+                location = %location(),
+                "the attempt panicked after another thread ran out of memory; it will be retried"
+            );
+            true
+        }
         None => false,
     }
 }
@@ -384,6 +398,9 @@ pub(crate) fn catch_judged<R>(
 ) -> Result<R, Box<dyn Any + Send + 'static>> {
     stay_in_front();
     let _running = Running::begin(judge);
-    let _marked = Marked::mark(|quiet| quiet.attempt = Some(judge));
+    let _marked = Marked::mark(|quiet| {
+        quiet.attempt = Some(judge);
+        quiet.side_seen = SIDE_OOMS.load(Ordering::Acquire);
+    });
     panic::catch_unwind(AssertUnwindSafe(attempt))
 }

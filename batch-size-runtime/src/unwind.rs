@@ -56,10 +56,15 @@ pub fn set_quiet_oom_panics(quiet: bool) {
     QUIET_OOM_PANICS.store(quiet, Ordering::Relaxed);
 }
 
+/// Whether recovered out-of-memory panics are kept quiet ([`set_quiet_oom_panics`]).
+pub(crate) fn quiet_oom_panics() -> bool {
+    QUIET_OOM_PANICS.load(Ordering::Relaxed)
+}
+
 /// The panic filter's judge during an attempt: an out-of-memory panic is kept quiet unless
 /// [`set_quiet_oom_panics`] said otherwise. Read at each panic, so the setting applies at once.
 fn quiet_out_of_memory(payload: &(dyn Any + Send)) -> Option<String> {
-    if !QUIET_OOM_PANICS.load(Ordering::Relaxed) {
+    if !quiet_oom_panics() {
         return None;
     }
     // A formatted panic message reaches the hook as a `String`, a literal as `&str`.

@@ -80,6 +80,7 @@ fn a_device_threads_out_of_memory_counts_for_the_returned_error_and_is_quiet() {
 fn a_device_threads_out_of_memory_counts_for_a_panic() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     count_printed_panics();
+    let printed = PRINTED.load(Ordering::SeqCst);
     let found = BatchSizeSearch::new(32).call(|batch_size| {
         if batch_size > 4 {
             // burn's `into_data()` panics with the caller's error.
@@ -89,6 +90,8 @@ fn a_device_threads_out_of_memory_counts_for_a_panic() {
     });
     assert_eq!(found.unwrap(), 4);
     assert_eq!(last_report().unwrap().out_of_memory_count(), 3);
+    // Neither the device thread's panic nor the attempt's own, its consequence, was printed.
+    assert_eq!(PRINTED.load(Ordering::SeqCst), printed);
 }
 
 #[test]

@@ -213,7 +213,13 @@ fn burn_on_llvmpipe() {
         ("chunked", "chunked"),
         ("tuner", "tuner"),
     ] {
-        let lines = child(scenario, &[]);
+        let (lines, ran, stderr) = child_status(scenario, &[]);
+        assert!(ran, "{scenario} failed:\n{lines:?}\n{stderr}");
+        // The device thread's panic is kept quiet inside the attempt.
+        assert!(
+            !stderr.contains("panicked"),
+            "{scenario} printed a panic:\n{stderr}"
+        );
         let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
         let attempts = value(&lines, &format!("{label}.attempts"));
         assert_fits(scenario, found, largest, fits);
