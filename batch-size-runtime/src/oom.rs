@@ -23,11 +23,52 @@
 use std::any::Any;
 use std::error::Error;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::error::OutOfMemory;
 
-pub use crate::unwind::set_quiet_oom_panics;
+static QUIET_OOM_PANICS: AtomicBool = AtomicBool::new(true);
+
+/// Whether the message of an out-of-memory panic caught by the search is kept from the panic
+/// hook (`true`, the default) or printed like any panic (`false`).
+///
+/// With the default, a recovered out-of-memory panic prints nothing: the retry is logged at
+/// WARN through `tracing`, and the panic's message and location at DEBUG. Panics that are not
+/// out-of-memory always reach your hook.
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use batch_size_runtime::{oom::set_quiet_oom_panics, BatchSizeSearch};
+///
+/// static PRINTED: AtomicUsize = AtomicUsize::new(0); // panics that reached the hook
+/// std::panic::set_hook(Box::new(|_| {
+///     PRINTED.fetch_add(1, Ordering::Relaxed);
+/// }));
+/// let search = || {
+///     BatchSizeSearch::new(2).call(|batch_size| {
+///         if batch_size > 1 {
+///             panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+///         }
+///         batch_size
+///     })
+/// };
+///
+/// assert_eq!(search().unwrap(), 1);
+/// assert_eq!(PRINTED.load(Ordering::Relaxed), 0); // quiet by default
+///
+/// set_quiet_oom_panics(false); // print them, as Rust does by default
+/// assert_eq!(search().unwrap(), 1);
+/// assert_eq!(PRINTED.load(Ordering::Relaxed), 1);
+/// ```
+pub fn set_quiet_oom_panics(quiet: bool) {
+    QUIET_OOM_PANICS.store(quiet, Ordering::Relaxed);
+}
+
+/// Whether recovered out-of-memory panics are kept quiet ([`set_quiet_oom_panics`]).
+pub(crate) fn quiet_oom_panics() -> bool {
+    QUIET_OOM_PANICS.load(Ordering::Relaxed)
+}
 
 /// A text that marks an error message as an out-of-memory error, and where it comes from.
 ///
@@ -206,6 +247,11 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
         figures: &[],
     },
     OomPattern {
+        text: "every page size the memory tracks still holds live allocations",
+        origin: "cubecl-runtime 0.11 `IoError::PageSizesExhausted` (src/server/base.rs): \"Can't allocate N bytes: every page size ...\"; a cleanup relocates what it can",
+        figures: &[at("Can't allocate ", Figure::Requested)],
+    },
+    OomPattern {
         text: "can't allocate buffer of size: ",
         origin: "cubecl-runtime 0.11 `IoError::BufferTooBig` (src/server/base.rs): a buffer larger than the device (or cubecl's CPU storage) can give, smaller with a smaller batch",
         figures: &[at("buffer of size: ", Figure::Requested)],
@@ -229,6 +275,14 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
         text: "CUDA failure 2: out of memory",
         origin: "ONNX Runtime's CUDA execution provider (the ort crate)",
         figures: &[],
+    },
+    OomPattern {
+        text: "is smaller than requested bytes of",
+        origin: "ONNX Runtime's BFC arena with a cap (`BFCArena::AllocateRawInternal ... Available memory of A is smaller than requested bytes of R`, an arena made with `CreateArenaCfgV2`'s `max_mem`), 1.31 and 1.32 (the ort crate)",
+        figures: &[
+            at("requested bytes of ", Figure::Requested),
+            at("Available memory of ", Figure::Free),
+        ],
     },
     OomPattern {
         text: "Failed to allocate memory for requested buffer",
@@ -566,9 +620,18 @@ fn matched_pattern(text: &str) -> Option<OomPattern> {
 fn match_patterns(text: &str) -> Option<OomMatch> {
     matched_pattern(text).map(|pattern| OomMatch {
         kind: OomKind::Pattern(pattern),
-        description: truncate(text),
+        description: truncate(matched_line(text)),
         requested: read_figures(pattern.figures, text).requested,
     })
+}
+
+/// The line of `text` that says what ran out: the first line that matches a pattern by itself
+/// (burn's "An error happened during execution" puts the cause lines below), else the first.
+fn matched_line(text: &str) -> &str {
+    text.lines()
+        .find(|line| matched_pattern(line).is_some())
+        .map(str::trim)
+        .unwrap_or(text)
 }
 
 fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>)> {
@@ -800,6 +863,51 @@ mod tests {
             Some(4096)
         );
         assert_eq!(requested("CUDA error: out of memory"), None);
+    }
+
+    #[test]
+    fn onnx_runtime_capped_arena() {
+        // ONNX Runtime 1.32's text, as the ort crate returns it (real-allocators/tests/ort_cpu.rs).
+        let text = "Non-zero status code returned while running MatMul node. Name:'matmul' \
+                    Status Message: /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:359 \
+                    void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) \
+                    Available memory of 234881024 is smaller than requested bytes of 268435456";
+        assert_eq!(
+            classify_text(text).map(|found| found.requested),
+            Some(Some(268_435_456))
+        );
+        let read = figures(text);
+        assert_eq!(
+            (read.requested, read.free),
+            (Some(268_435_456), Some(234_881_024))
+        );
+        let uncapped = "Failed to allocate memory for requested buffer of size 268435456";
+        assert_eq!(
+            classify_text(uncapped).map(|found| found.requested),
+            Some(Some(268_435_456))
+        );
+    }
+
+    #[test]
+    fn describes_the_line_that_says_what_ran_out() {
+        // burn 0.22's ExecutionError wraps cubecl's IoError below its own first line.
+        let burn = "An error happened during execution\nCaused by:\n  out of device memory allocating 4096 bytes\n   0: backtrace";
+        let found = classify_text(burn).map(|found| (found.description, found.requested));
+        assert_eq!(
+            found,
+            Some((
+                "out of device memory allocating 4096 bytes".to_owned(),
+                Some(4096)
+            ))
+        );
+        let pages = "Can't allocate 8192 bytes: every page size the memory tracks still holds live allocations\n";
+        assert_eq!(
+            classify_text(pages).map(|found| found.requested),
+            Some(Some(8192))
+        );
+        // The lost handle alone is not out-of-memory: only a device thread's panic says so.
+        let lost = "An error happened during execution\nCaused by:\n  couldn't find resource for that handle: Memory location was never initialized";
+        assert!(classify_text(lost).is_none());
     }
 
     #[test]

@@ -20,14 +20,23 @@
 //! - **Per thread.** The filter keeps a panic quiet only on a thread inside an attempt or a
 //!   quiet read, and only as that section says: everything during a quiet read; during an
 //!   attempt, what the attempt's judge recognises (out-of-memory). Other threads' panics pass.
+//! - **Other threads' out-of-memory counts.** A framework may run out of memory on a thread of
+//!   its own: burn's wgpu backend panics "wgpu error: Out of Memory" on cubecl's device thread
+//!   (`DSD-*`), which swallows the panic, and the attempt's thread gets an unrelated error ("couldn't
+//!   find resource for that handle"). The hook is the only code that sees that panic, and it sees
+//!   the panicking thread, not the attempt: so an out-of-memory panic on a thread that runs no
+//!   attempt is counted process-wide ([`SideWatch`]), and every attempt in flight while it happened
+//!   that then fails counts the failure as out-of-memory (with ranks as threads, each rank's
+//!   failed attempt: conservative, a smaller size for a rank that failed for another reason). It is
+//!   kept quiet while an attempt runs, as on the attempt's own thread.
 //! - **Reading is no side effect.** Outside any search (`oom::is_out_of_memory` called by you),
 //!   a quiet read puts a filter in front for the read alone and puts your very hook back after.
 
 use std::any::Any;
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe, PanicHookInfo};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 /// A panic hook, as `std::panic::set_hook` takes it.
 type Hook = Box<dyn Fn(&PanicHookInfo<'_>) + Sync + Send + 'static>;
@@ -42,6 +51,9 @@ struct Quiet {
     reading: usize,
     /// The innermost running attempt's judge.
     attempt: Option<Judge>,
+    /// [`SIDE_OOMS`] when that attempt began: a panic of the attempt after another thread ran
+    /// out of memory is that out-of-memory's consequence, kept quiet as it is.
+    side_seen: u64,
 }
 
 thread_local! {
@@ -49,8 +61,144 @@ thread_local! {
         Cell::new(Quiet {
             reading: 0,
             attempt: None,
+            side_seen: 0,
         })
     };
+}
+
+/// Attempts running now, on every thread: another thread's out-of-memory panic is kept quiet
+/// only while one runs.
+static ATTEMPTS_RUNNING: AtomicUsize = AtomicUsize::new(0);
+
+/// How the panics of threads that run no attempt are read, given by the first attempt: the
+/// classification lives above this module, which must not import it.
+#[derive(Clone, Copy)]
+pub(crate) struct SideRules {
+    /// The line of a panic that says what ran out, if it is an out-of-memory panic.
+    pub(crate) out_of_memory: fn(&(dyn Any + Send)) -> Option<String>,
+    /// Whether recovered out-of-memory panics are kept quiet.
+    pub(crate) quiet: fn() -> bool,
+}
+
+static SIDE_RULES: OnceLock<SideRules> = OnceLock::new();
+
+/// Out-of-memory panics on threads that run no attempt, counted since the process started, and
+/// the latest of them. Process-wide because the hook sees the thread that panicked, not the
+/// attempt that thread worked for; one counter and one slot are all the evidence an attempt
+/// needs (did one happen since I began, and what did it say).
+static SIDE_OOMS: AtomicU64 = AtomicU64::new(0);
+static LATEST_SIDE_OOM: Mutex<Option<SideOom>> = Mutex::new(None);
+
+/// An out-of-memory panic on a thread that runs no attempt.
+#[derive(Debug, Clone)]
+struct SideOom {
+    /// The line that says what ran out.
+    line: String,
+    thread: String,
+}
+
+/// Taken when an attempt begins: whether another thread ran out of memory since then.
+///
+/// One atomic load to take it; the slot is read only when the attempt failed.
+#[derive(Debug)]
+pub(crate) struct SideWatch {
+    seen: u64,
+}
+
+impl SideWatch {
+    pub(crate) fn start() -> SideWatch {
+        SideWatch {
+            seen: SIDE_OOMS.load(Ordering::Acquire),
+        }
+    }
+
+    /// The latest out-of-memory panic of a thread that ran no attempt, raised since this watch
+    /// began, as the failed attempt's out-of-memory: described by the line that says what ran
+    /// out, with the thread and what the attempt itself then failed with.
+    pub(crate) fn out_of_memory(&self, attempt_failed_with: &str) -> Option<SideOutOfMemory> {
+        if SIDE_OOMS.load(Ordering::Acquire) == self.seen {
+            return None;
+        }
+        let latest = LATEST_SIDE_OOM
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()?;
+        let failed_with = attempt_failed_with
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim();
+        let description = format!(
+            "{} (raised on thread '{}' while the attempt ran; the attempt then failed with: {failed_with})",
+            latest.line, latest.thread
+        );
+        Some(SideOutOfMemory {
+            line: latest.line,
+            description,
+        })
+    }
+}
+
+/// Another thread's out-of-memory panic, as a failed attempt's: the line that says what ran out
+/// (for the classification to read its figures) and the description the report shows.
+#[derive(Debug)]
+pub(crate) struct SideOutOfMemory {
+    pub(crate) line: String,
+    pub(crate) description: String,
+}
+
+/// Counts an attempt as running until dropped.
+struct Running;
+
+impl Running {
+    fn begin(side: SideRules) -> Running {
+        let _ = SIDE_RULES.get_or_init(|| side);
+        ATTEMPTS_RUNNING.fetch_add(1, Ordering::AcqRel);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        ATTEMPTS_RUNNING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A panic on a thread with no section of its own: an out-of-memory one is counted (whether or
+/// not an attempt runs now: an async attempt between two polls is not counted as running) and
+/// kept quiet while an attempt runs.
+fn side_thread_panic(info: &PanicHookInfo<'_>) -> bool {
+    let Some(rules) = SIDE_RULES.get() else {
+        // No attempt has run in this process: no attempt to count it for.
+        return false;
+    };
+    let Some(line) = (rules.out_of_memory)(info.payload()) else {
+        return false;
+    };
+    let thread = std::thread::current().name().map_or_else(
+        || format!("{:?}", std::thread::current().id()),
+        str::to_owned,
+    );
+    *LATEST_SIDE_OOM
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(SideOom {
+        line: line.clone(),
+        thread: thread.clone(),
+    });
+    SIDE_OOMS.fetch_add(1, Ordering::AcqRel);
+    if ATTEMPTS_RUNNING.load(Ordering::Acquire) == 0 {
+        return false;
+    }
+    let quiet = (rules.quiet)();
+    if quiet {
+        tracing::debug!(
+            thread = %thread,
+            location = %info.location().map(ToString::to_string).unwrap_or_default(),
+            error = %line,
+            "out-of-memory panic on another thread while an attempt runs; the attempt's failure will count as out-of-memory"
+        );
+    }
+    quiet
 }
 
 /// The filter as installed, for putting the previous hook back.
@@ -202,7 +350,7 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
         return true;
     }
     let Some(judge) = quiet.attempt else {
-        return false;
+        return side_thread_panic(info);
     };
     match judge(info.payload()) {
         Some(description) => {
@@ -210,6 +358,16 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
                 location = %location(),
                 error = %description,
                 "out-of-memory panic caught; the attempt will be retried"
+            );
+            true
+        }
+        // burn's `into_data()` panics with the lost handle after its device thread ran out.
+        None if SIDE_OOMS.load(Ordering::Acquire) != quiet.side_seen
+            && SIDE_RULES.get().is_some_and(|rules| (rules.quiet)()) =>
+        {
+            tracing::debug!(
+                location = %location(),
+                "the attempt panicked after another thread ran out of memory; it will be retried"
             );
             true
         }
@@ -256,9 +414,14 @@ pub(crate) fn quietly<R>(read: impl FnOnce() -> R) -> Option<R> {
 /// recognises.
 pub(crate) fn catch_judged<R>(
     judge: Judge,
+    side: SideRules,
     attempt: impl FnOnce() -> R,
 ) -> Result<R, Box<dyn Any + Send + 'static>> {
     stay_in_front();
-    let _marked = Marked::mark(|quiet| quiet.attempt = Some(judge));
+    let _running = Running::begin(side);
+    let _marked = Marked::mark(|quiet| {
+        quiet.attempt = Some(judge);
+        quiet.side_seen = SIDE_OOMS.load(Ordering::Acquire);
+    });
     panic::catch_unwind(AssertUnwindSafe(attempt))
 }

@@ -10,7 +10,6 @@
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use crate::oom;
@@ -19,52 +18,22 @@ use crate::panic_filter;
 /// A caught panic's payload.
 pub type PanicPayload = Box<dyn Any + Send + 'static>;
 
-static QUIET_OOM_PANICS: AtomicBool = AtomicBool::new(true);
-
-/// Whether the message of an out-of-memory panic caught by the search is kept from the panic
-/// hook (`true`, the default) or printed like any panic (`false`).
-///
-/// With the default, a recovered out-of-memory panic prints nothing: the retry is logged at
-/// WARN through `tracing`, and the panic's message and location at DEBUG. Panics that are not
-/// out-of-memory always reach your hook.
-///
-/// ```
-/// use std::sync::atomic::{AtomicUsize, Ordering};
-/// use batch_size_runtime::{oom::set_quiet_oom_panics, BatchSizeSearch};
-///
-/// static PRINTED: AtomicUsize = AtomicUsize::new(0); // panics that reached the hook
-/// std::panic::set_hook(Box::new(|_| {
-///     PRINTED.fetch_add(1, Ordering::Relaxed);
-/// }));
-/// let search = || {
-///     BatchSizeSearch::new(2).call(|batch_size| {
-///         if batch_size > 1 {
-///             panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
-///         }
-///         batch_size
-///     })
-/// };
-///
-/// assert_eq!(search().unwrap(), 1);
-/// assert_eq!(PRINTED.load(Ordering::Relaxed), 0); // quiet by default
-///
-/// set_quiet_oom_panics(false); // print them, as Rust does by default
-/// assert_eq!(search().unwrap(), 1);
-/// assert_eq!(PRINTED.load(Ordering::Relaxed), 1);
-/// ```
-pub fn set_quiet_oom_panics(quiet: bool) {
-    QUIET_OOM_PANICS.store(quiet, Ordering::Relaxed);
-}
-
 /// The panic filter's judge during an attempt: an out-of-memory panic is kept quiet unless
-/// [`set_quiet_oom_panics`] said otherwise. Read at each panic, so the setting applies at once.
+/// [`set_quiet_oom_panics`](oom::set_quiet_oom_panics) said otherwise. Read at each panic, so the setting applies at once.
 fn quiet_out_of_memory(payload: &(dyn Any + Send)) -> Option<String> {
-    if !QUIET_OOM_PANICS.load(Ordering::Relaxed) {
+    if !oom::quiet_oom_panics() {
         return None;
     }
     // A formatted panic message reaches the hook as a `String`, a literal as `&str`.
     oom::classify_panic(payload).map(|found| found.description)
 }
+
+/// How the panic filter reads the panics of threads that run no attempt (cubecl's device
+/// threads): the line that says what ran out, and whether such panics are kept quiet.
+const SIDE_RULES: panic_filter::SideRules = panic_filter::SideRules {
+    out_of_memory: |payload| oom::classify_panic(payload).map(|found| found.description),
+    quiet: oom::quiet_oom_panics,
+};
 
 /// Runs `attempt`, catching a panic.
 ///
@@ -72,7 +41,7 @@ fn quiet_out_of_memory(payload: &(dyn Any + Send)) -> Option<String> {
 /// half-updated by the next attempt: that is why everything holding device memory belongs
 /// inside it (hence `AssertUnwindSafe`).
 pub fn catch_attempt<R>(attempt: impl FnOnce() -> R) -> Result<R, PanicPayload> {
-    panic_filter::catch_judged(quiet_out_of_memory, attempt)
+    panic_filter::catch_judged(quiet_out_of_memory, SIDE_RULES, attempt)
 }
 
 /// A future that catches a panic raised while it is polled: the async attempts' catch
@@ -99,7 +68,7 @@ impl<F: Future> Future for CatchUnwind<F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let future = self.future.as_mut();
-        match panic_filter::catch_judged(quiet_out_of_memory, || future.poll(cx)) {
+        match panic_filter::catch_judged(quiet_out_of_memory, SIDE_RULES, || future.poll(cx)) {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
             Err(payload) => Poll::Ready(Err(payload)),

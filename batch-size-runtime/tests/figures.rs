@@ -24,6 +24,8 @@ fn examples(pattern: &str) -> &'static [&'static str] {
         "NPU out of memory" => &["NPU out of memory. Tried to allocate 2.00 GiB (NPU 0; 32.00 GiB total capacity; 30.12 GiB already allocated)"],
         "MPS backend out of memory" => &["MPS backend out of memory (MPS allocated: 8.00 GB, other allocations: 1.00 MB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on private pool."],
         "Failed to allocate memory for requested buffer" => &["Failed to allocate memory for requested buffer of size 1048576"],
+        "is smaller than requested bytes of" => &["Non-zero status code returned while running MatMul node. Name:'matmul' Status Message: /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:360 void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) Available memory of 62914304 is smaller than requested bytes of 268435456"],
+        "every page size the memory tracks still holds live allocations" => &["Can't allocate 8388608 bytes: every page size the memory tracks still holds live allocations"],
         "RESOURCE_EXHAUSTED: Out of memory" => &["RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8589934592 bytes."],
         " out of memory." => &["RuntimeError: MUSA out of memory. Tried to allocate 2.00 GiB"],
         _ => &[],

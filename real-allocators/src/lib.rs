@@ -1,86 +1,185 @@
-//! A small MLP in tch on the CPU, for the runtime's tests against libtorch's real allocator:
-//! deterministic weights and data (no random generator, one intra-op thread), so that a run
-//! under an address-space limit can be compared with one without.
+//! What the tests against the frameworks' real allocators share: each scenario runs in a child
+//! process (the test binary run again with `REAL_ALLOCATORS_CHILD` set) under an address-space
+//! limit, prints `key=value` lines, and the parent checks them; the largest size that fits is
+//! found by bisection, each size in a fresh child.
 
-use tch::{Device, Kind, TchError, Tensor};
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test support: failing loudly is the point
 
-/// Input features a sample.
-pub const FEATURES: i64 = 64;
-/// Hidden units: 64 KiB of activations a sample and layer, so that memory grows with the batch.
-pub const HIDDEN: i64 = 16384;
+use std::process::Command;
 
-/// The model: `relu(x · w1) · w2`.
-#[derive(Debug)]
-pub struct Mlp {
-    pub w1: Tensor,
-    pub w2: Tensor,
+use batch_size_runtime::oom::OomKind;
+use batch_size_runtime::{Attempt, Outcome, SearchReport};
+
+/// Set in a child: which scenario it runs.
+pub const CHILD: &str = "REAL_ALLOCATORS_CHILD";
+
+/// Whether this process is a child running a scenario.
+pub fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
 }
 
-fn options() -> (Kind, Device) {
-    (Kind::Float, Device::Cpu)
+/// Sets RLIMIT_AS (what `ulimit -v` sets) for this process: allocations past it fail.
+pub fn set_address_space_limit(bytes: u64) {
+    #[repr(C)]
+    struct Rlimit {
+        current: u64,
+        max: u64,
+    }
+    extern "C" {
+        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
+    }
+    const RLIMIT_AS: std::ffi::c_int = 9; // Linux
+    let limit = Rlimit {
+        current: bytes,
+        max: u64::MAX,
+    };
+    // SAFETY: `limit` is a valid `struct rlimit` for the duration of the call.
+    assert_eq!(unsafe { setrlimit(RLIMIT_AS, &limit) }, 0);
 }
 
-/// Values in [-scale, scale] that depend only on their index.
-fn wave(count: i64, scale: f64) -> Result<Tensor, TchError> {
-    Tensor::f_arange(count, options())?
-        .f_mul_scalar(0.37)?
-        .f_sin()?
-        .f_mul_scalar(scale)
+/// The process's virtual size now (`VmSize`), in bytes.
+pub fn virtual_size() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmSize:"))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kib * 1024
 }
 
-impl Mlp {
-    /// The same weights in every process, with gradients.
-    pub fn new() -> Result<Mlp, TchError> {
-        tch::set_num_threads(1);
-        let w1 = wave(FEATURES * HIDDEN, 0.05)?
-            .f_reshape(&[FEATURES, HIDDEN])?
-            .set_requires_grad(true);
-        let w2 = wave(HIDDEN, 0.01)?
-            .f_reshape(&[HIDDEN, 1])?
-            .set_requires_grad(true);
-        Ok(Mlp { w1, w2 })
-    }
+/// Limits the address space to what it is now plus `room`: every child starts from the same
+/// room once its framework is warm.
+pub fn leave_room(room: u64) {
+    set_address_space_limit(virtual_size() + room);
+}
 
-    /// Outputs of samples `x`, through the fallible API (`f_*`: errors are returned).
-    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        x.f_mm(&self.w1)?.f_relu()?.f_mm(&self.w2)
-    }
+/// Runs `scenario` (a test of the current binary) in a child with `extra` in its environment;
+/// its stdout's `key=value` lines.
+pub fn child(scenario: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
+    let (lines, ok, stderr) = child_status(scenario, extra);
+    assert!(ok, "{scenario} failed:\n{lines:?}\n{stderr}");
+    lines
+}
 
-    /// Outputs of samples `x`, through the plain API (errors panic).
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.mm(&self.w1).relu().mm(&self.w2)
+/// [`child`], also when it fails: its lines, whether it succeeded, and its stderr.
+pub fn child_status(
+    scenario: &str,
+    extra: &[(&str, String)],
+) -> (Vec<(String, String)>, bool, String) {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
+        .env(CHILD, scenario);
+    for (key, value) in extra {
+        command.env(key, value);
     }
+    let output = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let lines = stdout
+        .lines()
+        .filter_map(|line| line.split_once('='))
+        .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
+        .collect();
+    (
+        lines,
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
 
-    /// The squared error summed over `x`'s samples, against targets `y`.
-    pub fn f_loss_sum(&self, x: &Tensor, y: &Tensor) -> Result<Tensor, TchError> {
-        self.f_forward(x)?.f_sub(y)?.f_square()?.f_sum(Kind::Float)
-    }
+/// The value of `key` in a child's lines.
+pub fn value(lines: &[(String, String)], key: &str) -> String {
+    lines
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("no {key} in {lines:?}"))
+}
 
-    /// Clears the gradients.
-    pub fn zero_grad(&mut self) {
-        for weight in [&mut self.w1, &mut self.w2] {
-            let mut grad = weight.grad();
-            if grad.defined() {
-                let _ = grad.zero_();
-            }
+/// The largest size in `1..=high` that runs in a fresh child (`one_size` scenario with
+/// `REAL_ALLOCATORS_SIZE`), by bisection; `fits(size)` says whether one child ran.
+pub fn largest_that_fits(high: usize, fits: impl Fn(usize) -> bool) -> usize {
+    let (mut ran, mut failed) = (0, high + 1);
+    while failed - ran > 1 {
+        let size = ran + (failed - ran) / 2;
+        if fits(size) {
+            ran = size;
+        } else {
+            failed = size;
         }
     }
+    ran
+}
 
-    /// The sum of w1's gradient (a scalar that changes with every sample's contribution).
-    pub fn grad_sum(&self) -> f64 {
-        self.w1.grad().sum(Kind::Double).double_value(&[])
+/// The size a search found runs in a fresh process, and is not above the largest that fits
+/// there, within 2 %: a fresh process's limit varies by a MiB or so between runs (the threads
+/// and mappings a framework starts after the limit is set), which near the edge is a sample or
+/// two.
+pub fn assert_fits(scenario: &str, found: usize, largest: usize, fits: impl Fn(usize) -> bool) {
+    assert!(
+        found <= largest + largest / 50,
+        "{scenario}: {found} above the largest that fits, {largest}"
+    );
+    assert!(
+        fits(found),
+        "{scenario}: {found} does not run in a fresh process"
+    );
+}
+
+/// Every out-of-memory attempt of `report`: recognised by the crate's own table (no rule), and
+/// what `memory_back` says of its figures after the release.
+pub fn check_failures(report: &SearchReport, memory_back: impl Fn(&Attempt)) -> usize {
+    let failures: Vec<&Attempt> = report
+        .attempts()
+        .filter(|a| a.outcome.is_out_of_memory())
+        .collect();
+    assert!(
+        !failures.is_empty(),
+        "nothing ran out of memory: {report:?}"
+    );
+    for failed in &failures {
+        let Outcome::OutOfMemory { error } = &failed.outcome else {
+            unreachable!()
+        };
+        assert!(!error.is_empty(), "{failed:?}");
+        memory_back(failed);
+    }
+    // No rule was added in these processes: every match is the crate's own.
+    assert!(!matches!(
+        batch_size_runtime::oom::classify_text("x"),
+        Some(found) if found.kind == OomKind::Rule
+    ));
+    failures.len()
+}
+
+/// The line a scenario prints about its search: size found, attempts, and each failure's text.
+pub fn print_search(label: &str, found: usize, report: &SearchReport) {
+    if std::env::var_os("REAL_ALLOCATORS_VERBOSE").is_some() {
+        for attempt in report.attempts() {
+            eprintln!(
+                "{label}: {} {:?} start {:?} end {:?} after {:?}",
+                attempt.batch_size,
+                attempt.outcome,
+                attempt.memory_at_start,
+                attempt.memory_at_end,
+                attempt.memory_after_release
+            );
+        }
+    }
+    println!("\n{label}.found={found}");
+    println!("{label}.attempts={}", report.attempts().count());
+    if let Some(Outcome::OutOfMemory { error }) = report
+        .attempts()
+        .map(|a| &a.outcome)
+        .find(|o| o.is_out_of_memory())
+    {
+        println!("{label}.error={error}");
     }
 }
 
-/// Samples `start..start + count`: inputs and targets that depend only on the sample's index.
-pub fn samples(start: i64, count: i64) -> Result<(Tensor, Tensor), TchError> {
-    let x = Tensor::f_arange_start(start * FEATURES, (start + count) * FEATURES, options())?
-        .f_mul_scalar(0.013)?
-        .f_cos()?
-        .f_reshape(&[count, FEATURES])?;
-    let y = Tensor::f_arange_start(start, start + count, options())?
-        .f_mul_scalar(0.1)?
-        .f_sin()?
-        .f_reshape(&[count, 1])?;
-    Ok((x, y))
+/// Bytes reserved but unallocated in the first device of a snapshot, where the backend says.
+pub fn reserved_unallocated(snapshot: &batch_size_runtime::memory::MemorySnapshot) -> Option<u64> {
+    let device = snapshot.devices.first()?;
+    Some(device.pool_reserved?.saturating_sub(device.pool_used?))
 }

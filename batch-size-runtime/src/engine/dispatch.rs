@@ -36,6 +36,7 @@ pub(crate) type When<'r> = Box<dyn Fn(&(dyn Error + 'static)) -> bool + Send + S
 #[derive(Clone, Copy)]
 pub struct OomRules<'a> {
     when: Option<&'a When<'a>>,
+    side_threads: Option<&'a crate::panic_filter::SideWatch>,
 }
 
 impl fmt::Debug for OomRules<'_> {
@@ -48,42 +49,69 @@ impl fmt::Debug for OomRules<'_> {
 
 impl<'a> OomRules<'a> {
     pub(crate) fn new(when: Option<&'a When<'a>>) -> Self {
-        OomRules { when }
+        OomRules {
+            when,
+            side_threads: None,
+        }
+    }
+
+    /// Also counts a failure as out-of-memory where another thread ran out while the attempt
+    /// ran (cubecl's device threads: see the panic filter).
+    pub(crate) fn with_side_threads(
+        mut self,
+        side_threads: Option<&'a crate::panic_filter::SideWatch>,
+    ) -> Self {
+        self.side_threads = side_threads;
+        self
+    }
+
+    fn side_thread_oom(&self, failed_with: impl FnOnce() -> String) -> Option<OomMatch> {
+        let side = self.side_threads?.out_of_memory(&failed_with())?;
+        // The line was recognised on its thread: read again here for its kind and figures.
+        let mut found = oom::classify_text(&side.line)?;
+        found.description = side.description;
+        Some(found)
     }
 
     /// Whether `error` is out-of-memory, through its `source()` chain.
     pub(crate) fn classify_error(&self, error: &(dyn Error + 'static)) -> Option<OomMatch> {
-        oom::classify_error(error).or_else(|| {
-            let when = self.when?;
-            oom::chain_of(error).any(when).then(|| OomMatch {
-                kind: OomKind::Rule,
-                description: oom::describe(error),
-                requested: None,
+        oom::classify_error(error)
+            .or_else(|| {
+                let when = self.when?;
+                oom::chain_of(error).any(when).then(|| OomMatch {
+                    kind: OomKind::Rule,
+                    description: oom::describe(error),
+                    requested: None,
+                })
             })
-        })
+            .or_else(|| self.side_thread_oom(|| oom::describe(error)))
     }
 
     /// Whether a message is out-of-memory, by the same rules.
     pub(crate) fn classify_text(&self, text: &str) -> Option<OomMatch> {
-        oom::classify_text(text).or_else(|| {
-            let when = self.when?;
-            when(&TextError(text.to_owned())).then(|| OomMatch {
-                kind: OomKind::Rule,
-                description: text.lines().next().unwrap_or_default().to_owned(),
-                requested: None,
+        oom::classify_text(text)
+            .or_else(|| {
+                let when = self.when?;
+                when(&TextError(text.to_owned())).then(|| OomMatch {
+                    kind: OomKind::Rule,
+                    description: text.lines().next().unwrap_or_default().to_owned(),
+                    requested: None,
+                })
             })
-        })
+            .or_else(|| self.side_thread_oom(|| text.to_owned()))
     }
 
     /// Whether a panic's payload is out-of-memory, by the same rules.
     pub(crate) fn classify_panic(&self, payload: &(dyn std::any::Any + Send)) -> Option<OomMatch> {
-        oom::classify_panic(payload).or_else(|| {
-            let text = payload
+        let text = || {
+            payload
                 .downcast_ref::<&'static str>()
                 .copied()
-                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))?;
-            self.classify_text(text)
-        })
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        };
+        oom::classify_panic(payload)
+            .or_else(|| self.classify_text(text()?))
+            .or_else(|| self.side_thread_oom(|| text().unwrap_or("a panic").to_owned()))
     }
 }
 

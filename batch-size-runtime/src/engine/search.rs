@@ -55,6 +55,8 @@ struct Running {
     memory_at_start: Option<MemorySnapshot>,
     /// The remedies in force, where a policy applies any.
     settings: Option<String>,
+    /// Out-of-memory panics on the framework's own threads since the attempt began.
+    side_threads: crate::panic_filter::SideWatch,
 }
 
 /// One search in progress: [`begin`](Self::begin) an attempt, then report how it ended with
@@ -248,6 +250,7 @@ impl Search<'_> {
                     started_by_clock: self.clock_now(),
                     memory_at_start,
                     settings: self.policy.settings(),
+                    side_threads: crate::panic_filter::SideWatch::start(),
                 });
                 Ok(batch_size)
             }
@@ -518,6 +521,7 @@ impl Search<'_> {
     /// [`when`](super::BatchSizeSearch::when).
     pub(crate) fn rules(&self) -> OomRules<'_> {
         OomRules::new(self.hooks.as_ref().and_then(|hooks| hooks.when.as_ref()))
+            .with_side_threads(self.running.as_ref().map(|running| &running.side_threads))
     }
 
     /// The attempt ran out of memory: record it, release memory, pick the next size.

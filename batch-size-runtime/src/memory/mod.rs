@@ -27,11 +27,18 @@
 //! assert_eq!(failed.memory_after_release.as_ref().unwrap().free(), 1000);
 //! ```
 
+#[cfg(feature = "burn")]
+mod burn;
 mod cuda;
 mod host;
+#[cfg(feature = "ort")]
+mod ort;
 pub(crate) mod out_of_memory;
 pub(crate) mod release;
 mod simulated;
+mod tch;
+#[cfg(feature = "wgpu")]
+mod wgpu;
 
 use std::fmt;
 
@@ -40,6 +47,13 @@ pub use host::{HostLimit, HostLimitKind, HostMemory};
 pub(crate) use out_of_memory::OutOfMemory;
 pub(crate) use release::Release;
 pub use simulated::{SimAllocation, SimulatedDevice};
+
+#[cfg(feature = "burn")]
+pub use self::burn::BurnMemory;
+#[cfg(feature = "ort")]
+pub use self::ort::OrtArena;
+#[cfg(feature = "wgpu")]
+pub use self::wgpu::WgpuMemory;
 
 /// A byte count that displays itself the way PyTorch's OOM message does (`2.22 GiB`).
 ///

@@ -10,7 +10,7 @@ use std::process::Command;
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, BatchSizeSearch, Chunked};
 use batch_size_runtime::{EffectiveBatch, SearchReport};
-use real_allocators::{samples, Mlp};
+use real_allocators_tch::{samples, Mlp};
 
 /// Which scenario a re-executed test binary runs, under the limit.
 const CHILD: &str = "REAL_ALLOCATORS_CHILD";

@@ -5,7 +5,7 @@
 
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report};
-use real_allocators::{samples, Mlp};
+use real_allocators_tch::{samples, Mlp};
 
 /// Sets RLIMIT_AS (what `ulimit -v` sets) for this process: allocations past it fail.
 fn limit_address_space(bytes: u64) -> std::io::Result<()> {

@@ -1,0 +1,243 @@
+//! burn 0.22.1's wgpu backend on Mesa's software Vulkan driver (llvmpipe) under an address-space
+//! limit. The real out-of-memory panics on cubecl's device thread ("wgpu error: Out of Memory"),
+//! which swallows it; the caller gets "couldn't find resource for that handle" (`try_into_data`)
+//! or a panic with it (`into_data`). The attempt counts it as out-of-memory with no rule, through
+//! the attribute (both forms), `Chunked` and the `Tuner`, with burn's own figures
+//! (`Release::burn`). Each scenario runs in a child process; the size found runs again in a
+//! fresh one and is not above the largest that fits, found by bisection in fresh processes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use batch_size_runtime::Release;
+use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunked, Tuner};
+use burn::tensor::{Device, DeviceKind, Tensor};
+use real_allocators::{
+    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, leave_room,
+    print_search, reserved_unallocated, value,
+};
+
+/// f32 values a sample: 256 KiB a tensor, four tensors live in a step.
+const WIDTH: usize = 65536;
+/// Address space left once the device is up.
+const ROOM: u64 = 128 << 20;
+/// Below llvmpipe's 128 MiB buffer limit for one tensor (448 × 256 KiB). From 500, halving's
+/// 250 ran in the search's process and not in a fresh one (whose limit was 248): a size within
+/// a sample or two of the limit is decided by the process's history, not by the search.
+const STARTING: usize = 448;
+
+fn device() -> Device {
+    Device::wgpu(DeviceKind::DefaultDevice)
+}
+
+/// One step at `batch_size`, its result read back (`try_into_data`: errors returned).
+fn step(device: &Device, batch_size: usize) -> Result<f32, burn::tensor::ExecutionError> {
+    let x = Tensor::<2>::ones([batch_size, WIDTH], device);
+    let doubled = x.clone().mul_scalar(2.0);
+    let summed = doubled.clone().add(x);
+    let product = summed.mul(doubled);
+    let data = product.sum().try_into_data()?;
+    Ok(data
+        .try_to_vec::<f32>()
+        .map_or(f32::NAN, |values| values[0]))
+}
+
+/// The same step read with `into_data`, which panics on failure.
+fn step_panicking(device: &Device, batch_size: usize) -> f32 {
+    let x = Tensor::<2>::ones([batch_size, WIDTH], device);
+    let doubled = x.clone().mul_scalar(2.0);
+    let summed = doubled.clone().add(x);
+    let product = summed.mul(doubled);
+    product.sum().into_data().try_to_vec::<f32>().unwrap()[0]
+}
+
+fn release(device: &Device) -> Release {
+    if std::env::var("REAL_ALLOCATORS_FIGURES").as_deref() == Ok("none") {
+        Release::none()
+    } else {
+        Release::burn(device)
+    }
+}
+
+/// burn's counters after each release: in use back to what it was before the attempt.
+fn memory_back(failed: &Attempt) {
+    let start = &failed.memory_at_start.as_ref().unwrap().devices[0];
+    let end = failed.memory_at_end.as_ref().unwrap();
+    let after = &failed.memory_after_release.as_ref().unwrap().devices[0];
+    assert!(after.device.starts_with("burn"), "{after:?}");
+    assert!(
+        after.pool_used.unwrap() <= start.pool_used.unwrap(),
+        "in use before {start:?}, after the release {after:?}"
+    );
+    // And the driver's memory with it (llvmpipe's is the process's): burn's counters alone said
+    // "nothing in use" while the pages were still mapped, until the release synced the device.
+    assert!(
+        after.free + (16 << 20) >= start.free,
+        "free before {start:?}, after the release {after:?}"
+    );
+    println!(
+        "\nburn.reserved_unallocated={:?}->{:?}",
+        reserved_unallocated(end),
+        reserved_unallocated(failed.memory_after_release.as_ref().unwrap())
+    );
+}
+
+#[find_executable_batch_size(starting = STARTING, release = release(device))]
+fn train_result(
+    batch_size: usize,
+    device: &Device,
+) -> Result<(usize, f32), burn::tensor::ExecutionError> {
+    Ok((batch_size, step(device, batch_size)?))
+}
+
+#[find_executable_batch_size(starting = STARTING, release = release(device))]
+fn train_panicking(batch_size: usize, device: &Device) -> (usize, f32) {
+    (batch_size, step_panicking(device, batch_size))
+}
+
+fn scenario(name: &str) -> Option<Device> {
+    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
+        return None;
+    }
+    let device = device();
+    step(&device, 4).unwrap(); // kernels compiled, pools started
+    device.memory_cleanup();
+    leave_room(ROOM);
+    Some(device)
+}
+
+#[test]
+fn attribute_result() {
+    let Some(device) = scenario("attribute_result") else {
+        return;
+    };
+    let (found, _) = train_result(&device).unwrap();
+    let report = last_report().unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(&report, memory_back);
+    }
+    print_search("result", found, &report);
+}
+
+#[test]
+fn attribute_panicking() {
+    let Some(device) = scenario("attribute_panicking") else {
+        return;
+    };
+    let (found, _) = train_panicking(&device);
+    let report = last_report().unwrap();
+    check_failures(&report, memory_back);
+    print_search("panicking", found, &report);
+}
+
+#[test]
+fn chunked() {
+    let Some(device) = scenario("chunked") else {
+        return;
+    };
+    let mut done = 0;
+    let ran = Chunked::new(1024)
+        .with_starting(STARTING)
+        .with_release(release(&device))
+        .for_each(|range| -> anyhow::Result<()> {
+            step(&device, range.len())?;
+            done += range.len();
+            Ok(())
+        });
+    if let Err(error) = ran {
+        for attempt in last_report().unwrap().attempts() {
+            eprintln!(
+                "{} {:?} {:?}",
+                attempt.batch_size, attempt.outcome, attempt.memory_after_release
+            );
+        }
+        panic!("{error}");
+    }
+    assert_eq!(done, 1024);
+    let report = last_report().unwrap();
+    check_failures(&report, memory_back);
+    let largest = report
+        .attempts()
+        .filter(|a| a.outcome.is_success())
+        .map(|a| a.batch_size)
+        .max()
+        .unwrap();
+    print_search("chunked", largest, &report);
+}
+
+#[test]
+fn tuner() {
+    let Some(device) = scenario("tuner") else {
+        return;
+    };
+    let tuned = Tuner::new()
+        .with_max(STARTING)
+        .with_release(release(&device))
+        .run(|batch_size| anyhow::Ok(step(&device, batch_size)?))
+        .unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(tuned.report(), memory_back);
+    }
+    print_search("tuner", tuned.batch_size(), tuned.report());
+}
+
+#[test]
+fn one_size() {
+    let Some(device) = scenario("one_size") else {
+        return;
+    };
+    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap();
+    step(&device, size).unwrap();
+}
+
+/// Every scenario, its size against the largest that fits, beside halving's (no figures).
+#[test]
+fn burn_on_llvmpipe() {
+    if is_child() {
+        return;
+    }
+    if !std::path::Path::new("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json").exists() {
+        eprintln!("burn_on_llvmpipe: skipped, no llvmpipe (apt-get install mesa-vulkan-drivers)");
+        return;
+    }
+    let fits =
+        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let largest = largest_that_fits(STARTING, fits);
+    println!("burn: the largest size that fits in a fresh process: {largest}");
+    assert!(largest > 8 && largest < STARTING, "{largest}");
+    for (scenario, label) in [
+        ("attribute_result", "result"),
+        ("attribute_panicking", "panicking"),
+        ("chunked", "chunked"),
+        ("tuner", "tuner"),
+    ] {
+        let (lines, ran, stderr) = child_status(scenario, &[]);
+        assert!(ran, "{scenario} failed:\n{lines:?}\n{stderr}");
+        // The device thread's panic is kept quiet inside the attempt.
+        assert!(
+            !stderr.contains("panicked"),
+            "{scenario} printed a panic:\n{stderr}"
+        );
+        let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+        let attempts = value(&lines, &format!("{label}.attempts"));
+        assert_fits(scenario, found, largest, fits);
+        let halving = if scenario == "attribute_result" || scenario == "tuner" {
+            let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
+            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+            format!(
+                "; without figures {found} ({:.3}) in {} attempts",
+                found as f64 / largest as f64,
+                value(&lines, &format!("{label}.attempts"))
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "burn {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
+            found as f64 / largest as f64,
+            value(&lines, &format!("{label}.error"))
+        );
+    }
+}

@@ -1,0 +1,249 @@
+//! ONNX Runtime (the PyPI wheel's `libonnxruntime.so`, through the `ort` crate's `load-dynamic`
+//! and `ORT_DYLIB_PATH`) with its CPU arena capped (`CreateArenaCfgV2`'s `max_mem`, registered
+//! on the environment): "BFCArena::AllocateRawInternal ... Available memory of A is smaller than
+//! requested bytes of R" recognised with no rule, its figures read, the arena shrunk after each
+//! failure (`Release::ort`), through the attribute, `Chunked` and the `Tuner`. ONNX Runtime has
+//! no panicking API. Each scenario runs in a child process; the size found runs again in a fresh
+//! one and is not above the largest that fits, found by bisection in fresh processes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use std::ptr;
+use std::sync::{Arc, Mutex};
+
+use batch_size_runtime::Release;
+use batch_size_runtime::oom::{self, OomKind};
+use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunked, Tuner};
+use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::Session;
+use ort::value::Tensor;
+use ort::AsPointer;
+use real_allocators::{
+    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, print_search,
+    reserved_unallocated, value,
+};
+
+/// The arena's cap: some hundreds of samples (128 KiB each in the model's two intermediates).
+const CAP: usize = 64 << 20;
+const STARTING: usize = 4096;
+const MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/mlp.onnx");
+
+/// A session of `models/mlp.onnx` on an environment whose CPU arena is capped at `CAP`.
+fn session() -> Arc<Mutex<Session>> {
+    let environment = ort::init().with_name("real-allocators").build().unwrap();
+    let api = ort::api();
+    // Regions of the size asked for (`kSameAsRequested`), not the next power of two: with the
+    // default, a warm arena runs sizes that a fresh one cannot (its regions' history decides).
+    let keys = [c"max_mem".as_ptr(), c"arena_extend_strategy".as_ptr()];
+    let values = [CAP, 1];
+    let mut config = ptr::null_mut();
+    // SAFETY: two keys and two values, valid for the call; `config` receives an arena config.
+    let status = unsafe { (api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), 2, &mut config) };
+    assert!(status.0.is_null());
+    let info = MemoryInfo::new(
+        AllocationDevice::CPU,
+        0,
+        AllocatorType::Arena,
+        MemoryType::Default,
+    )
+    .unwrap();
+    // SAFETY: the environment, memory info and config are live; ONNX Runtime copies the config.
+    let status = unsafe {
+        (api.CreateAndRegisterAllocator)(environment.ptr().cast_mut(), info.ptr(), config)
+    };
+    assert!(status.0.is_null());
+    // SAFETY: the config made above, no longer used.
+    unsafe { (api.ReleaseArenaCfg)(config) };
+    let session = Session::builder(&environment)
+        .unwrap()
+        .with_intra_threads(1)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_config_entry("session.use_env_allocators", "1")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .commit_from_file(MODEL)
+        .unwrap();
+    std::mem::forget(environment); // one per process, for its whole life
+    Arc::new(Mutex::new(session))
+}
+
+/// The model on `batch_size` samples of ones: the sum of its outputs.
+fn infer(session: &Mutex<Session>, batch_size: usize) -> ort::Result<f32> {
+    let x = Tensor::from_array(([batch_size, 64], vec![1.0f32; batch_size * 64]))?;
+    let mut session = session.lock().unwrap();
+    let outputs = session.run(ort::inputs!["x" => x])?;
+    let (_, y) = outputs["y"].try_extract_tensor::<f32>()?;
+    Ok(y.iter().sum())
+}
+
+fn release(session: &Arc<Mutex<Session>>) -> Release {
+    if std::env::var("REAL_ALLOCATORS_FIGURES").as_deref() == Ok("none") {
+        Release::none()
+    } else {
+        Release::ort(session)
+    }
+}
+
+/// The arena's counters after each release: what it holds back to at most what it held before
+/// the attempt, and the failure read with its figures.
+fn memory_back(failed: &Attempt) {
+    let start = &failed.memory_at_start.as_ref().unwrap().devices[0];
+    let end = failed.memory_at_end.as_ref().unwrap();
+    let after = &failed.memory_after_release.as_ref().unwrap().devices[0];
+    assert_eq!(after.device, "onnxruntime:cpu");
+    assert_eq!(after.total, CAP as u64, "the arena's Limit");
+    assert!(
+        after.pool_reserved.unwrap() <= start.pool_reserved.unwrap().max(8 << 20),
+        "reserved before {start:?}, after the release {after:?}"
+    );
+    assert!(
+        failed.requested.is_some_and(|bytes| bytes > 0),
+        "{failed:?}"
+    );
+    println!(
+        "\nort.reserved_unallocated={:?}->{:?}",
+        reserved_unallocated(end),
+        reserved_unallocated(failed.memory_after_release.as_ref().unwrap())
+    );
+}
+
+#[find_executable_batch_size(starting = STARTING, release = release(session))]
+fn train_result(batch_size: usize, session: &Arc<Mutex<Session>>) -> ort::Result<(usize, f32)> {
+    Ok((batch_size, infer(session, batch_size)?))
+}
+
+fn scenario(name: &str) -> Option<Arc<Mutex<Session>>> {
+    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
+        return None;
+    }
+    Some(session())
+}
+
+#[test]
+fn attribute_result() {
+    let Some(session) = scenario("attribute_result") else {
+        return;
+    };
+    let (found, _) = train_result(&session).unwrap();
+    let report = last_report().unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(&report, memory_back);
+    }
+    print_search("result", found, &report);
+}
+
+#[test]
+fn chunked() {
+    let Some(session) = scenario("chunked") else {
+        return;
+    };
+    let outputs = Chunked::new(8192)
+        .with_starting(STARTING)
+        .with_release(release(&session))
+        .run(|range| -> anyhow::Result<Vec<f32>> {
+            let sum = infer(&session, range.len())?;
+            Ok(vec![sum / range.len() as f32; range.len()])
+        })
+        .unwrap();
+    assert_eq!(outputs.len(), 8192);
+    let report = last_report().unwrap();
+    check_failures(&report, memory_back);
+    let largest = report
+        .attempts()
+        .filter(|a| a.outcome.is_success())
+        .map(|a| a.batch_size)
+        .max()
+        .unwrap();
+    print_search("chunked", largest, &report);
+}
+
+#[test]
+fn tuner() {
+    let Some(session) = scenario("tuner") else {
+        return;
+    };
+    let tuned = Tuner::new()
+        .with_max(STARTING)
+        .with_release(release(&session))
+        .run(|batch_size| anyhow::Ok(infer(&session, batch_size)?))
+        .unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(tuned.report(), memory_back);
+    }
+    print_search("tuner", tuned.batch_size(), tuned.report());
+}
+
+#[test]
+fn one_size() {
+    let Some(session) = scenario("one_size") else {
+        return;
+    };
+    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap();
+    infer(&session, size).unwrap();
+}
+
+/// The capped arena's message, as ONNX Runtime writes it, recognised by the table.
+#[test]
+fn capped_arena_message() {
+    let Some(session) = scenario("capped_arena_message") else {
+        return;
+    };
+    let error = infer(&session, STARTING).unwrap_err();
+    let found = oom::classify_error(&error).unwrap();
+    assert!(
+        matches!(found.kind, OomKind::Pattern(pattern) if pattern.text == "is smaller than requested bytes of"),
+        "{found:?}"
+    );
+    let figures = oom::figures(&error.to_string());
+    assert!(
+        figures.requested.is_some() && figures.free.is_some(),
+        "{figures:?}"
+    );
+    println!("\nmessage={found:?}");
+}
+
+/// Every scenario, its size against the largest that fits, beside halving's (no figures).
+#[test]
+fn onnx_runtime_capped_arena() {
+    if is_child() {
+        return;
+    }
+    if std::env::var_os("ORT_DYLIB_PATH").is_none() {
+        eprintln!("onnx_runtime_capped_arena: skipped, ORT_DYLIB_PATH is not set (pip install onnxruntime)");
+        return;
+    }
+    child("capped_arena_message", &[]);
+    let fits =
+        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let largest = largest_that_fits(STARTING, fits);
+    println!("ort: the largest size that fits in a fresh process: {largest}");
+    assert!(largest > 8 && largest < STARTING, "{largest}");
+    for (scenario, label) in [
+        ("attribute_result", "result"),
+        ("chunked", "chunked"),
+        ("tuner", "tuner"),
+    ] {
+        let lines = child(scenario, &[]);
+        let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+        let attempts = value(&lines, &format!("{label}.attempts"));
+        assert_fits(scenario, found, largest, fits);
+        let halving = if scenario == "attribute_result" || scenario == "tuner" {
+            let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
+            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+            format!(
+                "; without figures {found} ({:.3}) in {} attempts",
+                found as f64 / largest as f64,
+                value(&lines, &format!("{label}.attempts"))
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "ort {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
+            found as f64 / largest as f64,
+            value(&lines, &format!("{label}.error"))
+        );
+    }
+}

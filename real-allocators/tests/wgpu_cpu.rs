@@ -1,0 +1,257 @@
+//! wgpu 30 on Mesa's software Vulkan driver (llvmpipe) under an address-space limit:
+//! `vkAllocateMemory` fails, wgpu says `Error::OutOfMemory` (an error scope's `Result`) or
+//! panics "wgpu error: Out of Memory" (the default handler), and the search recovers through
+//! the attribute (both forms), `Chunked` and the `Tuner`, with wgpu's own figures
+//! (`Release::wgpu`). Each scenario runs in a child process; the size found runs again in a
+//! fresh one and is not above the largest that fits, found by bisection in fresh processes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use batch_size_runtime::Release;
+use batch_size_runtime::{find_executable_batch_size, last_report, Chunked, Tuner};
+use real_allocators::{
+    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, leave_room,
+    print_search, value,
+};
+
+/// Bytes a sample holds on the device: one buffer each.
+const SAMPLE: u64 = 1 << 20;
+/// Address space left once the device is up: a few hundred samples.
+const ROOM: u64 = 256 << 20;
+const STARTING: usize = 1024;
+
+/// llvmpipe's device, with a small block size (`MemoryHints::MemoryUsage`) so that memory
+/// follows the batch closely; `None` where no Vulkan driver is installed.
+fn device() -> Option<(wgpu::Device, wgpu::Queue)> {
+    let mut descriptor = wgpu::InstanceDescriptor::new_without_display_handle();
+    descriptor.backends = wgpu::Backends::VULKAN;
+    let instance = wgpu::Instance::new(descriptor);
+    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+        force_fallback_adapter: false,
+        ..Default::default()
+    }))
+    .ok()?;
+    let device = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        memory_hints: wgpu::MemoryHints::MemoryUsage,
+        ..Default::default()
+    }))
+    .ok()?;
+    Some(device)
+}
+
+/// A buffer per sample: with no error scope, wgpu's default handler panics on out-of-memory.
+fn allocate(device: &wgpu::Device, batch_size: usize) -> Vec<wgpu::Buffer> {
+    (0..batch_size)
+        .map(|_| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("sample"),
+                size: SAMPLE,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })
+        .collect()
+}
+
+/// Writes every buffer of a step (kept until the step ends).
+fn write(queue: &wgpu::Queue, buffers: &[wgpu::Buffer]) -> usize {
+    for buffer in buffers {
+        queue.write_buffer(buffer, 0, &[1u8; 256]);
+    }
+    queue.submit([]);
+    buffers.len()
+}
+
+/// One step at `batch_size`, panicking on out-of-memory.
+fn step(device: &wgpu::Device, queue: &wgpu::Queue, batch_size: usize) -> usize {
+    write(queue, &allocate(device, batch_size))
+}
+
+/// The step with an error scope: wgpu's `Error::OutOfMemory` returned (a buffer that failed
+/// is invalid: nothing is written before the scope says all were made).
+fn step_in_scope(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    batch_size: usize,
+) -> Result<usize, wgpu::Error> {
+    let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    let buffers = allocate(device, batch_size);
+    if let Some(error) = pollster::block_on(scope.pop()) {
+        return Err(error);
+    }
+    Ok(write(queue, &buffers))
+}
+
+fn release(device: &wgpu::Device) -> Release {
+    if std::env::var("REAL_ALLOCATORS_FIGURES").as_deref() == Ok("none") {
+        Release::none()
+    } else {
+        Release::wgpu(device)
+    }
+}
+
+/// wgpu's counters after each release: nothing allocated beyond what was before the attempt.
+fn memory_back(failed: &batch_size_runtime::Attempt) {
+    let start = &failed.memory_at_start.as_ref().unwrap().devices[0];
+    let after = &failed.memory_after_release.as_ref().unwrap().devices[0];
+    assert!(after.device.starts_with("wgpu"), "{after:?}");
+    assert!(
+        after.pool_used.unwrap() <= start.pool_used.unwrap(),
+        "allocated before {start:?}, after the release {after:?}"
+    );
+    // And the driver's memory with it (llvmpipe's is the process's): burn's counters alone said
+    // "nothing in use" while the pages were still mapped, until the release synced the device.
+    assert!(
+        after.free + (16 << 20) >= start.free,
+        "free before {start:?}, after the release {after:?}"
+    );
+}
+
+#[find_executable_batch_size(starting = STARTING, release = release(device))]
+fn train_result(
+    batch_size: usize,
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+) -> Result<usize, wgpu::Error> {
+    step_in_scope(device, queue, batch_size)
+}
+
+#[find_executable_batch_size(starting = STARTING, release = release(device))]
+fn train_panicking(batch_size: usize, device: &wgpu::Device, queue: &wgpu::Queue) -> usize {
+    step(device, queue, batch_size) // the default handler panics on out-of-memory
+}
+
+fn scenario(name: &str) -> Option<(wgpu::Device, wgpu::Queue)> {
+    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
+        return None;
+    }
+    let (device, queue) = device().expect("no Vulkan adapter");
+    // Warm: the driver's first allocations and pipelines made before the limit.
+    step(&device, &queue, 4);
+    leave_room(ROOM);
+    Some((device, queue))
+}
+
+#[test]
+fn attribute_result() {
+    let Some((device, queue)) = scenario("attribute_result") else {
+        return;
+    };
+    let found = train_result(&device, &queue).unwrap();
+    let report = last_report().unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(&report, memory_back);
+    }
+    print_search("result", found, &report);
+}
+
+#[test]
+fn attribute_panicking() {
+    let Some((device, queue)) = scenario("attribute_panicking") else {
+        return;
+    };
+    let found = train_panicking(&device, &queue);
+    let report = last_report().unwrap();
+    check_failures(&report, memory_back);
+    print_search("panicking", found, &report);
+}
+
+#[test]
+fn chunked() {
+    let Some((device, queue)) = scenario("chunked") else {
+        return;
+    };
+    let mut done = 0;
+    Chunked::new(2048)
+        .with_starting(STARTING)
+        .with_release(release(&device))
+        .for_each(|range| -> anyhow::Result<()> {
+            done += step_in_scope(&device, &queue, range.len())?;
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(done, 2048);
+    let report = last_report().unwrap();
+    check_failures(&report, memory_back);
+    let largest = report
+        .attempts()
+        .filter(|a| a.outcome.is_success())
+        .map(|a| a.batch_size)
+        .max()
+        .unwrap();
+    print_search("chunked", largest, &report);
+}
+
+#[test]
+fn tuner() {
+    let Some((device, queue)) = scenario("tuner") else {
+        return;
+    };
+    let tuned = Tuner::new()
+        .with_max(STARTING)
+        .with_release(release(&device))
+        .run(|batch_size| anyhow::Ok(step_in_scope(&device, &queue, batch_size)?))
+        .unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(tuned.report(), memory_back);
+    }
+    print_search("tuner", tuned.batch_size(), tuned.report());
+}
+
+#[test]
+fn one_size() {
+    let Some((device, queue)) = scenario("one_size") else {
+        return;
+    };
+    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap();
+    step_in_scope(&device, &queue, size).unwrap();
+}
+
+/// Every scenario, its size against the largest that fits, beside halving's (no figures).
+#[test]
+fn wgpu_on_llvmpipe() {
+    if is_child() {
+        return;
+    }
+    if device().is_none() {
+        eprintln!(
+            "wgpu_on_llvmpipe: skipped, no Vulkan adapter (apt-get install mesa-vulkan-drivers)"
+        );
+        return;
+    }
+    let fits =
+        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let largest = largest_that_fits(STARTING, fits);
+    println!("wgpu: the largest size that fits in a fresh process: {largest}");
+    assert!(largest > 8 && largest < STARTING, "{largest}");
+    for (scenario, label) in [
+        ("attribute_result", "result"),
+        ("attribute_panicking", "panicking"),
+        ("chunked", "chunked"),
+        ("tuner", "tuner"),
+    ] {
+        let lines = child(scenario, &[]);
+        let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+        let attempts = value(&lines, &format!("{label}.attempts"));
+        assert_fits(scenario, found, largest, fits);
+        let halving = if scenario == "attribute_result" || scenario == "tuner" {
+            let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
+            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+            format!(
+                "; without figures {found} ({:.3}) in {} attempts",
+                found as f64 / largest as f64,
+                value(&lines, &format!("{label}.attempts"))
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "wgpu {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
+            found as f64 / largest as f64,
+            value(&lines, &format!("{label}.error"))
+        );
+    }
+}
