@@ -29,6 +29,8 @@
 
 #[cfg(feature = "burn")]
 mod burn;
+#[cfg(feature = "burn")]
+mod burn_dry_run;
 mod cuda;
 mod host;
 #[cfg(feature = "ort")]
@@ -45,6 +47,8 @@ pub use host::{HostLimit, HostLimitKind, HostMemory};
 
 #[cfg(feature = "burn")]
 pub use self::burn::BurnMemory;
+#[cfg(feature = "burn")]
+pub use self::burn_dry_run::BurnDryRun;
 #[cfg(feature = "ort")]
 pub use self::ort::OrtArena;
 #[cfg(feature = "wgpu")]

@@ -16,8 +16,11 @@ use crate::memory::Release;
 use crate::record::SearchReport;
 
 // One concept a file: the search (a size policy) and what the trials measure of speed.
+mod dry_run;
 mod search;
 mod throughput;
+
+pub use dry_run::{DryRun, DrySizing};
 
 use search::{kept_size, largest_below_failures, TunerPolicy};
 use throughput::{fastest, Shared};
@@ -106,6 +109,7 @@ pub struct Tuner {
     choice: Choice,
     tolerance: f64,
     clock: Option<Clock>,
+    dry_run: Option<Box<dyn DryRun>>,
 }
 
 type Clock = Box<dyn FnMut() -> Duration + Send>;
@@ -122,6 +126,7 @@ impl std::fmt::Debug for Tuner {
             .field("choice", &self.choice)
             .field("tolerance", &self.tolerance)
             .field("clock", &self.clock.as_ref().map(|_| "custom"))
+            .field("dry_run", &self.dry_run)
             .finish()
     }
 }
@@ -290,7 +295,38 @@ impl Tuner {
             choice: Choice::Largest,
             tolerance: 0.02,
             clock: None,
+            dry_run: None,
         }
+    }
+
+    /// Sizes from dry runs first ([`DryRun`]; for burn, [`BurnDryRun`](crate::memory::BurnDryRun)):
+    /// the trial runs under the framework's dry run at two or three sizes, increasing, a line
+    /// through their peaks gives the largest size that fits the device, the margin is taken
+    /// off, and one real trial confirms that size. Where it runs out of memory, the ordinary
+    /// search runs below it; where the dry runs give no size (the trial failed under one,
+    /// its memory does not grow), the ordinary search runs. Only for [`Choice::Largest`].
+    ///
+    /// A trial measured this way must be driven by shapes: values read back under a dry run
+    /// are garbage, so a trial that branches on them measures another step than the one that
+    /// runs.
+    ///
+    /// ```
+    /// # use batch_size_runtime::Tuner;
+    /// # use batch_size_runtime::runners::tuner::DryRun;
+    /// // A framework whose dry run says 1 MiB a sample, on a device of 100 MiB.
+    /// #[derive(Debug)]
+    /// struct Paper;
+    /// impl DryRun for Paper {
+    ///     fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> { step(); None }
+    ///     fn budget(&self) -> Option<u64> { Some(100 << 20) }
+    /// }
+    /// let tuned = Tuner::new().with_dry_run(Paper).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert!(tuned.report().len() >= 1); // no figures from the dry run: the ordinary search
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_dry_run(mut self, dry_run: impl DryRun + 'static) -> Self {
+        self.dry_run = Some(Box::new(dry_run));
+        self
     }
 
     /// Remembers the tuned size under `key` (see [`cache`](crate::cache)): a rerun with the
@@ -475,10 +511,30 @@ impl Tuner {
             tolerance,
             Arc::clone(&shared),
         );
-        let mut search = BatchSizeSearch::new(min)
+        let sizing = match (&self.dry_run, self.choice) {
+            (Some(dry_run), Choice::Largest) => {
+                dry_run::dry_sizing(dry_run.as_ref(), &mut trial, min, self.max, margin)
+            }
+            _ => None,
+        };
+        let search = BatchSizeSearch::new(min)
             .with_label("tuner")
-            .with_min(self.min)
-            .with_policy(policy);
+            .with_min(self.min);
+        let mut search = match sizing {
+            Some(sizing) => {
+                let below = TunerPolicy::new(
+                    min,
+                    Some(sizing.batch_size.saturating_sub(1).max(min)),
+                    margin,
+                    self.max_trials,
+                    self.choice,
+                    tolerance,
+                    Arc::clone(&shared),
+                );
+                search.with_policy(dry_run::DryRunPolicy::new(sizing, below, min))
+            }
+            None => search.with_policy(policy),
+        };
         if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
             search.invalidate(format!(
                 "`margin` must be at least 0 and below 1, got {margin}"
