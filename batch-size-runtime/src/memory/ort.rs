@@ -66,9 +66,7 @@ impl OrtArena {
                 MemoryType::Default,
             )
             .and_then(|info| Allocator::new(&session, info))
-            .map_err(
-                |error| tracing::debug!(%error, "no CPU allocator for the session: no figures"),
-            )
+            .map_err(|error| tracing::debug!(%error, "no CPU allocator for the session: no figures"))
             .ok()
         };
         OrtArena {
@@ -80,10 +78,7 @@ impl OrtArena {
     }
 
     fn stats(&self) -> Option<Stats> {
-        let allocator = self
-            .allocator
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let allocator = self.allocator.lock().unwrap_or_else(PoisonError::into_inner);
         let allocator = allocator.as_ref()?;
         let api = ort::api();
         let mut pairs = ptr::null_mut();
@@ -152,9 +147,11 @@ impl MemoryBackend for OrtArena {
         let mut session = match self.session.try_lock() {
             Ok(session) => session,
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => return Err(ReleaseError::new(
-                "ONNX Runtime's arena: the session is locked outside the attempt; lock it inside",
-            )),
+            Err(TryLockError::WouldBlock) => {
+                return Err(ReleaseError::new(
+                    "ONNX Runtime's arena: the session is locked outside the attempt; lock it inside",
+                ))
+            }
         };
         let inputs = Self::zero_samples(&session)?;
         let mut options = RunOptions::new()

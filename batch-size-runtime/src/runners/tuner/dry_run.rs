@@ -306,4 +306,53 @@ mod tests {
             None
         );
     }
+
+    /// A dry run that says 1 MiB a sample where the trial takes 2: its size runs out of memory,
+    /// and the ordinary search runs below it, never above.
+    #[test]
+    fn a_size_the_dry_runs_got_wrong_falls_back_below_it() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        use std::sync::Arc;
+
+        use crate::{SimulatedDevice, Tuner};
+
+        #[derive(Debug)]
+        struct Wrong(Arc<AtomicUsize>, Arc<AtomicBool>);
+        impl DryRun for Wrong {
+            fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> {
+                self.1.store(true, Relaxed);
+                step();
+                self.1.store(false, Relaxed);
+                Some(self.0.load(Relaxed) as u64 * (1 << 20))
+            }
+            fn budget(&self) -> Option<u64> {
+                Some(1 << 30)
+            }
+        }
+        let (size, dry) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let device = SimulatedDevice::new(1 << 30);
+        let tuned = Tuner::new()
+            .with_release(device.clone())
+            .with_dry_run(Wrong(Arc::clone(&size), Arc::clone(&dry)))
+            .run(|batch_size| -> anyhow::Result<()> {
+                size.store(batch_size, Relaxed);
+                if !dry.load(Relaxed) {
+                    let _activations = device.alloc(batch_size as u64 * (2 << 20))?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        let mut attempts = tuned.report().attempts();
+        let first = attempts.next().unwrap();
+        assert_eq!(first.batch_size, 1024 * 95 / 100);
+        assert!(first.outcome.is_out_of_memory());
+        assert!(attempts.all(|a| a.batch_size < first.batch_size));
+        assert!(
+            tuned.batch_size() <= 512 && tuned.batch_size() >= 400,
+            "{tuned:?}"
+        );
+    }
 }

@@ -311,17 +311,28 @@ impl Tuner {
     /// runs.
     ///
     /// ```
-    /// # use batch_size_runtime::Tuner;
-    /// # use batch_size_runtime::runners::tuner::DryRun;
-    /// // A framework whose dry run says 1 MiB a sample, on a device of 100 MiB.
+    /// use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    /// use std::sync::Arc;
+    /// use batch_size_runtime::runners::tuner::DryRun;
+    /// use batch_size_runtime::Tuner;
+    ///
+    /// // A framework whose dry run says 100 MiB fixed and 1 MiB a sample, on 1 GiB.
     /// #[derive(Debug)]
-    /// struct Paper;
+    /// struct Paper(Arc<AtomicUsize>); // the size the step last ran at
     /// impl DryRun for Paper {
-    ///     fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> { step(); None }
-    ///     fn budget(&self) -> Option<u64> { Some(100 << 20) }
+    ///     fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> {
+    ///         step();
+    ///         Some((100 << 20) + self.0.load(Relaxed) as u64 * (1 << 20))
+    ///     }
+    ///     fn budget(&self) -> Option<u64> { Some(1 << 30) }
     /// }
-    /// let tuned = Tuner::new().with_dry_run(Paper).run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert!(tuned.report().len() >= 1); // no figures from the dry run: the ordinary search
+    /// let size = Arc::new(AtomicUsize::new(0));
+    /// let tuned = Tuner::new()
+    ///     .with_release(batch_size_runtime::Release::none())
+    ///     .with_dry_run(Paper(Arc::clone(&size)))
+    ///     .run(|batch_size| { size.store(batch_size, Relaxed); Ok::<_, anyhow::Error>(()) })?;
+    /// assert_eq!(tuned.report().len(), 1);           // one real trial
+    /// assert_eq!(tuned.batch_size(), 924 * 95 / 100); // 924 fit; 5 % kept
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_dry_run(mut self, dry_run: impl DryRun + 'static) -> Self {
