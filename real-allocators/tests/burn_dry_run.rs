@@ -1,8 +1,9 @@
 //! The tuner sized from cubecl's dry run (`Tuner::with_dry_run(BurnDryRun::new(&device))`) on
 //! burn 0.22.1's wgpu backend on Mesa's llvmpipe, under an address-space limit: no trial runs
 //! out of memory, and the size found runs again in a fresh process, not above the largest that
-//! fits there and within 15 % below it (issue 37 asks 10 %: on llvmpipe the dry run lands 13.7 %
-//! below with the default margin, docs/BENCHMARKS.md) (found by bisection, each size in a fresh process). The step
+//! fits there (found by bisection, each size in a fresh process) and within 15 % below it
+//! (issue 37 asks 10 %: on llvmpipe the dry run lands 13.7 % below with the default margin,
+//! docs/BENCHMARKS.md). The step
 //! allocates in several pools: its weights, the arena's pages (which grow with the batch) and
 //! the small-allocation pool (a bias, per-sample sums).
 //!
