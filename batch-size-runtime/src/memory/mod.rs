@@ -29,7 +29,10 @@
 
 #[cfg(feature = "burn")]
 mod burn;
+#[cfg(feature = "burn")]
+mod burn_dry_run;
 mod cuda;
+mod dry_run;
 mod host;
 #[cfg(feature = "ort")]
 mod ort;
@@ -43,6 +46,7 @@ mod wgpu;
 use std::fmt;
 
 pub use cuda::CudaBackend;
+pub use dry_run::{DryRun, DrySizing};
 pub use host::{HostLimit, HostLimitKind, HostMemory};
 pub(crate) use out_of_memory::OutOfMemory;
 pub(crate) use release::Release;
@@ -50,6 +54,8 @@ pub use simulated::{SimAllocation, SimulatedDevice};
 
 #[cfg(feature = "burn")]
 pub use self::burn::BurnMemory;
+#[cfg(feature = "burn")]
+pub use self::burn_dry_run::BurnDryRun;
 #[cfg(feature = "ort")]
 pub use self::ort::OrtArena;
 #[cfg(feature = "wgpu")]

@@ -16,8 +16,12 @@ use crate::opaque::Opaque;
 use crate::record::SearchReport;
 
 // One concept a file: the search (a size policy) and what the trials measure of speed.
+mod dry_run;
 mod search;
 mod throughput;
+
+use crate::memory::DryRun;
+use dry_run::DryRunPolicy;
 
 use search::{kept_size, largest_below_failures, TunerPolicy};
 use throughput::{fastest, throughput};
@@ -118,6 +122,8 @@ pub struct Tuner {
     tolerance: f64,
     clock: Option<Opaque<Clock>>,
     fixed_memory: Option<u64>,
+    /// Sizes from dry runs first, where a framework has them.
+    dry_run: Option<Opaque<Box<dyn DryRun>>>,
 }
 
 type Clock = Box<dyn FnMut() -> Duration + Send>;
@@ -286,7 +292,49 @@ impl Tuner {
             tolerance: 0.02,
             clock: None,
             fixed_memory: None,
+            dry_run: None,
         }
+    }
+
+    /// Sizes from dry runs first ([`DryRun`]; for burn, [`BurnDryRun`](crate::memory::BurnDryRun)):
+    /// the trial runs under the framework's dry run at two or three sizes, increasing, a line
+    /// through their peaks gives the largest size that fits the device, the margin is taken
+    /// off, and one real trial confirms that size. Where it runs out of memory, the ordinary
+    /// search runs below it; where the dry runs give no size (the trial failed under one,
+    /// its memory does not grow), the ordinary search runs. Only for [`Choice::Largest`].
+    ///
+    /// A trial measured this way must be driven by shapes: values read back under a dry run
+    /// are garbage, so a trial that branches on them measures another step than the one that
+    /// runs.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    /// use std::sync::Arc;
+    /// use batch_size_runtime::memory::DryRun;
+    /// use batch_size_runtime::Tuner;
+    ///
+    /// // A framework whose dry run says 100 MiB fixed and 1 MiB a sample, on 1 GiB.
+    /// #[derive(Debug)]
+    /// struct Paper(Arc<AtomicUsize>); // the size the step last ran at
+    /// impl DryRun for Paper {
+    ///     fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> {
+    ///         step();
+    ///         Some((100 << 20) + self.0.load(Relaxed) as u64 * (1 << 20))
+    ///     }
+    ///     fn budget(&self) -> Option<u64> { Some(1 << 30) }
+    /// }
+    /// let size = Arc::new(AtomicUsize::new(0));
+    /// let tuned = Tuner::new()
+    ///     .with_release(batch_size_runtime::Release::none())
+    ///     .with_dry_run(Paper(Arc::clone(&size)))
+    ///     .run(|batch_size| { size.store(batch_size, Relaxed); Ok::<_, anyhow::Error>(()) })?;
+    /// assert_eq!(tuned.report().len(), 1);           // one real trial
+    /// assert_eq!(tuned.batch_size(), 924 * 95 / 100); // 924 fit; 5 % kept
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn with_dry_run(mut self, dry_run: impl DryRun + 'static) -> Self {
+        self.dry_run = Some(Opaque(Box::new(dry_run)));
+        self
     }
 
     /// Bytes the trial allocates whatever its size: weights, gradients and an optimizer's state
@@ -410,7 +458,7 @@ impl Tuner {
     /// let error = Tuner::new().run(|_| -> anyhow::Result<()> { anyhow::bail!("no data") }).unwrap_err();
     /// assert_eq!(error.to_string(), "no data"); // your error, not a string in another one
     /// ```
-    pub fn run<T, E, M>(self, trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
+    pub fn run<T, E, M>(self, mut trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
     where
         E: AttemptError<M>,
     {
@@ -432,9 +480,32 @@ impl Tuner {
         if let (Some(cache), Choice::Fastest) = (&mut settings.cache, self.choice) {
             cache.key = format!("{} | fastest", cache.key);
         }
+        // Sizing from dry runs, where asked for: their size first, the ordinary search capped
+        // below it if it runs out of memory.
+        let sizing = match (&self.dry_run, self.choice) {
+            (Some(Opaque(dry_run)), Choice::Largest) => {
+                dry_run::dry_sizing(dry_run.as_ref(), &mut trial, min, settings.max, margin)
+            }
+            _ => None,
+        };
+        let mut dry_policy = sizing.map(|sizing| {
+            let below = TunerPolicy::new(
+                min,
+                Some(sizing.batch_size.saturating_sub(1).max(min)),
+                margin,
+                self.max_trials,
+                self.choice,
+                tolerance,
+            )
+            .with_fixed_memory(self.fixed_memory);
+            DryRunPolicy::new(sizing, below, min)
+        });
         let mut search = BatchSizeSearch::new(min).with_label("tuner");
         search.settings = settings;
-        let mut search = search.with_policy(&mut policy);
+        let mut search = match &mut dry_policy {
+            Some(dry_policy) => search.with_policy(dry_policy),
+            None => search.with_policy(&mut policy),
+        };
         if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
             search.invalidate(format!(
                 "`headroom` must be at least 0 and below 1, got {margin}"
@@ -468,7 +539,10 @@ impl Tuner {
                     kept_size(largest_fit, margin, min).max(batch_size),
                 )
             }
-            None => match policy.kept_size() {
+            None => match dry_policy
+                .as_ref()
+                .map_or(policy.kept_size(), DryRunPolicy::kept_size)
+            {
                 0 => (ran_largest, batch_size),
                 kept => (ran_largest, kept),
             },
