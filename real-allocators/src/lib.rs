@@ -97,6 +97,11 @@ pub fn value(lines: &[(String, String)], key: &str) -> String {
         .unwrap_or_else(|| panic!("no {key} in {lines:?}"))
 }
 
+/// The value of `key` in a child's lines, where it printed one.
+pub fn value_if_any(lines: &[(String, String)], key: &str) -> Option<String> {
+    lines.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+}
+
 /// The largest size in `1..=high` that runs in a fresh child (`one_size` scenario with
 /// `REAL_ALLOCATORS_SIZE`), by bisection; `fits(size)` says whether one child ran.
 pub fn largest_that_fits(high: usize, fits: impl Fn(usize) -> bool) -> usize {

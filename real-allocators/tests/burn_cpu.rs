@@ -13,7 +13,7 @@ use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunk
 use burn::tensor::{Device, DeviceKind, Tensor};
 use real_allocators::{
     assert_fits, check_failures, child, child_status, is_child, largest_that_fits, leave_room,
-    print_search, reserved_unallocated, value,
+    print_search, reserved_unallocated, value, value_if_any,
 };
 
 /// f32 values a sample: 256 KiB a tensor, four tensors live in a step.
@@ -174,7 +174,11 @@ fn tuner() {
         .with_release(release(&device))
         .run(|batch_size| anyhow::Ok(step(&device, batch_size)?))
         .unwrap();
-    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+    // Each out-of-memory trial is recognised and its memory comes back; a tuner that found the
+    // size from the figures without failing at all has none to check (the attribute's and
+    // the chunks' scenarios check recognition).
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() && tuned.report().out_of_memory_count() > 0
+    {
         check_failures(tuned.report(), memory_back);
     }
     print_search("tuner", tuned.batch_size(), tuned.report());
@@ -237,7 +241,8 @@ fn burn_on_llvmpipe() {
         println!(
             "burn {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
             found as f64 / largest as f64,
-            value(&lines, &format!("{label}.error"))
+            value_if_any(&lines, &format!("{label}.error"))
+                .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
         );
     }
 }

@@ -91,7 +91,7 @@ fn dry() {
     let margin = std::env::var("REAL_ALLOCATORS_MARGIN").map_or(0.05, |m| m.parse().unwrap());
     let tuned = Tuner::new()
         .with_max(MAX)
-        .with_margin(margin)
+        .with_headroom(margin)
         .with_release(Release::burn(&device))
         .with_dry_run(dry_run.clone())
         .run(|batch_size| anyhow::Ok(step(&device, &model, batch_size)?))

@@ -11,8 +11,8 @@
 use std::ptr;
 use std::sync::{Arc, Mutex};
 
-use batch_size_runtime::Release;
 use batch_size_runtime::oom::{self, OomKind};
+use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunked, Tuner};
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::Session;
@@ -20,7 +20,7 @@ use ort::value::Tensor;
 use ort::AsPointer;
 use real_allocators::{
     assert_fits, check_failures, child, child_status, is_child, largest_that_fits, print_search,
-    reserved_unallocated, value,
+    reserved_unallocated, value, value_if_any,
 };
 
 /// The arena's cap: some hundreds of samples (128 KiB each in the model's two intermediates).
@@ -166,7 +166,11 @@ fn tuner() {
         .with_release(release(&session))
         .run(|batch_size| anyhow::Ok(infer(&session, batch_size)?))
         .unwrap();
-    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+    // Each out-of-memory trial is recognised and its memory comes back; a tuner that found the
+    // size from the figures without failing at all has none to check (the attribute's and
+    // the chunks' scenarios check recognition).
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() && tuned.report().out_of_memory_count() > 0
+    {
         check_failures(tuned.report(), memory_back);
     }
     print_search("tuner", tuned.batch_size(), tuned.report());
@@ -243,7 +247,8 @@ fn onnx_runtime_capped_arena() {
         println!(
             "ort {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
             found as f64 / largest as f64,
-            value(&lines, &format!("{label}.error"))
+            value_if_any(&lines, &format!("{label}.error"))
+                .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
         );
     }
 }

@@ -256,15 +256,7 @@ impl TunerPolicy {
         if high.is_some() {
             return None;
         }
-        let since = since_memory_changed(history);
-        let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
-            .into_iter()
-            .filter(|point| (point.size as f64) <= fit.smaller())
-            .collect();
-        let slope = MemoryFit::from_points(&below, None)?.per_sample();
-        if slope * GENTLER >= fit.per_sample() {
-            return None;
-        }
+        let slope = gentler_slope_below(history, low, fit)?;
         let filling = fit.with_slope(slope, None)?.size_filling_device()?;
         let mut size = (filling * (1.0 - self.margin)).floor() as usize;
         if let Some(max) = self.max {
@@ -290,15 +282,7 @@ impl TunerPolicy {
         if high.is_some() || fit.smaller() * 2.0 >= low as f64 {
             return None;
         }
-        let since = since_memory_changed(history);
-        let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
-            .into_iter()
-            .filter(|point| (point.size as f64) <= fit.smaller())
-            .collect();
-        let slope = MemoryFit::from_points(&below, None)?.per_sample();
-        if slope * GENTLER >= fit.per_sample() {
-            return None;
-        }
+        gentler_slope_below(history, low, fit)?;
         let size = low.saturating_mul(3) / 4;
         (size as f64 > fit.smaller()).then_some(size)
     }
@@ -771,6 +755,19 @@ fn since_memory_changed(history: &SearchReport) -> usize {
                 })
         })
         .map_or(0, |index| index + 1)
+}
+
+/// The slope of memory against size through the sizes at or below the fit's smaller size (up
+/// to `low`), where it is [`GENTLER`] times gentler than the fit's: a part appeared between
+/// the fit's two sizes. `None` where it is not, or too few sizes ran below.
+fn gentler_slope_below(history: &SearchReport, low: usize, fit: &MemoryFit) -> Option<f64> {
+    let since = since_memory_changed(history);
+    let below: Vec<Point> = points_up_to(history.attempts().skip(since), low)
+        .into_iter()
+        .filter(|point| (point.size as f64) <= fit.smaller())
+        .collect();
+    let slope = MemoryFit::from_points(&below, None)?.per_sample();
+    (slope * GENTLER < fit.per_sample()).then_some(slope)
 }
 
 #[cfg(test)]
