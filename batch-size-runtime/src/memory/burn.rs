@@ -85,14 +85,8 @@ impl MemoryBackend for BurnMemory {
             return MemorySnapshot::default();
         };
         let reserved = usage.bytes_reserved;
-        let (total, free) = match self.total {
-            Some(total) => (total, total.saturating_sub(reserved)),
-            None => {
-                let Some(host) = self.host.memory().devices.pop() else {
-                    return MemorySnapshot::default();
-                };
-                (host.total, host.free)
-            }
+        let Some((total, free)) = self.host.device_room(self.total, reserved) else {
+            return MemorySnapshot::default();
         };
         let at_start = *self
             .peak_at_start

@@ -134,6 +134,20 @@ impl Default for HostMemory {
 }
 
 impl HostMemory {
+    /// A device's total and free bytes: `total` where given (a GPU's, less what its pool
+    /// reserved), else the host's (a software driver's memory is the process's), for the
+    /// frameworks' backends (burn, wgpu). `None` where the host reads nothing.
+    #[cfg(any(feature = "burn", feature = "wgpu"))]
+    pub(crate) fn device_room(&self, total: Option<u64>, reserved: u64) -> Option<(u64, u64)> {
+        match total {
+            Some(total) => Some((total, total.saturating_sub(reserved))),
+            None => {
+                let host = self.memory().devices.pop()?;
+                Some((host.total, host.free))
+            }
+        }
+    }
+
     /// The host's memory as this process sees it: `/proc` and `/sys/fs/cgroup`.
     ///
     /// ```

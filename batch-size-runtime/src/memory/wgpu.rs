@@ -52,14 +52,8 @@ impl MemoryBackend for WgpuMemory {
             return MemorySnapshot::default();
         };
         let reserved = report.total_reserved_bytes;
-        let (total, free) = match self.total {
-            Some(total) => (total, total.saturating_sub(reserved)),
-            None => {
-                let Some(host) = self.host.memory().devices.pop() else {
-                    return MemorySnapshot::default();
-                };
-                (host.total, host.free)
-            }
+        let Some((total, free)) = self.host.device_room(self.total, reserved) else {
+            return MemorySnapshot::default();
         };
         MemorySnapshot {
             devices: vec![DeviceMemory {
