@@ -11,7 +11,7 @@ use std::fmt;
 /// read) measures another step than the one that will run. Such a step, or one that fails
 /// under the dry run, leaves the tuner to its ordinary search.
 ///
-/// Implemented by [`BurnDryRun`](crate::memory::BurnDryRun) (feature `burn`).
+/// Implemented by `memory::BurnDryRun` (feature `burn`).
 pub trait DryRun: Send + fmt::Debug {
     /// Runs `step` under a dry run; the bytes its allocations held at their peak (the memory
     /// live when it began included), or `None` where the framework did not say.

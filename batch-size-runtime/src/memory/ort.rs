@@ -33,8 +33,8 @@ const SHRINK: (&str, &str) = ("memory.enable_memory_arena_shrinkage", "cpu:0");
 ///   session and has no reset).
 ///
 /// The release runs the session on zero samples (every dimension the model leaves free set to
-/// 0) with [`SHRINK`]'s option. It needs the session: an `Arc<Mutex<Session>>` that the attempt
-/// locks while it runs, and that is free between attempts (a release that finds it locked says
+/// 0) with the run option `memory.enable_memory_arena_shrinkage=cpu:0`. It needs the session:
+/// an `Arc<Mutex<Session>>` that the attempt locks while it runs, and that is free between attempts (a release that finds it locked says
 /// so and gives nothing back).
 #[derive(Debug)]
 pub struct OrtArena {

@@ -296,7 +296,7 @@ impl Tuner {
         }
     }
 
-    /// Sizes from dry runs first ([`DryRun`]; for burn, [`BurnDryRun`](crate::memory::BurnDryRun)):
+    /// Sizes from dry runs first ([`DryRun`]; for burn, `memory::BurnDryRun`):
     /// the trial runs under the framework's dry run at two or three sizes, increasing, a line
     /// through their peaks gives the largest size that fits the device, the margin is taken
     /// off, and one real trial confirms that size. Where it runs out of memory, the ordinary
@@ -428,7 +428,7 @@ impl Tuner {
     }
 
     /// What times the trials: the time since any fixed instant, read before and after each
-    /// trial (default: [`Instant`]). A simulated clock makes throughput testable; a clock that
+    /// trial (default: [`Instant`](std::time::Instant)). A simulated clock makes throughput testable; a clock that
     /// synchronizes the device first makes it exact where the device runs asynchronously.
     ///
     /// ```
