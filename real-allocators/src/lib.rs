@@ -97,6 +97,59 @@ pub fn value(lines: &[(String, String)], key: &str) -> String {
         .unwrap_or_else(|| panic!("no {key} in {lines:?}"))
 }
 
+/// Runs each `(scenario, label)` in a fresh child, asserts it ran (and, with `quiet`, that it
+/// printed no panic: a recovered out-of-memory panic is kept quiet, on any thread) and that
+/// the size it found is not above the largest that fits and runs again in a fresh process;
+/// prints it against the largest, beside the same search without figures
+/// (`REAL_ALLOCATORS_FIGURES=none`: `Release::none()`) for the attribute's `Result` form and
+/// the tuner.
+pub fn compare_with_the_largest(
+    framework: &str,
+    scenarios: &[(&str, &str)],
+    largest: usize,
+    fits: impl Fn(usize) -> bool,
+    quiet: bool,
+) {
+    for &(scenario, label) in scenarios {
+        let (lines, ran, stderr) = child_status(scenario, &[]);
+        assert!(ran, "{scenario} failed:\n{lines:?}\n{stderr}");
+        assert!(
+            !quiet || !stderr.contains("panicked"),
+            "{scenario} printed a panic:\n{stderr}"
+        );
+        let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+        let attempts = value(&lines, &format!("{label}.attempts"));
+        assert_fits(scenario, found, largest, &fits);
+        let share = |size: usize| size as f64 / largest as f64;
+        let without = if scenario == "attribute_result" || scenario == "tuner" {
+            let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
+            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+            format!(
+                "; without figures {found} ({:.3}) in {} attempts",
+                share(found),
+                value(&lines, &format!("{label}.attempts"))
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "{framework} {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{without}; error: {}",
+            share(found),
+            value_if_any(&lines, &format!("{label}.error"))
+                .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
+        );
+    }
+}
+
+/// The tuner's out-of-memory trials, where it had any: each recognised, its memory back. A
+/// tuner that found the size from the figures without failing has none to check (the
+/// attribute's and the chunks' scenarios check recognition).
+pub fn check_tuner_failures(report: &SearchReport, memory_back: impl Fn(&Attempt)) {
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() && report.out_of_memory_count() > 0 {
+        check_failures(report, memory_back);
+    }
+}
+
 /// The value of `key` in a child's lines, where it printed one.
 pub fn value_if_any(lines: &[(String, String)], key: &str) -> Option<String> {
     lines.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())

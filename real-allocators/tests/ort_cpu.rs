@@ -19,8 +19,8 @@ use ort::session::Session;
 use ort::value::Tensor;
 use ort::AsPointer;
 use real_allocators::{
-    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, print_search,
-    reserved_unallocated, value, value_if_any,
+    check_failures, check_tuner_failures, child, child_status, compare_with_the_largest, is_child,
+    largest_that_fits, print_search, reserved_unallocated,
 };
 
 /// The arena's cap: some hundreds of samples (128 KiB each in the model's two intermediates).
@@ -166,13 +166,7 @@ fn tuner() {
         .with_release(release(&session))
         .run(|batch_size| anyhow::Ok(infer(&session, batch_size)?))
         .unwrap();
-    // Each out-of-memory trial is recognised and its memory comes back; a tuner that found the
-    // size from the figures without failing at all has none to check (the attribute's and
-    // the chunks' scenarios check recognition).
-    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() && tuned.report().out_of_memory_count() > 0
-    {
-        check_failures(tuned.report(), memory_back);
-    }
+    check_tuner_failures(tuned.report(), memory_back);
     print_search("tuner", tuned.batch_size(), tuned.report());
 }
 
@@ -224,31 +218,10 @@ fn onnx_runtime_capped_arena() {
     let largest = largest_that_fits(STARTING, fits);
     println!("ort: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 8 && largest < STARTING, "{largest}");
-    for (scenario, label) in [
+    let scenarios = [
         ("attribute_result", "result"),
         ("chunked", "chunked"),
         ("tuner", "tuner"),
-    ] {
-        let lines = child(scenario, &[]);
-        let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
-        let attempts = value(&lines, &format!("{label}.attempts"));
-        assert_fits(scenario, found, largest, fits);
-        let halving = if scenario == "attribute_result" || scenario == "tuner" {
-            let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
-            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
-            format!(
-                "; without figures {found} ({:.3}) in {} attempts",
-                found as f64 / largest as f64,
-                value(&lines, &format!("{label}.attempts"))
-            )
-        } else {
-            String::new()
-        };
-        println!(
-            "ort {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
-            found as f64 / largest as f64,
-            value_if_any(&lines, &format!("{label}.error"))
-                .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
-        );
-    }
+    ];
+    compare_with_the_largest("ort", &scenarios, largest, fits, false);
 }

@@ -10,8 +10,8 @@
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Chunked, Tuner};
 use real_allocators::{
-    assert_fits, check_failures, child, child_status, is_child, largest_that_fits, leave_room,
-    print_search, value, value_if_any,
+    check_failures, check_tuner_failures, child_status, compare_with_the_largest, is_child,
+    largest_that_fits, leave_room, print_search,
 };
 
 /// Bytes a sample holds on the device: one buffer each.
@@ -192,13 +192,7 @@ fn tuner() {
         .with_release(release(&device))
         .run(|batch_size| anyhow::Ok(step_in_scope(&device, &queue, batch_size)?))
         .unwrap();
-    // Each out-of-memory trial is recognised and its memory comes back; a tuner that found the
-    // size from the figures without failing at all has none to check (the attribute's and
-    // the chunks' scenarios check recognition).
-    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() && tuned.report().out_of_memory_count() > 0
-    {
-        check_failures(tuned.report(), memory_back);
-    }
+    check_tuner_failures(tuned.report(), memory_back);
     print_search("tuner", tuned.batch_size(), tuned.report());
 }
 
@@ -231,32 +225,11 @@ fn wgpu_on_llvmpipe() {
     let largest = largest_that_fits(STARTING, fits);
     println!("wgpu: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 8 && largest < STARTING, "{largest}");
-    for (scenario, label) in [
+    let scenarios = [
         ("attribute_result", "result"),
         ("attribute_panicking", "panicking"),
         ("chunked", "chunked"),
         ("tuner", "tuner"),
-    ] {
-        let lines = child(scenario, &[]);
-        let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
-        let attempts = value(&lines, &format!("{label}.attempts"));
-        assert_fits(scenario, found, largest, fits);
-        let halving = if scenario == "attribute_result" || scenario == "tuner" {
-            let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
-            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
-            format!(
-                "; without figures {found} ({:.3}) in {} attempts",
-                found as f64 / largest as f64,
-                value(&lines, &format!("{label}.attempts"))
-            )
-        } else {
-            String::new()
-        };
-        println!(
-            "wgpu {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{halving}; error: {}",
-            found as f64 / largest as f64,
-            value_if_any(&lines, &format!("{label}.error"))
-                .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
-        );
-    }
+    ];
+    compare_with_the_largest("wgpu", &scenarios, largest, fits, false);
 }

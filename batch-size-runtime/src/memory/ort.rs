@@ -34,8 +34,8 @@ const SHRINK: (&str, &str) = ("memory.enable_memory_arena_shrinkage", "cpu:0");
 ///
 /// The release runs the session on zero samples (every dimension the model leaves free set to
 /// 0) with the run option `memory.enable_memory_arena_shrinkage=cpu:0`. It needs the session:
-/// an `Arc<Mutex<Session>>` that the attempt locks while it runs, and that is free between attempts (a release that finds it locked says
-/// so and gives nothing back).
+/// an `Arc<Mutex<Session>>` that the attempt locks while it runs, and that is free between
+/// attempts (a release that finds it locked says so and gives nothing back).
 #[derive(Debug)]
 pub struct OrtArena {
     /// The session's CPU allocator (the arena): `ort`'s `Allocator` is `Send`, not `Sync`.
