@@ -193,25 +193,8 @@ fn in_child(test: &str) {
 }
 
 #[cfg(target_os = "linux")]
-fn set_address_space_limit(bytes: u64) {
-    #[repr(C)]
-    struct Rlimit {
-        current: u64,
-        max: u64,
-    }
-    extern "C" {
-        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
-    }
-    // Linux's RLIMIT_AS, on every architecture Rust supports.
-    const RLIMIT_AS: std::ffi::c_int = 9;
-    let limit = Rlimit {
-        current: bytes,
-        max: u64::MAX,
-    };
-    // SAFETY: `limit` is a valid `struct rlimit` (two 64-bit `rlim_t` on Linux) for the call.
-    let status = unsafe { setrlimit(RLIMIT_AS, &limit) };
-    assert_eq!(status, 0, "setrlimit(RLIMIT_AS) failed");
-}
+#[path = "common/address_space.rs"]
+mod address_space;
 
 /// A training step on the host that fails as libtorch's CPU allocator does: weights in small
 /// blocks (glibc keeps them in its heap), then the batch.
@@ -250,14 +233,8 @@ fn child_under_an_address_space_limit() {
 
     let host = HostMemory::new();
     // Room for 96 samples above what the process maps now: halving finds 64 there, from 1024.
-    let status = fs::read_to_string("/proc/self/status").unwrap();
-    let virtual_size: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap();
-    let limit = virtual_size * 1024 + 96 * PER_SAMPLE;
-    set_address_space_limit(limit);
+    let limit = address_space::virtual_size().unwrap() + 96 * PER_SAMPLE;
+    address_space::limit_address_space(limit).expect("setrlimit(RLIMIT_AS) failed");
     let under = host.limit().unwrap();
     assert_eq!(under.kind, HostLimitKind::AddressSpace);
     assert_eq!(under.total, limit);

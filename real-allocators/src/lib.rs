@@ -18,40 +18,13 @@ pub fn is_child() -> bool {
     std::env::var_os(CHILD).is_some()
 }
 
-/// Sets RLIMIT_AS (what `ulimit -v` sets) for this process: allocations past it fail.
-pub fn set_address_space_limit(bytes: u64) {
-    #[repr(C)]
-    struct Rlimit {
-        current: u64,
-        max: u64,
-    }
-    extern "C" {
-        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
-    }
-    const RLIMIT_AS: std::ffi::c_int = 9; // Linux
-    let limit = Rlimit {
-        current: bytes,
-        max: u64::MAX,
-    };
-    // SAFETY: `limit` is a valid `struct rlimit` for the duration of the call.
-    assert_eq!(unsafe { setrlimit(RLIMIT_AS, &limit) }, 0);
-}
-
-/// The process's virtual size now (`VmSize`), in bytes.
-pub fn virtual_size() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap();
-    kib * 1024
-}
+#[path = "../../batch-size-runtime/tests/common/address_space.rs"]
+mod address_space;
 
 /// Limits the address space to what it is now plus `room`: every child starts from the same
 /// room once its framework is warm.
 pub fn leave_room(room: u64) {
-    set_address_space_limit(virtual_size() + room);
+    address_space::leave_room(room).expect("setrlimit(RLIMIT_AS) failed");
 }
 
 /// Runs `scenario` (a test of the current binary) in a child with `extra` in its environment;
@@ -148,6 +121,19 @@ pub fn check_tuner_failures(report: &SearchReport, memory_back: impl Fn(&Attempt
     if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() && report.out_of_memory_count() > 0 {
         check_failures(report, memory_back);
     }
+}
+
+/// Whether `size` runs in a fresh child (the test binary's `one_size` scenario).
+pub fn fits_in_a_fresh_process(size: usize) -> bool {
+    child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1
+}
+
+/// The size the `one_size` scenario runs, as the parent asked (`REAL_ALLOCATORS_SIZE`).
+pub fn one_size_requested() -> usize {
+    std::env::var("REAL_ALLOCATORS_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// The value of `key` in a child's lines, where it printed one.

@@ -12,8 +12,9 @@ use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunked, Tuner};
 use burn::tensor::{Device, DeviceKind, Tensor};
 use real_allocators::{
-    check_failures, check_tuner_failures, child_status, compare_with_the_largest, is_child,
-    largest_that_fits, leave_room, print_search, reserved_unallocated,
+    check_failures, check_tuner_failures, compare_with_the_largest, fits_in_a_fresh_process,
+    is_child, largest_that_fits, leave_room, one_size_requested, print_search,
+    reserved_unallocated,
 };
 
 /// f32 values a sample: 256 KiB a tensor, four tensors live in a step.
@@ -155,12 +156,7 @@ fn chunked() {
     assert_eq!(done, 1024);
     let report = last_report().unwrap();
     check_failures(&report, memory_back);
-    let largest = report
-        .attempts()
-        .filter(|a| a.outcome.is_success())
-        .map(|a| a.batch_size)
-        .max()
-        .unwrap();
+    let largest = report.largest_success().unwrap();
     print_search("chunked", largest, &report);
 }
 
@@ -183,10 +179,7 @@ fn one_size() {
     let Some(device) = scenario("one_size") else {
         return;
     };
-    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let size = one_size_requested();
     step(&device, size).unwrap();
 }
 
@@ -200,8 +193,7 @@ fn burn_on_llvmpipe() {
         eprintln!("burn_on_llvmpipe: skipped, no llvmpipe (apt-get install mesa-vulkan-drivers)");
         return;
     }
-    let fits =
-        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let fits = fits_in_a_fresh_process;
     let largest = largest_that_fits(STARTING, fits);
     println!("burn: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 8 && largest < STARTING, "{largest}");

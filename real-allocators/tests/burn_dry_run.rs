@@ -16,7 +16,10 @@ use batch_size_runtime::memory::BurnDryRun;
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, SearchReport, Tuner};
 use burn::tensor::{Device, DeviceKind, Tensor};
-use real_allocators::{child, child_status, is_child, largest_that_fits, leave_room, value};
+use real_allocators::{
+    child, fits_in_a_fresh_process, is_child, largest_that_fits, leave_room, one_size_requested,
+    value,
+};
 
 /// f32 values a sample: 256 KiB of input a sample.
 const WIDTH: usize = 65536;
@@ -137,10 +140,7 @@ fn one_size() {
     let Some((device, model)) = scenario("one_size") else {
         return;
     };
-    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let size = one_size_requested();
     step(&device, &model, size).unwrap();
 }
 
@@ -153,8 +153,7 @@ fn dry_run_sizing_on_llvmpipe() {
         eprintln!("dry_run_sizing_on_llvmpipe: skipped, no llvmpipe (apt-get install mesa-vulkan-drivers)");
         return;
     }
-    let fits =
-        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let fits = fits_in_a_fresh_process;
     let largest = largest_that_fits(MAX, fits);
     println!("burn dry run: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 16 && largest < MAX, "{largest}");

@@ -19,8 +19,8 @@ use ort::session::Session;
 use ort::value::Tensor;
 use ort::AsPointer;
 use real_allocators::{
-    check_failures, check_tuner_failures, child, child_status, compare_with_the_largest, is_child,
-    largest_that_fits, print_search, reserved_unallocated,
+    check_failures, check_tuner_failures, child, compare_with_the_largest, fits_in_a_fresh_process,
+    is_child, largest_that_fits, one_size_requested, print_search, reserved_unallocated,
 };
 
 /// The arena's cap: some hundreds of samples (128 KiB each in the model's two intermediates).
@@ -147,12 +147,7 @@ fn chunked() {
     assert_eq!(outputs.len(), 8192);
     let report = last_report().unwrap();
     check_failures(&report, memory_back);
-    let largest = report
-        .attempts()
-        .filter(|a| a.outcome.is_success())
-        .map(|a| a.batch_size)
-        .max()
-        .unwrap();
+    let largest = report.largest_success().unwrap();
     print_search("chunked", largest, &report);
 }
 
@@ -175,10 +170,7 @@ fn one_size() {
     let Some(session) = scenario("one_size") else {
         return;
     };
-    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let size = one_size_requested();
     infer(&session, size).unwrap();
 }
 
@@ -213,8 +205,7 @@ fn onnx_runtime_capped_arena() {
         return;
     }
     child("capped_arena_message", &[]);
-    let fits =
-        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let fits = fits_in_a_fresh_process;
     let largest = largest_that_fits(STARTING, fits);
     println!("ort: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 8 && largest < STARTING, "{largest}");

@@ -10,8 +10,8 @@
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Chunked, Tuner};
 use real_allocators::{
-    check_failures, check_tuner_failures, child_status, compare_with_the_largest, is_child,
-    largest_that_fits, leave_room, print_search,
+    check_failures, check_tuner_failures, compare_with_the_largest, fits_in_a_fresh_process,
+    is_child, largest_that_fits, leave_room, one_size_requested, print_search,
 };
 
 /// Bytes a sample holds on the device: one buffer each.
@@ -173,12 +173,7 @@ fn chunked() {
     assert_eq!(done, 2048);
     let report = last_report().unwrap();
     check_failures(&report, memory_back);
-    let largest = report
-        .attempts()
-        .filter(|a| a.outcome.is_success())
-        .map(|a| a.batch_size)
-        .max()
-        .unwrap();
+    let largest = report.largest_success().unwrap();
     print_search("chunked", largest, &report);
 }
 
@@ -201,10 +196,7 @@ fn one_size() {
     let Some((device, queue)) = scenario("one_size") else {
         return;
     };
-    let size: usize = std::env::var("REAL_ALLOCATORS_SIZE")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let size = one_size_requested();
     step_in_scope(&device, &queue, size).unwrap();
 }
 
@@ -220,8 +212,7 @@ fn wgpu_on_llvmpipe() {
         );
         return;
     }
-    let fits =
-        |size: usize| child_status("one_size", &[("REAL_ALLOCATORS_SIZE", size.to_string())]).1;
+    let fits = fits_in_a_fresh_process;
     let largest = largest_that_fits(STARTING, fits);
     println!("wgpu: the largest size that fits in a fresh process: {largest}");
     assert!(largest > 8 && largest < STARTING, "{largest}");

@@ -5,29 +5,7 @@
 
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report};
-use real_allocators_tch::{samples, Mlp};
-
-/// Sets RLIMIT_AS (what `ulimit -v` sets) for this process: allocations past it fail.
-fn limit_address_space(bytes: u64) -> std::io::Result<()> {
-    #[repr(C)]
-    struct Rlimit {
-        current: u64,
-        max: u64,
-    }
-    extern "C" {
-        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
-    }
-    const RLIMIT_AS: std::ffi::c_int = 9; // Linux
-    let limit = Rlimit {
-        current: bytes,
-        max: u64::MAX,
-    };
-    // SAFETY: `limit` is a valid `struct rlimit` for the duration of the call.
-    if unsafe { setrlimit(RLIMIT_AS, &limit) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
+use real_allocators_tch::{address_space, samples, Mlp};
 
 #[find_executable_batch_size(starting = 4096, release = Release::host())]
 fn train(batch_size: usize, model: &Mlp) -> anyhow::Result<f64> {
@@ -42,13 +20,7 @@ fn main() -> anyhow::Result<()> {
     // libtorch is loaded and its pool started: 256 MiB more address space than now.
     let (x, y) = samples(0, 4)?;
     model.f_loss_sum(&x, &y)?.f_backward()?;
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let virtual_kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
-    limit_address_space(virtual_kib * 1024 + (256 << 20))?;
+    address_space::leave_room(256 << 20)?;
     let loss = train(&model)?;
     println!("mean loss {loss:.6}");
     if let Some(report) = last_report() {

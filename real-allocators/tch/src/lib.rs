@@ -4,6 +4,10 @@
 
 use tch::{Device, Kind, TchError, Tensor};
 
+/// The address-space limit the tests and the example run under.
+#[path = "../../../batch-size-runtime/tests/common/address_space.rs"]
+pub mod address_space;
+
 /// Input features a sample.
 pub const FEATURES: i64 = 64;
 /// Hidden units: 64 KiB of activations a sample and layer, so that memory grows with the batch.

@@ -10,6 +10,7 @@ use std::process::Command;
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, BatchSizeSearch, Chunked};
 use batch_size_runtime::{EffectiveBatch, SearchReport};
+use real_allocators_tch::address_space;
 use real_allocators_tch::{samples, Mlp};
 
 /// Which scenario a re-executed test binary runs, under the limit.
@@ -18,37 +19,13 @@ const CHILD: &str = "REAL_ALLOCATORS_CHILD";
 const ROOM: u64 = 160 << 20;
 const STARTING: usize = 4096;
 
-fn set_address_space_limit(bytes: u64) {
-    #[repr(C)]
-    struct Rlimit {
-        current: u64,
-        max: u64,
-    }
-    extern "C" {
-        fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
-    }
-    const RLIMIT_AS: std::ffi::c_int = 9; // Linux
-    let limit = Rlimit {
-        current: bytes,
-        max: u64::MAX,
-    };
-    // SAFETY: `limit` is a valid `struct rlimit` for the duration of the call.
-    assert_eq!(unsafe { setrlimit(RLIMIT_AS, &limit) }, 0);
-}
-
 /// libtorch warmed up (its thread pool and first allocations made), then the limit set at the
 /// virtual size now plus `ROOM`: every child starts from the same room.
 fn limited_model() -> Mlp {
     let model = Mlp::new().unwrap();
     let (x, y) = samples(0, 4).unwrap();
     model.f_loss_sum(&x, &y).unwrap().backward();
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let vm_kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap();
-    set_address_space_limit(vm_kib * 1024 + ROOM);
+    address_space::leave_room(ROOM).expect("setrlimit(RLIMIT_AS) failed");
     model
 }
 
