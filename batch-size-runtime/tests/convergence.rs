@@ -15,6 +15,8 @@ use batch_size_runtime::agree::{Collective, ThreadRanks};
 use batch_size_runtime::{memory::SimulatedDevice, BatchPlan, Chunked, EffectiveBatch};
 use proptest::prelude::*;
 
+#[path = "common/bisect.rs"]
+mod bisect;
 #[path = "common/training.rs"]
 mod training;
 

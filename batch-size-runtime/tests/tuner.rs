@@ -8,6 +8,9 @@ use batch_size_runtime::{
 };
 use proptest::prelude::*;
 
+#[path = "common/bisect.rs"]
+mod bisect;
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]
 
@@ -139,20 +142,7 @@ impl Shape {
     /// The largest size whose step fits on a fresh device (every shape here is monotone).
     fn largest_fit(&self) -> usize {
         let fits = |size: usize| self.step(&self.device(), size).is_ok();
-        let (mut low, mut high) = (0usize, 1usize);
-        while fits(high) {
-            low = high;
-            high *= 2;
-        }
-        while high - low > 1 {
-            let middle = low + (high - low) / 2;
-            if fits(middle) {
-                low = middle;
-            } else {
-                high = middle;
-            }
-        }
-        low
+        bisect::largest_that_fits(fits)
     }
 }
 

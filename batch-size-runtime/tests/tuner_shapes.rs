@@ -9,6 +9,9 @@
 use batch_size_runtime::{memory::SimulatedDevice, OutOfMemory, Release, Tuned, Tuner};
 use proptest::prelude::*;
 
+#[path = "common/bisect.rs"]
+mod bisect;
+
 const MIB: u64 = 1 << 20;
 const DEVICE: u64 = 16 << 30;
 
@@ -64,20 +67,7 @@ impl Step {
     /// The largest size that runs on a fresh device, by bisection (every shape is monotone).
     fn largest_fit(&self) -> usize {
         let fits = |size: usize| self.run(&self.device(), size).is_ok();
-        let (mut low, mut high) = (0usize, 1usize);
-        while fits(high) {
-            low = high;
-            high *= 2;
-        }
-        while high - low > 1 {
-            let middle = low + (high - low) / 2;
-            if fits(middle) {
-                low = middle;
-            } else {
-                high = middle;
-            }
-        }
-        low
+        bisect::largest_that_fits(fits)
     }
 
     fn try_tune(&self) -> anyhow::Result<Tuned> {

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use batch_size_runtime::agree::{Collective, ThreadRank, ThreadRanks};
 
+#[path = "common/bisect.rs"]
+mod bisect;
 #[path = "common/training.rs"]
 mod training;
 

@@ -164,20 +164,8 @@ pub fn largest_fit(shape: Shape) -> usize {
         let model = Model::new(shape, &device);
         model.pass(1).is_ok() && model.optimizer_step().is_ok() && model.pass(samples).is_ok()
     };
-    let (mut low, mut high) = (1, 1);
-    while fits(high) {
-        low = high;
-        high *= 2;
-    }
-    while high - low > 1 {
-        let middle = low + (high - low) / 2;
-        if fits(middle) {
-            low = middle;
-        } else {
-            high = middle;
-        }
-    }
-    low
+    // At least 1: every shape here runs one sample.
+    crate::bisect::largest_that_fits(fits).max(1)
 }
 
 /// A linear model `y = w · x` with a mean squared error; sample `i` of step `s` is a
