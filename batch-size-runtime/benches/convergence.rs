@@ -9,6 +9,8 @@
 
 use batch_size_runtime::{memory::SimulatedDevice, Chunked, EffectiveBatch};
 
+#[path = "../tests/common/bisect.rs"]
+mod bisect;
 #[path = "../tests/common/training.rs"]
 mod training;
 
