@@ -161,3 +161,25 @@ fn a_policy_accepting_below_its_failures_is_unchanged() {
     assert_eq!(fitted.unwrap(), 32);
     assert_eq!(report.tried(), [16, 32, 64]);
 }
+
+#[test]
+fn a_max_below_min_is_refused_by_every_runner_before_its_first_attempt() {
+    use batch_size_runtime::{NoExecutableBatchSize, StopReason, Tuner};
+    let refused = |error: &NoExecutableBatchSize| {
+        matches!(error.reason(), StopReason::InvalidConfiguration(why) if why.contains("`max` (8) must not be below `min` (16)"))
+            && error.tried().is_empty()
+    };
+    let search = BatchSizeSearch::new(64)
+        .with_min(16)
+        .with_max(8)
+        .call(|batch_size| batch_size);
+    assert!(refused(&search.unwrap_err()));
+    let tuned: anyhow::Result<_> = Tuner::new()
+        .with_min(16)
+        .with_max(8)
+        .run(|_| Ok::<_, anyhow::Error>(()));
+    let error = tuned.unwrap_err();
+    assert!(refused(
+        error.downcast_ref::<NoExecutableBatchSize>().unwrap()
+    ));
+}

@@ -501,10 +501,13 @@ impl<'r> BatchSizeSearch<'r> {
     pub fn start(self) -> Search<'r> {
         let BatchSizeSearch {
             run: mut settings,
-            settings: shared,
+            settings: mut shared,
             agreement,
             remedies,
         } = self;
+        // `max` against `min`, as the setters promise, for every runner that hands its
+        // settings to a search (the tuner's included).
+        shared.check_bounds();
         let Settings {
             min,
             max,

@@ -131,6 +131,14 @@ impl<'r> Settings<'r> {
         self.cache.as_ref().filter(|cache| !cache.key.is_empty())
     }
 
+    /// What a runner of many searches hands each of them: the smallest size, the release and
+    /// the first setting found unusable (its size rule it lends to its own policy).
+    pub(crate) fn lend_to_search(&self, search: &mut Settings<'_>) {
+        search.min = self.min;
+        search.release = self.release.clone();
+        search.invalid = self.invalid.clone();
+    }
+
     /// `max` checked against `min`, where both are set.
     pub(crate) fn check_bounds(&mut self) {
         if let Some(max) = self.max {

@@ -489,9 +489,7 @@ impl<'r> Chunked<'r> {
             .with_label("chunked")
             .with_policy(policy);
         search.run.first_fit_at_debug = true;
-        search.settings.min = self.settings.min;
-        search.settings.release = self.settings.release.clone();
-        search.settings.invalid = self.settings.invalid.clone();
+        self.settings.lend_to_search(&mut search.settings);
         search
     }
 

@@ -476,9 +476,7 @@ impl<'r> EffectiveBatch<'r> {
         self.probing = probe.map(|(start, _)| start);
         let mut search = BatchSizeSearch::new(start).with_label("effective_batch");
         search.run.first_fit_at_debug = true;
-        search.settings.min = self.settings.min;
-        search.settings.release = self.settings.release.clone();
-        search.settings.invalid = self.settings.invalid.clone();
+        self.settings.lend_to_search(&mut search.settings);
         if self.effective == 0 {
             search.invalidate("`effective` must be at least 1, got 0".to_owned());
         }

@@ -463,7 +463,6 @@ impl Tuner {
         E: AttemptError<M>,
     {
         let mut settings = self.settings;
-        settings.check_bounds();
         let (margin, tolerance, min) = (self.headroom, self.tolerance, settings.min);
         // The tuner's policy, lent to the search: what it learned is read from it afterwards.
         let mut policy = TunerPolicy::new(
