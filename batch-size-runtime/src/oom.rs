@@ -70,6 +70,50 @@ pub(crate) fn quiet_oom_panics() -> bool {
     QUIET_OOM_PANICS.load(Ordering::Relaxed)
 }
 
+/// A framework that runs device work on threads of its own and catches their panics, so that an
+/// out-of-memory there reaches the attempt only as the device work it lost.
+///
+/// cubecl (burn's wgpu backend) runs each device's work on a thread named `DSD-*`: wgpu's
+/// out-of-memory panics there, the thread catches it, and the attempt then reads "couldn't find
+/// resource for that handle". Only this pair ties another thread's out-of-memory to an attempt:
+/// the panicking thread is a device thread of a framework listed here, and the attempt failed
+/// the way that framework's lost work fails. A thread of no framework (a metrics exporter, a
+/// data loader, another search's thread) never changes an attempt's outcome, and an attempt
+/// that fails any other way keeps its own error or panic.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeviceThreads {
+    /// How the framework's device threads are named (a prefix).
+    pub(crate) named: &'static str,
+    /// Texts of an attempt's failure after its device work was lost.
+    pub(crate) lost_work: &'static [&'static str],
+    /// Where the names and texts come from.
+    #[cfg_attr(not(test), allow(dead_code))] // documents the row; read by the table's test
+    pub(crate) origin: &'static str,
+}
+
+pub(crate) const DEVICE_THREADS: &[DeviceThreads] = &[DeviceThreads {
+    named: "DSD-",
+    lost_work: &["couldn't find resource for that handle"],
+    origin: "cubecl-runtime 0.11 as burn 0.22's wgpu backend runs it: each device's work runs \
+             on a thread named `DSD-*`, which catches the panic of wgpu's uncaptured-error \
+             handler; the attempt's `try_into_data()` then returns, and `into_data()` panics \
+             with, \"couldn't find resource for that handle\" (seen on llvmpipe, \
+             real-allocators/tests/burn_cpu.rs)",
+}];
+
+/// Whether a thread so named is a framework's device thread ([`DEVICE_THREADS`]).
+pub(crate) fn is_device_thread(name: &str) -> bool {
+    DEVICE_THREADS.iter().any(|row| name.starts_with(row.named))
+}
+
+/// Whether an attempt's failure text is what a framework's lost device work leaves behind
+/// ([`DEVICE_THREADS`]).
+pub(crate) fn is_lost_device_work(text: &str) -> bool {
+    DEVICE_THREADS
+        .iter()
+        .any(|row| row.lost_work.iter().any(|lost| text.contains(lost)))
+}
+
 /// A text that marks an error message as an out-of-memory error, and where it comes from.
 ///
 /// ```
@@ -708,7 +752,7 @@ fn describe_cudarc_chain(error: &(dyn Error + 'static)) -> String {
 /// The chain's messages joined with ": ", skipping a layer whose text its parent already shows
 /// (thiserror's `#[error("...: {0}")]` and `transparent` repeat their source). Whole: patterns
 /// are matched on all of it; descriptions keep its first line.
-fn chain_text(error: &(dyn Error + 'static)) -> String {
+pub(crate) fn chain_text(error: &(dyn Error + 'static)) -> String {
     let mut text = String::new();
     for layer in chain_of(error) {
         // A layer whose `Display` panics (candle's CUDA error formats cudarc's, which needs
@@ -908,6 +952,17 @@ mod tests {
         // The lost handle alone is not out-of-memory: only a device thread's panic says so.
         let lost = "An error happened during execution\nCaused by:\n  couldn't find resource for that handle: Memory location was never initialized";
         assert!(classify_text(lost).is_none());
+    }
+
+    #[test]
+    fn device_threads_are_named_and_their_lost_work_recognised() {
+        assert!(is_device_thread("DSD-4-0"));
+        assert!(!is_device_thread("metrics-exporter"));
+        assert!(!is_device_thread("tokio-runtime-worker"));
+        let lost = "An error happened during execution\nCaused by:\n  couldn't find resource for that handle: Memory location was never initialized";
+        assert!(is_lost_device_work(lost));
+        assert!(!is_lost_device_work("corrupt record 17 in shard 3"));
+        assert!(DEVICE_THREADS.iter().all(|row| !row.origin.is_empty()));
     }
 
     #[test]

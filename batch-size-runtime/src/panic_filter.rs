@@ -20,15 +20,18 @@
 //! - **Per thread.** The filter keeps a panic quiet only on a thread inside an attempt or a
 //!   quiet read, and only as that section says: everything during a quiet read; during an
 //!   attempt, what the attempt's judge recognises (out-of-memory). Other threads' panics pass.
-//! - **Other threads' out-of-memory counts.** A framework may run out of memory on a thread of
-//!   its own: burn's wgpu backend panics "wgpu error: Out of Memory" on cubecl's device thread
-//!   (`DSD-*`), which swallows the panic, and the attempt's thread gets an unrelated error ("couldn't
-//!   find resource for that handle"). The hook is the only code that sees that panic, and it sees
-//!   the panicking thread, not the attempt: so an out-of-memory panic on a thread that runs no
-//!   attempt is counted process-wide ([`SideWatch`]), and every attempt in flight while it happened
-//!   that then fails counts the failure as out-of-memory (with ranks as threads, each rank's
-//!   failed attempt: conservative, a smaller size for a rank that failed for another reason). It is
-//!   kept quiet while an attempt runs, as on the attempt's own thread.
+//! - **A device thread's out-of-memory counts only for the work it lost.** A framework may run
+//!   out of memory on a thread of its own: burn's wgpu backend panics "wgpu error: Out of Memory"
+//!   on cubecl's device thread (`DSD-*`), which catches the panic, and the attempt's thread gets
+//!   an error that says nothing of memory ("couldn't find resource for that handle"). The hook is
+//!   the only code that sees that panic, and it sees the panicking thread, not the attempt. So
+//!   the evidence is tied by both ends: the panicking thread must be a framework's device thread
+//!   (named as the classification's table says), and the attempt must have failed the way that
+//!   framework's lost work fails. Then, and only then, the failure counts as the device thread's
+//!   out-of-memory ([`SideWatch`]). A thread of no framework, another search's data error, an
+//!   attempt's own `index out of bounds`: none of them is ever turned into a retry. Only the
+//!   device thread's panic, which its framework catches, is kept quiet (while an attempt runs);
+//!   every other thread's panic reaches the hook, as Rust prints it.
 //! - **Reading is no side effect.** Outside any search (`oom::is_out_of_memory` called by you),
 //!   a quiet read puts a filter in front for the read alone and puts your very hook back after.
 
@@ -51,8 +54,9 @@ struct Quiet {
     reading: usize,
     /// The innermost running attempt's judge.
     attempt: Option<Judge>,
-    /// [`SIDE_OOMS`] when that attempt began: a panic of the attempt after another thread ran
-    /// out of memory is that out-of-memory's consequence, kept quiet as it is.
+    /// [`SIDE_OOMS`] when that attempt began: a panic of the attempt that says its device work
+    /// was lost, after a device thread ran out of memory, is that out-of-memory's consequence,
+    /// kept quiet as it is.
     side_seen: u64,
 }
 
@@ -78,18 +82,22 @@ pub(crate) struct SideRules {
     pub(crate) out_of_memory: fn(&(dyn Any + Send)) -> Option<String>,
     /// Whether recovered out-of-memory panics are kept quiet.
     pub(crate) quiet: fn() -> bool,
+    /// Whether a thread so named is a framework's device thread, which catches its own panics.
+    pub(crate) device_thread: fn(&str) -> bool,
+    /// Whether an attempt's failure text is what a framework's lost device work leaves.
+    pub(crate) lost_device_work: fn(&str) -> bool,
 }
 
 static SIDE_RULES: OnceLock<SideRules> = OnceLock::new();
 
-/// Out-of-memory panics on threads that run no attempt, counted since the process started, and
-/// the latest of them. Process-wide because the hook sees the thread that panicked, not the
-/// attempt that thread worked for; one counter and one slot are all the evidence an attempt
-/// needs (did one happen since I began, and what did it say).
+/// Out-of-memory panics on frameworks' device threads, counted since the process started, and
+/// the latest of them. The hook sees the thread that panicked, not the attempt that thread
+/// worked for: the count says only that a device lost work since an attempt began, and an
+/// attempt takes it as its own only when its failure is that lost work ([`SideWatch`]).
 static SIDE_OOMS: AtomicU64 = AtomicU64::new(0);
 static LATEST_SIDE_OOM: Mutex<Option<SideOom>> = Mutex::new(None);
 
-/// An out-of-memory panic on a thread that runs no attempt.
+/// An out-of-memory panic on a framework's device thread.
 #[derive(Debug, Clone)]
 struct SideOom {
     /// The line that says what ran out.
@@ -97,7 +105,8 @@ struct SideOom {
     thread: String,
 }
 
-/// Taken when an attempt begins: whether another thread ran out of memory since then.
+/// Taken when an attempt begins: whether a framework's device thread ran out of memory since
+/// then, for an attempt that failed the way that lost work fails.
 ///
 /// One atomic load to take it; the slot is read only when the attempt failed.
 #[derive(Debug)]
@@ -112,11 +121,16 @@ impl SideWatch {
         }
     }
 
-    /// The latest out-of-memory panic of a thread that ran no attempt, raised since this watch
-    /// began, as the failed attempt's out-of-memory: described by the line that says what ran
-    /// out, with the thread and what the attempt itself then failed with.
+    /// The latest out-of-memory panic of a device thread, raised since this watch began, as
+    /// the failed attempt's out-of-memory, where the attempt failed with (whole text) what the
+    /// lost device work leaves: described by the line that says what ran out, with the thread
+    /// and what the attempt itself then failed with.
     pub(crate) fn out_of_memory(&self, attempt_failed_with: &str) -> Option<SideOutOfMemory> {
         if SIDE_OOMS.load(Ordering::Acquire) == self.seen {
+            return None;
+        }
+        let rules = SIDE_RULES.get()?;
+        if !(rules.lost_device_work)(attempt_failed_with) {
             return None;
         }
         let latest = LATEST_SIDE_OOM
@@ -164,21 +178,23 @@ impl Drop for Running {
     }
 }
 
-/// A panic on a thread with no section of its own: an out-of-memory one is counted (whether or
-/// not an attempt runs now: an async attempt between two polls is not counted as running) and
-/// kept quiet while an attempt runs.
+/// A panic on a thread with no section of its own. On a framework's device thread, an
+/// out-of-memory one is counted (whether or not an attempt runs now: an async attempt between
+/// two polls is not counted as running) and kept quiet while an attempt runs, since its
+/// framework catches it. Any other thread's panic is printed, as Rust prints it.
 fn side_thread_panic(info: &PanicHookInfo<'_>) -> bool {
     let Some(rules) = SIDE_RULES.get() else {
         // No attempt has run in this process: no attempt to count it for.
         return false;
     };
+    let current = std::thread::current();
+    let Some(thread) = current.name().filter(|name| (rules.device_thread)(name)) else {
+        return false;
+    };
+    let thread = thread.to_owned();
     let Some(line) = (rules.out_of_memory)(info.payload()) else {
         return false;
     };
-    let thread = std::thread::current().name().map_or_else(
-        || format!("{:?}", std::thread::current().id()),
-        str::to_owned,
-    );
     *LATEST_SIDE_OOM
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(SideOom {
@@ -195,7 +211,7 @@ fn side_thread_panic(info: &PanicHookInfo<'_>) -> bool {
             thread = %thread,
             location = %info.location().map(ToString::to_string).unwrap_or_default(),
             error = %line,
-            "out-of-memory panic on another thread while an attempt runs; the attempt's failure will count as out-of-memory"
+            "out-of-memory panic on a framework's device thread while an attempt runs; an attempt that then fails as its lost work does counts as out-of-memory"
         );
     }
     quiet
@@ -363,7 +379,9 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
         }
         // burn's `into_data()` panics with the lost handle after its device thread ran out.
         None if SIDE_OOMS.load(Ordering::Acquire) != quiet.side_seen
-            && SIDE_RULES.get().is_some_and(|rules| (rules.quiet)()) =>
+            && SIDE_RULES.get().is_some_and(|rules| {
+                (rules.quiet)() && panic_text(info.payload()).is_some_and(rules.lost_device_work)
+            }) =>
         {
             tracing::debug!(
                 location = %location(),
@@ -373,6 +391,14 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
         }
         None => false,
     }
+}
+
+/// A panic's message, where it is text.
+fn panic_text(payload: &(dyn Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<&'static str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
 }
 
 /// Marks this thread's panics as `change` says until dropped.

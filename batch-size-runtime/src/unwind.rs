@@ -29,10 +29,13 @@ fn quiet_out_of_memory(payload: &(dyn Any + Send)) -> Option<String> {
 }
 
 /// How the panic filter reads the panics of threads that run no attempt (cubecl's device
-/// threads): the line that says what ran out, and whether such panics are kept quiet.
+/// threads): which threads are a framework's device threads, the line that says what ran out,
+/// whether such panics are kept quiet, and what an attempt whose device work was lost fails with.
 const SIDE_RULES: panic_filter::SideRules = panic_filter::SideRules {
     out_of_memory: |payload| oom::classify_panic(payload).map(|found| found.description),
     quiet: oom::quiet_oom_panics,
+    device_thread: oom::is_device_thread,
+    lost_device_work: oom::is_lost_device_work,
 };
 
 /// Runs `attempt`, catching a panic.

@@ -55,8 +55,9 @@ impl<'a> OomRules<'a> {
         }
     }
 
-    /// Also counts a failure as out-of-memory where another thread ran out while the attempt
-    /// ran (cubecl's device threads: see the panic filter).
+    /// Also counts a failure as out-of-memory where a framework's device thread ran out while
+    /// the attempt ran and the failure is that thread's lost work (cubecl's device threads: see
+    /// the panic filter).
     pub(crate) fn with_side_threads(
         mut self,
         side_threads: Option<&'a crate::panic_filter::SideWatch>,
@@ -84,7 +85,8 @@ impl<'a> OomRules<'a> {
                     requested: None,
                 })
             })
-            .or_else(|| self.side_thread_oom(|| oom::describe(error)))
+            // The whole chain: what lost device work says may be below the first line.
+            .or_else(|| self.side_thread_oom(|| oom::chain_text(error)))
     }
 
     /// Whether a message is out-of-memory, by the same rules.
