@@ -131,10 +131,12 @@ impl<'r> Settings<'r> {
         self.cache.as_ref().filter(|cache| !cache.key.is_empty())
     }
 
-    /// What a runner of many searches hands each of them: the smallest size, the release and
-    /// the first setting found unusable (its size rule it lends to its own policy).
+    /// What a runner of many searches hands each of them: the bounds (`max` caps the first
+    /// size, a cached one included), the release and the first setting found unusable (its
+    /// size rule it lends to its own policy).
     pub(crate) fn lend_to_search(&self, search: &mut Settings<'_>) {
         search.min = self.min;
+        search.max = self.max;
         search.release = self.release.clone();
         search.invalid = self.invalid.clone();
     }
