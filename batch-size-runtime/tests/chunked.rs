@@ -331,3 +331,34 @@ fn with_max_caps_a_cached_chunk_size() {
     assert!(capped.iter().all(|&size| size <= 8), "{capped:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_reduce_that_does_not_shrink_stops_with_not_smaller() {
+    for same_or_larger in [0, 5] {
+        let mut chunks = 0;
+        let mut chunked = Chunked::new(200)
+            .with_starting(100)
+            .with_reduce(move |failed| failed.batch_size + same_or_larger);
+        let error = chunked
+            .for_each(|_| -> anyhow::Result<()> {
+                chunks += 1;
+                Err(batch_size_runtime::OutOfMemory::new().into())
+            })
+            .unwrap_err();
+        let ChunkError::NoChunkFits { error, .. } = error else {
+            panic!("not NoChunkFits: {error}");
+        };
+        let none_fit = error
+            .downcast_ref::<batch_size_runtime::NoExecutableBatchSize>()
+            .unwrap();
+        assert!(
+            matches!(
+                none_fit.reason(),
+                batch_size_runtime::StopReason::NotSmaller { failed: 100, .. }
+            ),
+            "{:?}",
+            none_fit.reason()
+        );
+        assert_eq!(chunks, 1, "one chunk ran out of memory, then the stop");
+    }
+}

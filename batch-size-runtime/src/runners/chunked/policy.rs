@@ -180,6 +180,14 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
             // A budget that packs the same items again would fail again: below their cost.
             let below = usize::try_from(cost.saturating_sub(1)).unwrap_or(usize::MAX);
             return match self.inner.after(history) {
+                // A rule that does not shrink stops, as in every search: clamping it below
+                // the items' cost would walk down one item at a time.
+                Decision::Try(budget) if budget >= last.batch_size => {
+                    Decision::Stop(StopReason::NotSmaller {
+                        failed: last.batch_size,
+                        proposed: budget,
+                    })
+                }
                 Decision::Try(budget) => Decision::Try(budget.min(below).max(1)),
                 // Two budgets that packed the same items look like memory that does not depend
                 // on the size; for chunks it is the items' own: halve instead.
