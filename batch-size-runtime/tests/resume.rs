@@ -142,3 +142,59 @@ fn a_cache_key_without_figures_still_resumes_and_a_bad_file_is_ignored() {
     assert_eq!(fresh.last_report().len(), 3); // 64, 32, 16
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Without memory figures, a resumed run holds growth back below the size its entry records
+/// as failed, as the first run did: no out-of-memory on the way back up.
+#[test]
+fn a_resumed_run_remembers_the_size_that_failed() {
+    let dir = fresh_dir("failed-at");
+    const FITS: usize = 40;
+
+    // Chunked: chunks above 40 items run out of memory.
+    let chunked_run = |out_of_memory: &mut usize| {
+        let mut chunked = Chunked::new(300)
+            .with_starting(64)
+            .with_grow_after(2)
+            .with_cache("resume chunked failed")
+            .with_cache_dir(&dir);
+        chunked
+            .for_each(|items| -> anyhow::Result<()> {
+                if items.len() > FITS {
+                    *out_of_memory += 1;
+                    return Err(OutOfMemory::new().into());
+                }
+                Ok(())
+            })
+            .unwrap();
+    };
+    let mut first = 0;
+    chunked_run(&mut first);
+    assert_eq!(first, 1, "the first run ran out of memory once, at 64");
+    clear_process_cache();
+    let mut resumed = 0;
+    chunked_run(&mut resumed);
+    assert_eq!(resumed, 0, "the resumed run grew back into the size that failed");
+
+    // EffectiveBatch: micro-batches above 40 samples run out of memory.
+    let effective_run = |steps: usize| {
+        let mut runner = EffectiveBatch::new(256)
+            .with_grow_after(2)
+            .with_cache("resume effective failed")
+            .with_cache_dir(&dir);
+        for _ in 0..steps {
+            runner
+                .step(|plan| -> anyhow::Result<()> {
+                    if plan.micro() > FITS {
+                        return Err(OutOfMemory::new().into());
+                    }
+                    Ok(())
+                })
+                .unwrap();
+        }
+        runner.recoveries().len()
+    };
+    assert!(effective_run(8) > 0, "the first run learned by running out of memory");
+    clear_process_cache();
+    assert_eq!(effective_run(8), 0, "the resumed run grew back into the size that failed");
+    let _ = std::fs::remove_dir_all(&dir);
+}

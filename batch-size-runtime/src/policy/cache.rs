@@ -229,6 +229,12 @@ impl RunnerCache {
         self.entry.as_ref().map(|entry| entry.fits)
     }
 
+    /// The smallest size above [`fits`](Self::fits) that ran out of memory in the run that wrote
+    /// the entry: a resumed run holds growth back below it, as that run did.
+    pub(crate) fn failed_at(&self) -> Option<usize> {
+        self.entry.as_ref().and_then(|entry| entry.failed_at)
+    }
+
     /// Remembers `fits` (and the smallest size above it that failed), where it changed.
     pub(crate) fn remember(&mut self, fits: usize, failed_at: Option<usize>) {
         let failed_at = failed_at.filter(|&failed| failed > fits);

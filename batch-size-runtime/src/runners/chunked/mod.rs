@@ -473,13 +473,18 @@ impl<'r> Chunked<'r> {
             .or(self.starting)
             .unwrap_or(whole)
             .clamp(1, whole.max(1));
+        let mut grow = GrowBack::new(
+            self.settings.grow_after,
+            self.settings.max.unwrap_or(usize::MAX),
+        );
+        // The failure that held an earlier run's growth back holds this one's back too.
+        if let Some(failed) = self.cache.as_ref().and_then(RunnerCache::failed_at) {
+            grow.failed(failed);
+        }
         let policy = ChunkPolicy {
             inner,
             run,
-            grow: GrowBack::new(
-                self.settings.grow_after,
-                self.settings.max.unwrap_or(usize::MAX),
-            ),
+            grow,
             convergence: Convergence::new(self.settings.learn),
             probing: None,
             max: self.settings.max.unwrap_or(usize::MAX),
@@ -557,11 +562,14 @@ impl<'r> Chunked<'r> {
         let Some(settled) = settled.filter(|&settled| settled > 0) else {
             return;
         };
+        // An earlier run's failure still stands unless this run ran that size.
         let failed_above = self
             .chunks
             .iter()
             .filter(|chunk| !chunk.done && chunk.budget > settled)
             .map(|chunk| chunk.budget)
+            .chain(cache.failed_at())
+            .filter(|&failed| failed > settled)
             .min();
         cache.remember(settled, failed_above);
     }

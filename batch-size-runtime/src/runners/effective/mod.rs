@@ -451,6 +451,10 @@ impl<'r> EffectiveBatch<'r> {
                 self.micro = fits;
                 self.next_micro = fits;
             }
+            // The failure that held the first run's growth back holds this one's back too.
+            if let Some(failed) = cache.failed_at() {
+                self.grow.failed(failed);
+            }
             self.cache = Some(cache);
         }
     }
