@@ -78,6 +78,16 @@ pub enum StopReason {
     InvalidConfiguration(String),
     /// The policy accepted before any attempt had succeeded: there is no value to return.
     NothingToAccept,
+    /// The policy proposed, after a success, a size that had already run successfully `runs`
+    /// times on the same work (16 at most in one search): running it again tells nothing new,
+    /// and a policy that keeps proposing it would never end. Where every success is new work
+    /// (the chunks of [`Chunked`](crate::Chunked)), sizes repeat freely.
+    SizeRepeated {
+        /// The size proposed again.
+        batch_size: usize,
+        /// Its successful runs so far.
+        runs: usize,
+    },
     /// Your own policy stopped the search, saying why. (This crate's policies stop with the
     /// variants that say what happened, so that code can tell them apart.)
     Policy(String),
@@ -133,7 +143,9 @@ impl StopReason {
     /// saying: not when the tuner's trials do not use the size they are given.
     fn is_out_of_memory(&self) -> bool {
         match self {
-            StopReason::MemoryDoesNotGrow { .. } | StopReason::SharesNotAgreed { .. } => false,
+            StopReason::MemoryDoesNotGrow { .. }
+            | StopReason::SharesNotAgreed { .. }
+            | StopReason::SizeRepeated { .. } => false,
             StopReason::NoRemedyLeft { last, .. } => last.is_out_of_memory(),
             _ => true,
         }
@@ -157,6 +169,10 @@ impl fmt::Display for StopReason {
             StopReason::NothingToAccept => {
                 f.write_str("the policy accepted before any attempt succeeded")
             }
+            StopReason::SizeRepeated { batch_size, runs } => write!(
+                f,
+                "the policy proposed batch size {batch_size} again after it had run successfully {runs} times on the same work; accept a success or propose another size"
+            ),
             StopReason::Policy(why) | StopReason::Agreement(why) => f.write_str(why),
             StopReason::FixedMemoryDoesNotFit {
                 sizes: (earlier, latest),

@@ -183,3 +183,38 @@ fn a_max_below_min_is_refused_by_every_runner_before_its_first_attempt() {
         error.downcast_ref::<NoExecutableBatchSize>().unwrap()
     ));
 }
+
+/// A policy that keeps proposing a size that already ran, on the same work, ends with a reason
+/// that says so, never a hang (no `with_max_attempts` set).
+#[test]
+fn a_policy_that_repeats_a_size_that_succeeded_stops() {
+    #[derive(Debug)]
+    struct AlwaysEight;
+    impl batch_size_runtime::policy::SizePolicy for AlwaysEight {
+        fn after(&mut self, _: &batch_size_runtime::SearchReport) -> Decision {
+            Decision::Try(8)
+        }
+    }
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut runs = 0;
+        let result = BatchSizeSearch::new(8)
+            .with_policy(AlwaysEight)
+            .call(|size| {
+                runs += 1;
+                size
+            });
+        let _ = done_tx.send((result.map_err(|e| e.reason().clone()), runs));
+    });
+    let (result, runs) = done_rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the search ended");
+    assert_eq!(
+        result.unwrap_err(),
+        batch_size_runtime::StopReason::SizeRepeated {
+            batch_size: 8,
+            runs: 16
+        }
+    );
+    assert_eq!(runs, 16);
+}

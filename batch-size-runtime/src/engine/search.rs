@@ -168,7 +168,36 @@ impl<'r> Search<'r> {
     }
 }
 
+/// How many times one search runs the same work at the same size, where its successes are not
+/// new work (a tuner's trials, a policy of your own): a policy that keeps proposing a size that
+/// already ran learns nothing more from it, and would otherwise run for ever.
+pub(crate) const MAX_RUNS_OF_ONE_SIZE: usize = 16;
+
 impl Search<'_> {
+    /// After a success: a size that already succeeded [`MAX_RUNS_OF_ONE_SIZE`] times on the same
+    /// work is not run again; the search stops, saying so.
+    fn no_endless_repeats(&self, next: Next) -> Next {
+        let Next::Size(size) = next else {
+            return next;
+        };
+        if self.policy.each_success_is_new_work() {
+            return next;
+        }
+        let runs = self
+            .report
+            .attempts()
+            .filter(|attempt| attempt.batch_size == size && attempt.outcome.is_success())
+            .count();
+        if runs >= MAX_RUNS_OF_ONE_SIZE {
+            Next::Stop(StopReason::SizeRepeated {
+                batch_size: size,
+                runs,
+            })
+        } else {
+            next
+        }
+    }
+
     /// The engine's rules over what the policy decided.
     #[inline]
     fn within_the_rules(&self, decision: Decision) -> Next {
@@ -412,7 +441,7 @@ impl Search<'_> {
             }
             let decision = self.policy.after(&self.report);
             self.rationale = self.policy.rationale();
-            self.within_the_rules(decision)
+            self.no_endless_repeats(self.within_the_rules(decision))
         };
         match &self.next {
             Next::Accepted => {
