@@ -336,7 +336,7 @@ const ROLE: &str = "NCCL_TEST_CHILD_ROLE";
 fn run_child(name: &str, env: &[(&str, String)], deadline: Duration) -> (String, bool) {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
         .env_remove("BATCH_SIZE_NCCL_LIBRARY")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -384,10 +384,9 @@ fn free_port() -> u16 {
 /// `NCCL_TEST_EXCHANGE` says, the agreed search; prints `AGREED <size>` or `FAILED <error>`.
 /// With `NCCL_TEST_DIE=1` it exits abruptly once it has joined, like a killed process.
 #[test]
+#[ignore = "a child process of the rank tests: run by them with --ignored"]
 fn child_rank() {
-    let Ok(role) = std::env::var(ROLE) else {
-        return; // run only as a child
-    };
+    let role = std::env::var(ROLE).expect("run only as a child, which sets its role");
     assert_eq!(role, "rank");
     let capacity: u64 = std::env::var("NCCL_TEST_CAPACITY_MIB")
         .unwrap()
@@ -506,10 +505,13 @@ fn a_rank_process_that_dies_fails_the_other_instead_of_hanging() {
 /// Prints where NCCL was found, or why not (`LIBRARY <path>` / `MISSING <error>`), without
 /// loading the fake first: the search itself finds it, or not.
 #[test]
+#[ignore = "a child process of the library search tests: run by them with --ignored"]
 fn child_find_library() {
-    if std::env::var(ROLE).as_deref() != Ok("find") {
-        return; // run only as a child
-    }
+    assert_eq!(
+        std::env::var(ROLE).as_deref(),
+        Ok("find"),
+        "run only as a child, which sets its role"
+    );
     match NcclId::new() {
         Ok(_) => {
             let (path, version) = batch_size_runtime::agree::loaded_library().unwrap();
