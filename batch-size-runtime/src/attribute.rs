@@ -4,47 +4,69 @@
 //! type does not fit; the functions here (hidden) are what the generated code calls, so that
 //! such an error points at your argument.
 
-use crate::engine::BatchSizeSearch;
+use crate::engine::{BatchSizeSearch, Invalid};
+
+/// An argument of the attribute that is not a batch size (a negative `starting`): its name and
+/// value, for the search to stop with before its first attempt.
+#[derive(Debug, Clone)]
+pub struct NotABatchSize {
+    setting: &'static str,
+    value: String,
+}
+
+impl NotABatchSize {
+    fn of(setting: &'static str, value: impl std::fmt::Display) -> Self {
+        NotABatchSize {
+            setting,
+            value: value.to_string(),
+        }
+    }
+
+    fn into_invalid(self) -> Invalid {
+        Invalid::NotABatchSize {
+            setting: self.setting,
+            value: self.value,
+        }
+    }
+}
 
 /// The search for the attribute's `starting`, its sizes capped to what the batch-size
 /// parameter's type `P` can hold (a policy's larger proposal runs as the largest that has not
 /// failed); a negative `starting` stops it before its first attempt, saying why.
-#[doc(hidden)]
 #[inline]
 pub fn search<'r, P: BatchSizeInt>(
     label: &'static str,
-    starting: Result<usize, String>,
+    starting: Result<usize, NotABatchSize>,
 ) -> BatchSizeSearch<'r> {
     match starting {
         Ok(starting) => {
             let mut search =
                 BatchSizeSearch::new(starting.min(P::MAX_BATCH_SIZE)).with_label(label);
-            search.run.max_size = P::MAX_BATCH_SIZE;
+            search.settings.type_max = P::MAX_BATCH_SIZE;
             search
         }
         Err(why) => {
             let mut search = BatchSizeSearch::new(1).with_label(label);
-            search.invalidate(why);
+            search.invalidate(why.into_invalid());
             search
         }
     }
 }
 
 /// `starting` of any integer type, checked where it is written.
-#[doc(hidden)]
-pub fn starting_of<S: BatchSizeInt>(starting: S) -> Result<usize, String> {
-    starting.to_batch_size("starting")
+pub fn starting_of<S: BatchSizeInt>(starting: S) -> Result<usize, NotABatchSize> {
+    starting
+        .to_batch_size()
+        .ok_or_else(|| NotABatchSize::of("starting", starting))
 }
 
 /// `min = EXPR` of any integer type; 0 or below is an invalid configuration.
-#[doc(hidden)]
 #[inline]
 pub fn with_min<'r, M: BatchSizeInt>(search: BatchSizeSearch<'r>, min: M) -> BatchSizeSearch<'r> {
     with_count(search, min, "min", BatchSizeSearch::with_min)
 }
 
 /// `max_attempts = EXPR` of any integer type; 0 or below is an invalid configuration.
-#[doc(hidden)]
 pub fn with_max_attempts<'r, M: BatchSizeInt>(
     search: BatchSizeSearch<'r>,
     max_attempts: M,
@@ -63,13 +85,13 @@ pub fn with_max_attempts<'r, M: BatchSizeInt>(
 fn with_count<'r, M: BatchSizeInt>(
     mut search: BatchSizeSearch<'r>,
     value: M,
-    name: &str,
+    name: &'static str,
     set: fn(BatchSizeSearch<'r>, usize) -> BatchSizeSearch<'r>,
 ) -> BatchSizeSearch<'r> {
-    match value.to_batch_size(name) {
-        Ok(value) => set(search, value),
-        Err(why) => {
-            search.invalidate(why);
+    match value.to_batch_size() {
+        Some(value) => set(search, value),
+        None => {
+            search.invalidate(NotABatchSize::of(name, value).into_invalid());
             search
         }
     }
@@ -77,23 +99,27 @@ fn with_count<'r, M: BatchSizeInt>(
 
 /// `effective = EXPR`: the search's sizes are micro sizes, at most `effective`; an `effective`
 /// of 0 or below stops it before its first attempt.
-#[doc(hidden)]
 pub fn with_effective<'r>(
     search: BatchSizeSearch<'r>,
-    effective: &Result<usize, String>,
+    effective: &Result<usize, NotABatchSize>,
 ) -> BatchSizeSearch<'r> {
     let mut search = search;
     match effective {
-        Ok(0) => search.invalidate("`effective` must be at least 1, got 0".to_owned()),
-        Ok(effective) => search.run.starting = search.run.starting.min(*effective),
-        Err(why) => search.invalidate(why.replace("`starting`", "`effective`")),
+        Ok(0) => search.invalidate(Invalid::EffectiveIsZero),
+        Ok(effective) => search.starting = search.starting.min(*effective),
+        Err(why) => search.invalidate(
+            NotABatchSize {
+                setting: "effective",
+                ..why.clone()
+            }
+            .into_invalid(),
+        ),
     }
     search
 }
 
 /// The attempt's plan: `effective` samples in micro-batches of `micro`.
-#[doc(hidden)]
-pub fn plan(effective: &Result<usize, String>, micro: usize) -> crate::BatchPlan {
+pub fn plan(effective: &Result<usize, NotABatchSize>, micro: usize) -> crate::BatchPlan {
     crate::BatchPlan::new(effective.as_ref().map_or(0, |effective| *effective), micro)
 }
 
@@ -121,22 +147,20 @@ impl<S: Clone + Send + 'static> RemediesArgument<S> for &crate::remedies::Remedi
 }
 
 /// The handle the attempts share.
-#[doc(hidden)]
 pub fn remedies_handle<S, R: RemediesArgument<S>>(remedies: &R) -> crate::remedies::Remedies<S> {
     remedies.handle()
 }
 
 /// `remedies = EXPR`: the search may apply them when no size fits.
-#[doc(hidden)]
 pub fn with_remedies<'r, S: Clone + Send + 'static>(
-    search: BatchSizeSearch<'r>,
+    mut search: BatchSizeSearch<'r>,
     remedies: &crate::remedies::Remedies<S>,
 ) -> BatchSizeSearch<'r> {
-    search.with_remedy_control(remedies.control(), None)
+    search.settings.remedies = Some(remedies.control());
+    search
 }
 
 /// The attempt's batch size in the parameter's own type.
-#[doc(hidden)]
 pub fn batch_size_as<P: BatchSizeInt>(size: usize) -> P {
     P::from_batch_size(size)
 }
@@ -163,11 +187,11 @@ impl<T: Clone> ClonePerAttempt for T {
     message = "`{Self}` cannot be a batch size",
     label = "expected a primitive integer type (`usize`, `u32`, `i64`, ...)"
 )]
-pub trait BatchSizeInt: Copy {
+pub trait BatchSizeInt: Copy + std::fmt::Display {
     /// The largest batch size this type holds.
     const MAX_BATCH_SIZE: usize;
-    /// The size as `usize`, or why it cannot be one (`what` names the argument).
-    fn to_batch_size(self, what: &str) -> Result<usize, String>;
+    /// The size as `usize`, or `None` where it cannot be one (negative).
+    fn to_batch_size(self) -> Option<usize>;
     /// The size in this type (sizes never exceed `MAX_BATCH_SIZE`).
     fn from_batch_size(size: usize) -> Self;
 }
@@ -180,10 +204,8 @@ macro_rules! batch_size_int {
             } else {
                 <$int>::MAX as usize
             };
-            fn to_batch_size(self, what: &str) -> Result<usize, String> {
-                usize::try_from(self).map_err(|_| {
-                    format!("`{what}` must be a non-negative batch size, got {self}")
-                })
+            fn to_batch_size(self) -> Option<usize> {
+                usize::try_from(self).ok()
             }
             fn from_batch_size(size: usize) -> Self {
                 // The search never goes above `MAX_BATCH_SIZE`, so this does not saturate.

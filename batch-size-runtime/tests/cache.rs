@@ -240,3 +240,50 @@ fn a_cached_size_runs_again_after_a_search_that_left_memory_in_the_pool() {
     assert_eq!(again.report().len(), 1);
     assert!(again.report().last().unwrap().outcome.is_success());
 }
+
+/// A tuner rerun from the cache reports what the run that wrote the entry reported: the size,
+/// the largest with its headroom, the largest that ran; for the largest size and the fastest.
+#[test]
+fn a_tuner_rerun_says_what_the_first_run_said() {
+    use batch_size_runtime::{Choice, Tuner};
+    use std::time::Duration;
+
+    for (choice, per_sample) in [
+        (Choice::Largest, 3 << 20),
+        (Choice::Fastest, 3 << 20),
+        (Choice::Largest, 7 << 20),
+        (Choice::Fastest, 5 << 20),
+    ] {
+        let device = SimulatedDevice::new(1 << 30);
+        let key = format!("tuner rerun {choice:?} {per_sample}");
+        // A step takes 1 ms up to 32 samples, then in proportion: the fastest size is below
+        // the largest.
+        let now = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));
+        let tune = || {
+            let clock = std::sync::Arc::clone(&now);
+            Tuner::new()
+                .choose(choice)
+                .with_release(device.clone())
+                .with_cache(key.clone())
+                .with_clock(move || *clock.lock().unwrap())
+                .run(|size| -> anyhow::Result<()> {
+                    let _weights = device.alloc(64 << 20)?;
+                    let _activations = device.alloc(size as u64 * per_sample)?;
+                    *now.lock().unwrap() += Duration::from_micros(1000 * size.max(32) as u64 / 32);
+                    Ok(())
+                })
+                .unwrap()
+        };
+        let first = tune();
+        let rerun = tune();
+        assert!(
+            rerun.report().from_cache(),
+            "{choice:?}: the rerun ran the cached size"
+        );
+        assert_eq!(
+            (rerun.batch_size(), rerun.largest(), rerun.largest_fit()),
+            (first.batch_size(), first.largest(), first.largest_fit()),
+            "{choice:?}, {per_sample} bytes a sample"
+        );
+    }
+}

@@ -180,7 +180,13 @@ const PER_SAMPLE: u64 = 4 * MIB;
 /// Runs `test` in a child process of this test binary, alone, with `CHILD` set.
 fn in_child(test: &str) {
     let output = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            test,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, "1")
         .output()
         .unwrap();

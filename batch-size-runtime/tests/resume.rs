@@ -173,7 +173,10 @@ fn a_resumed_run_remembers_the_size_that_failed() {
     clear_process_cache();
     let mut resumed = 0;
     chunked_run(&mut resumed);
-    assert_eq!(resumed, 0, "the resumed run grew back into the size that failed");
+    assert_eq!(
+        resumed, 0,
+        "the resumed run grew back into the size that failed"
+    );
 
     // EffectiveBatch: micro-batches above 40 samples run out of memory.
     let effective_run = |steps: usize| {
@@ -193,8 +196,15 @@ fn a_resumed_run_remembers_the_size_that_failed() {
         }
         runner.recoveries().len()
     };
-    assert!(effective_run(8) > 0, "the first run learned by running out of memory");
+    assert!(
+        effective_run(8) > 0,
+        "the first run learned by running out of memory"
+    );
     clear_process_cache();
-    assert_eq!(effective_run(8), 0, "the resumed run grew back into the size that failed");
+    assert_eq!(
+        effective_run(8),
+        0,
+        "the resumed run grew back into the size that failed"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

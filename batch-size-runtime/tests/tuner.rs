@@ -341,3 +341,51 @@ fn without_figures_it_grows_by_four_and_bisects() {
     assert_eq!(tuned.batch_size(), 115);
     assert!(tuned.report().len() <= 13, "{}", tuned.report());
 }
+
+/// The tuner's own settings are checked before any of the user's code runs, the dry run's
+/// trials included: a refused headroom calls the trial not once.
+#[test]
+fn a_refused_setting_calls_neither_the_dry_run_nor_the_trial() {
+    use batch_size_runtime::memory::DryRun;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Debug)]
+    struct Measured;
+    impl DryRun for Measured {
+        fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> {
+            step();
+            Some(1 << 20)
+        }
+        fn budget(&self) -> Option<u64> {
+            Some(1 << 30)
+        }
+    }
+    for (tuner, expected) in [
+        (Tuner::new().with_headroom(1.5), "`headroom`"),
+        (Tuner::new().with_tolerance(-0.5), "`tolerance`"),
+        (Tuner::new().with_max_trials(0), "`max_trials`"),
+        (
+            Tuner::new().with_min(16).with_max(8),
+            "`max` (8) must not be below `min` (16)",
+        ),
+    ] {
+        let trials = AtomicUsize::new(0);
+        let error = tuner
+            .with_release(batch_size_runtime::Release::none())
+            .with_dry_run(Measured)
+            .run(|_| {
+                trials.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, anyhow::Error>(())
+            })
+            .unwrap_err();
+        assert_eq!(trials.load(Ordering::SeqCst), 0, "{error}");
+        let none_fit = error
+            .downcast_ref::<batch_size_runtime::NoExecutableBatchSize>()
+            .unwrap();
+        let batch_size_runtime::StopReason::InvalidConfiguration(why) = none_fit.reason() else {
+            panic!("{:?}", none_fit.reason());
+        };
+        assert!(why.contains(expected), "{why}");
+        assert!(none_fit.tried().is_empty());
+    }
+}

@@ -336,7 +336,13 @@ const ROLE: &str = "NCCL_TEST_CHILD_ROLE";
 fn run_child(name: &str, env: &[(&str, String)], deadline: Duration) -> (String, bool) {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env_remove("BATCH_SIZE_NCCL_LIBRARY")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use crate::agree::{Agree, Collective};
+use crate::agree::Agree;
 use crate::attempt::AttemptError;
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
 #[allow(unused_imports)] // for the docs' links
@@ -32,7 +32,7 @@ use crate::error::{NoExecutableBatchSize, StopReason};
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::policy::Cached;
-use crate::policy::{LadderControl, Remediate};
+use crate::policy::Remediate;
 use crate::policy::{Reduction, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
@@ -46,7 +46,6 @@ pub(crate) use active::{ActivePolicy, Hooks};
 pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
-pub(crate) use search::SearchSettings;
 pub(crate) use settings::{settings_setters, Invalid, Settings};
 
 /// Finds a batch size that fits: calls an attempt with `starting`, and after each
@@ -75,15 +74,11 @@ pub(crate) use settings::{settings_setters, Invalid, Settings};
 #[derive(Debug)]
 #[must_use = "a search does nothing until it is run"]
 pub struct BatchSizeSearch<'r> {
-    /// What the loop is started with, beside the shared settings.
-    pub(crate) run: SearchSettings<'r>,
-    /// What every runner is configured with (min, the size rule, release, cache).
+    /// The first size tried.
+    pub(crate) starting: usize,
+    /// Everything else: the bounds, the size rule, the release, the cache, the agreement, the
+    /// remedies, the hooks.
     pub(crate) settings: Settings<'r>,
-    /// The other ranks this search agrees with, if any: wraps whichever policy is chosen.
-    pub(crate) agreement: Option<Box<dyn Collective + 'r>>,
-    /// The remedies allowed when no size fits, if any: wraps the policy, inside the cache.
-    /// With where the batch-size search starts again after a remedy (default: `starting`).
-    pub(crate) remedies: Option<(Arc<dyn LadderControl>, Option<usize>)>,
 }
 
 settings_setters!(
@@ -91,7 +86,8 @@ settings_setters!(
     "BatchSizeSearch::new(64)",
     bounds,
     release,
-    shrink
+    shrink,
+    agreement
 );
 
 impl<'r> BatchSizeSearch<'r> {
@@ -108,21 +104,8 @@ impl<'r> BatchSizeSearch<'r> {
     #[inline]
     pub fn new(starting: usize) -> Self {
         BatchSizeSearch {
-            run: SearchSettings {
-                starting,
-                min: 1,
-                max_attempts: None,
-                max_size: usize::MAX,
-                policy: ActivePolicy::Shrink(Reduction::Halve),
-                release: None,
-                label: "batch_size_search",
-                invalid: None,
-                hooks: None,
-                first_fit_at_debug: false,
-            },
+            starting,
             settings: Settings::default(),
-            agreement: None,
-            remedies: None,
         }
     }
 
@@ -139,8 +122,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(none_fit.tried(), &[32, 24, 16, 8]);
     /// ```
     pub fn with_reduction(mut self, reduction: Reduction<'r>) -> Self {
-        self.settings.policy = None;
-        self.settings.shrink = reduction;
+        self.settings.set_shrink(reduction);
         self
     }
 
@@ -157,10 +139,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     #[inline]
     pub fn with_max_attempts(mut self, max_attempts: usize) -> Self {
-        if max_attempts == 0 {
-            self.invalidate("`max_attempts` must be at least 1, got 0".to_owned());
-        }
-        self.run.max_attempts = Some(max_attempts.max(1));
+        self.settings.set_max_attempts(max_attempts);
         self
     }
 
@@ -174,14 +153,14 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     #[inline]
     pub fn with_label(mut self, label: &'static str) -> Self {
-        self.run.label = label;
+        self.settings.label = label;
         self
     }
 
     /// Makes the search stop before its first attempt with
     /// [`StopReason::InvalidConfiguration`] (a negative `starting` or `min`, a `min` of 0).
-    pub(crate) fn invalidate(&mut self, why: String) {
-        self.settings.invalidate(Invalid::Other(why));
+    pub(crate) fn invalidate(&mut self, why: Invalid) {
+        self.settings.invalidate(why);
     }
 
     /// Chooses sizes with `policy` instead of the guided default: a policy of this crate
@@ -200,40 +179,6 @@ impl<'r> BatchSizeSearch<'r> {
     /// ```
     pub fn with_policy(mut self, policy: impl SizePolicy + 'r) -> Self {
         self.settings.policy = Some(Box::new(policy));
-        self
-    }
-
-    /// Agrees with the other ranks of a data-parallel job at the end of every attempt, so that
-    /// every rank runs the same sizes and returns the same one: if any rank ran out of memory,
-    /// every rank releases its memory and retries at the smallest size the ranks propose; if
-    /// one failed otherwise, the others stop with an error naming it. Wraps whichever policy
-    /// the search uses (the order of the builder's calls does not matter). See
-    /// [`agree`](crate::agree) for where a rank may run out of memory inside an attempt.
-    ///
-    /// ```
-    /// use std::thread;
-    /// use batch_size_runtime::agree::ThreadRanks;
-    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory};
-    ///
-    /// let ranks = ThreadRanks::new(2);
-    /// let sizes: Vec<usize> = thread::scope(|scope| {
-    ///     let workers: Vec<_> = ranks.iter().zip([100, 40]).map(|(rank, fits)| {
-    ///         scope.spawn(move || {
-    ///             BatchSizeSearch::new(128)
-    ///                 .with_agreement(rank)
-    ///                 .run(|size| -> anyhow::Result<usize> {
-    ///                     if size > fits { Err(OutOfMemory::new())? }
-    ///                     Ok(size)
-    ///                 })
-    ///         })
-    ///     }).collect();
-    ///     workers.into_iter().map(|worker| worker.join().unwrap().unwrap()).collect()
-    /// });
-    /// assert_eq!(sizes[0], sizes[1]);
-    /// assert!(sizes[0] <= 40);
-    /// ```
-    pub fn with_agreement(mut self, collective: impl Collective + 'r) -> Self {
-        self.agreement = Some(Box::new(collective));
         self
     }
 
@@ -257,7 +202,7 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         predicate: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r,
     ) -> Self {
-        self.run.hooks.get_or_insert_with(Box::default).when = Some(Box::new(predicate));
+        self.settings.hooks_mut().when = Some(Box::new(predicate));
         self
     }
 
@@ -277,7 +222,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(seen, [(64, false), (32, false), (16, true)]);
     /// ```
     pub fn notify(mut self, callback: impl FnMut(&Attempt) + Send + 'r) -> Self {
-        self.run.hooks.get_or_insert_with(Box::default).notify = Some(Box::new(callback));
+        self.settings.hooks_mut().notify = Some(Box::new(callback));
         self
     }
 
@@ -300,7 +245,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(received.recv().unwrap().len(), 3);
     /// ```
     pub fn on_report(mut self, callback: impl FnOnce(&SearchReport) + Send + 'r) -> Self {
-        self.run.hooks.get_or_insert_with(Box::default).on_report = Some(Box::new(callback));
+        self.settings.hooks_mut().on_report = Some(Box::new(callback));
         self
     }
 
@@ -464,7 +409,7 @@ impl<'r> BatchSizeSearch<'r> {
     /// Times attempts with `clock` instead of the wall clock (a runner's simulated clock), for
     /// [`Attempt::duration`](crate::Attempt::duration).
     pub(crate) fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
-        self.run.hooks.get_or_insert_with(Box::default).clock = Some(Box::new(clock));
+        self.settings.hooks_mut().clock = Some(Box::new(clock));
         self
     }
 
@@ -500,74 +445,46 @@ impl<'r> BatchSizeSearch<'r> {
     #[inline]
     pub fn start(self) -> Search<'r> {
         let BatchSizeSearch {
-            run: mut settings,
-            settings: mut shared,
-            agreement,
-            remedies,
+            starting,
+            mut settings,
         } = self;
-        // `max` against `min`, as the setters promise, for every runner that hands its
-        // settings to a search (the tuner's included).
-        shared.check_bounds();
-        let Settings {
-            min,
-            max,
-            shrink,
-            policy,
-            release,
-            cache,
-            invalid,
-            ..
-        } = shared;
-        settings.min = min;
-        settings.max_size = settings.max_size.min(max.unwrap_or(usize::MAX));
-        settings.invalid = invalid.map(|why| why.to_string());
-        let mut policy = match policy {
+        // What only the whole can say, for every runner that hands its settings to a search
+        // (the tuner's included), before the first attempt.
+        settings.check();
+        let mut policy = match settings.policy.take() {
             Some(policy) => ActivePolicy::Custom(policy),
-            None => ActivePolicy::Shrink(shrink),
+            None => ActivePolicy::Shrink(std::mem::take(&mut settings.shrink)),
         };
         // The wrappers, in one order: remedies around the size rule, the cache around them
         // (it remembers the remedies' levels with the size), the agreement outermost (every
         // rank sees the same verdict, cached or not). Each takes the policy by value.
-        let mut ladder = None;
-        if let Some((control, restart)) = remedies {
-            if agreement.is_some() {
-                settings.invalid.get_or_insert_with(|| {
-                    "remedies are not agreed between ranks yet: search with remedies on one rank, \
-                     or without an agreement"
-                        .to_owned()
-                });
-            }
+        let ladder = settings.remedies.take();
+        if let Some(control) = &ladder {
             policy = ActivePolicy::Custom(Box::new(Remediate::new(
                 policy,
-                Arc::clone(&control),
-                restart.unwrap_or(settings.starting),
+                Arc::clone(control),
+                settings.restart_after_remedy.unwrap_or(starting),
                 settings.min,
                 settings.label,
             )));
-            ladder = Some(control);
         }
-        let release = match cache.filter(|cache| !cache.key.is_empty()) {
+        if let Some(cache) = settings.cache.take().filter(|cache| !cache.key.is_empty()) {
             // Without a key the cache's settings hold only a folder: nothing is cached.
-            None => release,
-            Some(cache) => {
-                let release = release.unwrap_or_default();
-                policy = ActivePolicy::Custom(Box::new(Cached::new(
-                    policy,
-                    cache,
-                    settings.label,
-                    settings.starting,
-                    settings.min,
-                    &release,
-                    ladder,
-                )));
-                Some(release)
-            }
-        };
-        if let Some(collective) = agreement {
+            let release = settings.release.take().unwrap_or_default();
+            policy = ActivePolicy::Custom(Box::new(Cached::new(
+                policy,
+                cache,
+                settings.label,
+                starting,
+                settings.min,
+                &release,
+                ladder,
+            )));
+            settings.release = Some(release);
+        }
+        if let Some(collective) = settings.agreement.take() {
             policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
         }
-        settings.release = release;
-        settings.policy = policy;
-        Search::new(settings)
+        Search::new(starting, policy, settings)
     }
 }

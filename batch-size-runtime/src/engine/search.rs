@@ -5,7 +5,7 @@
 use std::error::Error;
 use std::time::{Duration, Instant};
 
-use super::{ActivePolicy, Hooks};
+use super::{ActivePolicy, Hooks, Settings};
 use crate::engine::dispatch::OomRules;
 use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
@@ -14,27 +14,6 @@ use crate::oom::{self, OomMatch};
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{self, Attempt, CacheHit, Outcome, SearchReport};
 use crate::unwind::PanicPayload;
-
-/// What a search is started with: the builder's settings, the policy already wrapped in the
-/// cache and the agreement between ranks where those were asked for.
-#[derive(Debug)]
-pub(crate) struct SearchSettings<'r> {
-    pub(crate) starting: usize,
-    pub(crate) min: usize,
-    pub(crate) max_attempts: Option<usize>,
-    /// The largest size the batch-size parameter's type holds.
-    pub(crate) max_size: usize,
-    pub(crate) policy: ActivePolicy<'r>,
-    /// `None` until chosen: the default is resolved when the search starts, so that a search
-    /// given its own release never builds the default one.
-    pub(crate) release: Option<Release>,
-    pub(crate) label: &'static str,
-    pub(crate) invalid: Option<String>,
-    /// Boxed and absent until one is set: the common search carries one pointer, not three.
-    pub(crate) hooks: Option<Box<Hooks<'r>>>,
-    /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
-    pub(crate) first_fit_at_debug: bool,
-}
 
 #[derive(Debug)]
 enum Next {
@@ -111,22 +90,28 @@ pub struct Search<'r> {
 
 impl<'r> Search<'r> {
     #[inline]
-    pub(crate) fn new(settings: SearchSettings<'r>) -> Self {
-        let SearchSettings {
-            starting,
+    pub(crate) fn new(
+        starting: usize,
+        mut policy: ActivePolicy<'r>,
+        settings: Settings<'r>,
+    ) -> Self {
+        let Settings {
             min,
+            max,
+            type_max,
             max_attempts,
-            max_size,
-            mut policy,
             release,
             label,
             invalid,
             hooks,
             first_fit_at_debug,
+            ..
         } = settings;
+        // No size above `with_max` or above what the batch-size parameter's type holds.
+        let max_size = max.unwrap_or(usize::MAX).min(type_max);
         let release = release.unwrap_or_default();
         let next = if let Some(why) = invalid {
-            Next::Stop(StopReason::InvalidConfiguration(why))
+            Next::Stop(StopReason::InvalidConfiguration(why.to_string()))
         } else if starting == 0 {
             Next::Stop(StopReason::StartedAtZero)
         } else if let Err(why) = policy.check() {

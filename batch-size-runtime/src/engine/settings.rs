@@ -7,13 +7,17 @@
 //! fields of its own.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use crate::agree::Collective;
+use crate::engine::Hooks;
 use crate::memory::Release;
-use crate::policy::{CacheSettings, Guided, Reduction, SizePolicy};
+use crate::policy::{CacheSettings, Guided, LadderControl, Reduction, SizePolicy};
 
 /// A setting that cannot produce a size, found when it was set and reported when the runner
-/// first runs ([`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)):
-/// the first problem found is the one reported.
+/// first runs, before any of your code
+/// ([`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)): the first
+/// problem found is the one reported. Typed until the stop, where it becomes the reason's text.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Invalid {
     /// `min` (or `with_min_micro`) of 0.
@@ -22,8 +26,25 @@ pub(crate) enum Invalid {
     MaxIsZero,
     /// `max` below `min`.
     MaxBelowMin { min: usize, max: usize },
-    /// Anything a runner checks of its own.
-    Other(String),
+    /// `with_max_attempts(0)`.
+    MaxAttemptsIsZero,
+    /// An attribute's argument that is not a batch size (negative): its name and value.
+    NotABatchSize {
+        setting: &'static str,
+        value: String,
+    },
+    /// `EffectiveBatch::new(0)`, or the attribute's `effective = 0`.
+    EffectiveIsZero,
+    /// Uneven shares of a global batch smaller than the ranks.
+    FewerSamplesThanRanks { effective: usize, ranks: usize },
+    /// Remedies and an agreement between ranks on one search.
+    RemediesWithAgreement,
+    /// The tuner's `with_headroom` outside [0, 1).
+    Headroom(f64),
+    /// The tuner's `with_tolerance` outside [0, 1).
+    Tolerance(f64),
+    /// The tuner's `with_max_trials(0)`.
+    MaxTrialsIsZero,
 }
 
 impl std::fmt::Display for Invalid {
@@ -34,32 +55,76 @@ impl std::fmt::Display for Invalid {
             Invalid::MaxBelowMin { min, max } => {
                 write!(f, "`max` ({max}) must not be below `min` ({min})")
             }
-            Invalid::Other(why) => f.write_str(why),
+            Invalid::MaxAttemptsIsZero => f.write_str("`max_attempts` must be at least 1, got 0"),
+            Invalid::NotABatchSize { setting, value } => {
+                write!(
+                    f,
+                    "`{setting}` must be a non-negative batch size, got {value}"
+                )
+            }
+            Invalid::EffectiveIsZero => f.write_str("`effective` must be at least 1, got 0"),
+            Invalid::FewerSamplesThanRanks { effective, ranks } => write!(
+                f,
+                "uneven shares need a global batch of at least one sample a rank: `effective` \
+                 is {effective} for {ranks} ranks"
+            ),
+            Invalid::RemediesWithAgreement => f.write_str(
+                "remedies are not agreed between ranks yet: use remedies on one rank, or no \
+                 agreement",
+            ),
+            Invalid::Headroom(headroom) => write!(
+                f,
+                "`headroom` must be at least 0 and below 1, got {headroom}"
+            ),
+            Invalid::Tolerance(tolerance) => write!(
+                f,
+                "`tolerance` must be at least 0 and below 1, got {tolerance}"
+            ),
+            Invalid::MaxTrialsIsZero => f.write_str("`max_trials` must be at least 1, got 0"),
         }
     }
 }
 
-/// The settings every runner shares. Private to the crate: users meet them only through the
-/// runners' setters.
+/// Everything a runner is configured with, and everything a search runs with: one value per
+/// search. Private to the crate: users meet it only through the runners' setters.
 #[derive(Debug)]
 pub(crate) struct Settings<'r> {
     /// No size below it is tried (at least 1).
     pub(crate) min: usize,
-    /// No size above it is tried, where a runner grows.
+    /// No size above it is tried (`with_max`).
     pub(crate) max: Option<usize>,
+    /// The largest size the batch-size parameter's type holds (the attribute's `u8`, ...): a
+    /// larger proposal runs as the largest that has not failed.
+    pub(crate) type_max: usize,
+    /// At most this many attempts in one search.
+    pub(crate) max_attempts: Option<usize>,
     /// How the next size is chosen after an out-of-memory failure.
     pub(crate) shrink: Reduction<'r>,
-    /// A policy of the user's instead (`BatchSizeSearch::with_policy`): the shrink setters
-    /// choose the shrink rule again.
+    /// A policy of the user's or a runner's instead (`with_policy`): the shrink setters choose
+    /// the shrink rule again.
     pub(crate) policy: Option<Box<dyn SizePolicy + 'r>>,
     /// `None` until chosen: the default is built only where a runner needs it.
     pub(crate) release: Option<Release>,
     /// Where the sizes that fit are remembered, if anywhere.
     pub(crate) cache: Option<CacheSettings>,
+    /// The other ranks the runner agrees with, if any (each runner says at what: an attempt, a
+    /// step, a chunk).
+    pub(crate) agreement: Option<Arc<dyn Collective + 'r>>,
+    /// The remedies allowed when no size fits, and the size the search starts again from
+    /// after one (default: where it started).
+    pub(crate) remedies: Option<Arc<dyn LadderControl>>,
+    pub(crate) restart_after_remedy: Option<usize>,
     /// Whether a runner of many searches learns from every one (where figures are read).
     pub(crate) learn: bool,
     /// Clean searches before a runner of many searches grows back blindly (0: never).
     pub(crate) grow_after: usize,
+    /// The name in the logs.
+    pub(crate) label: &'static str,
+    /// The per-search hooks (`when`, `notify`, `on_report`, a clock); boxed and absent until
+    /// one is set: the common search carries one pointer, not four.
+    pub(crate) hooks: Option<Box<Hooks<'r>>>,
+    /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
+    pub(crate) first_fit_at_debug: bool,
     /// The first setting found unusable.
     pub(crate) invalid: Option<Invalid>,
 }
@@ -69,12 +134,20 @@ impl Default for Settings<'_> {
         Settings {
             min: 1,
             max: None,
+            type_max: usize::MAX,
+            max_attempts: None,
             shrink: Reduction::default(),
             policy: None,
             release: None,
             cache: None,
+            agreement: None,
+            remedies: None,
+            restart_after_remedy: None,
             learn: true,
             grow_after: 0,
+            label: "batch_size_search",
+            hooks: None,
+            first_fit_at_debug: false,
             invalid: None,
         }
     }
@@ -98,6 +171,13 @@ impl<'r> Settings<'r> {
             self.invalidate(Invalid::MaxIsZero);
         }
         self.max = Some(max.max(1));
+    }
+
+    pub(crate) fn set_max_attempts(&mut self, max_attempts: usize) {
+        if max_attempts == 0 {
+            self.invalidate(Invalid::MaxAttemptsIsZero);
+        }
+        self.max_attempts = Some(max_attempts.max(1));
     }
 
     pub(crate) fn set_shrink(&mut self, shrink: Reduction<'r>) {
@@ -126,27 +206,40 @@ impl<'r> Settings<'r> {
         });
     }
 
+    /// The hooks, made where the first is set.
+    pub(crate) fn hooks_mut(&mut self) -> &mut Hooks<'r> {
+        self.hooks.get_or_insert_with(Box::default)
+    }
+
     /// The cache, where a key was given (a folder alone caches nothing).
     pub(crate) fn cache(&self) -> Option<&CacheSettings> {
         self.cache.as_ref().filter(|cache| !cache.key.is_empty())
     }
 
     /// What a runner of many searches hands each of them: the bounds (`max` caps the first
-    /// size, a cached one included), the release and the first setting found unusable (its
-    /// size rule it lends to its own policy).
+    /// size, a cached one included), the cap on attempts, the release and the first setting
+    /// found unusable. Its size rule it lends to its own policy; its agreement and remedies it
+    /// lends where its searches use them (a step's search agrees, a chunk's policy agrees
+    /// itself); its cache is its own ([`RunnerCache`](crate::policy::RunnerCache)).
     pub(crate) fn lend_to_search(&self, search: &mut Settings<'_>) {
         search.min = self.min;
         search.max = self.max;
+        search.max_attempts = self.max_attempts;
         search.release = self.release.clone();
         search.invalid = self.invalid.clone();
+        search.first_fit_at_debug = true;
     }
 
-    /// `max` checked against `min`, where both are set.
-    pub(crate) fn check_bounds(&mut self) {
+    /// Checks what only the whole can say: `max` against `min`, remedies against an
+    /// agreement. Run where a search starts, before any of the user's code.
+    pub(crate) fn check(&mut self) {
         if let Some(max) = self.max {
             if max < self.min {
                 self.invalidate(Invalid::MaxBelowMin { min: self.min, max });
             }
+        }
+        if self.remedies.is_some() && self.agreement.is_some() {
+            self.invalidate(Invalid::RemediesWithAgreement);
         }
     }
 }
@@ -157,7 +250,8 @@ impl<'r> Settings<'r> {
 /// - `bounds`: `with_min`, `with_max`;
 /// - `release`: `with_release`, `with_cache`, `with_cache_dir`;
 /// - `shrink`: `with_factor`, `with_reduce`, `with_margin`;
-/// - `learning`: `with_convergence`, `with_grow_after`.
+/// - `learning`: `with_convergence`, `with_grow_after`;
+/// - `agreement`: `with_agreement`.
 macro_rules! settings_setters {
     // One setter: its doc, then an example calling it on the runner's constructor, then the
     // method, which changes the settings (bound to `$settings` in `$change`).
@@ -268,6 +362,25 @@ macro_rules! settings_setters {
                 /// out of memory; that size itself is tried again once it has held growth back
                 /// for 16 searches (32, 64, ... while it keeps failing). 0 never grows.
                 fn with_grow_after(successes: usize) |settings| settings.grow_after = successes);
+        }
+    };
+    ($runner:ident $(<$life:lifetime>)?, $new:literal, agreement) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            settings_setters!(@setter $new,
+                "with_agreement(batch_size_runtime::agree::ThreadRanks::new(1).remove(0))",
+                /// Agrees with the other ranks of a data-parallel job through `collective` (a
+                /// [`ThreadRank`](crate::agree::ThreadRank), an
+                /// [`NcclRank`](crate::agree::NcclRank), yours; borrowed, boxed or shared), so
+                /// that every rank runs the same sizes: an out-of-memory on any rank makes every
+                /// rank release and retry at the smallest size the ranks propose, and an error
+                /// on one stops the others naming it. A [`BatchSizeSearch`](crate::BatchSizeSearch)
+                /// agrees after every attempt, an [`EffectiveBatch`](crate::EffectiveBatch) on
+                /// every step (with [`step_then`](crate::EffectiveBatch::step_then), whose
+                /// `apply` is the safe point), a [`Chunked`](crate::Chunked) run after every
+                /// chunk (a chunk that failed anywhere is redone everywhere). Not with remedies
+                /// (refused before the first attempt). See [`agree`](crate::agree).
+                fn with_agreement(collective: impl crate::agree::Collective $(+ $life)?)
+                    |settings| settings.agreement = Some(std::sync::Arc::new(collective)));
         }
     };
     ($runner:ident <$life:lifetime>, $new:literal, $($group:ident),+) => {

@@ -67,6 +67,11 @@ pub struct CacheEntry {
     /// absent in entries written before it was kept.
     #[serde(default)]
     pub largest_fit: Option<usize>,
+    /// A tuner's [`largest()`](crate::Tuned::largest): the size it kept below the largest that
+    /// ran, with its headroom, and confirmed; absent for other searches and in entries written
+    /// before it was kept. A rerun reports it as the first run did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest: Option<usize>,
     /// The smallest size that ran out of memory, if one did.
     pub failed_at: Option<usize>,
     /// Free bytes on the device when the entry was written (0 where unknown).
@@ -249,6 +254,7 @@ impl RunnerCache {
             key: self.key.clone(),
             fits,
             largest_fit: None,
+            largest: None,
             failed_at,
             free_when_written: self.free_now,
             remedies: None,
@@ -439,10 +445,15 @@ impl<P: SizePolicy> Cached<P> {
             .largest_success()
             .max(earlier_largest)
             .filter(|&largest| largest > fits);
+        // A runner's own figure (the tuner's kept size) stays while the sizes it rests on do.
+        let largest = earlier
+            .filter(|entry| entry.fits == fits && entry.largest_fit == largest_fit)
+            .and_then(|entry| entry.largest);
         let entry = CacheEntry {
             key: self.key.clone(),
             fits,
             largest_fit,
+            largest,
             failed_at,
             free_when_written: self.free_now,
             remedies: self.remedies.as_ref().map(|remedies| remedies.levels()),
@@ -452,6 +463,53 @@ impl<P: SizePolicy> Cached<P> {
         }
         store(self.file.as_deref(), &entry, &mut self.warned);
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
+        self.entry = Some(entry);
+    }
+
+    /// What the search made of the cache, for the runner that lent this wrapper: whether it
+    /// ran the cached size and returned it, and the entry, to add what only the runner knows.
+    pub(crate) fn into_entry(self) -> CachedEntry {
+        CachedEntry {
+            file: self.file,
+            entry: self.entry,
+            hit: self.hit,
+            warned: self.warned,
+        }
+    }
+}
+
+/// A search's cache entry after the search, in its runner's hands
+/// ([`Cached::into_entry`]).
+#[derive(Debug)]
+pub(crate) struct CachedEntry {
+    file: Option<PathBuf>,
+    entry: Option<CacheEntry>,
+    hit: Option<CacheHit>,
+    warned: bool,
+}
+
+impl CachedEntry {
+    /// Set when the search ran the cached size and returned it: what the entry said.
+    pub(crate) fn hit(&self) -> Option<CacheHit> {
+        self.hit
+    }
+
+    /// The entry's [`largest`](CacheEntry::largest), where the search wrote or read one.
+    pub(crate) fn largest(&self) -> Option<usize> {
+        self.entry.as_ref().and_then(|entry| entry.largest)
+    }
+
+    /// Keeps a tuner's kept size with the entry its search wrote.
+    pub(crate) fn set_largest(&mut self, largest: usize) {
+        let Some(entry) = self
+            .entry
+            .as_mut()
+            .filter(|entry| entry.largest != Some(largest))
+        else {
+            return;
+        };
+        entry.largest = Some(largest);
+        store(self.file.as_deref(), entry, &mut self.warned);
     }
 }
 

@@ -3,9 +3,8 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
-use crate::agree::Collective;
 use crate::attempt::AttemptError;
 use crate::engine::dispatch::LastError;
 use crate::engine::driver::Returning;
@@ -94,7 +93,7 @@ impl<E> ChunkError<E> {
 }
 
 type Cost<'r> = Box<dyn Fn(usize) -> u64 + Send + Sync + 'r>;
-type Notify<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
+type OnChunk<'r> = Box<dyn FnMut(&ChunkProgress) + Send + 'r>;
 
 /// Work over many items in chunks (evaluation, inference, embeddings) that keeps its progress:
 /// a chunk that runs out of memory is redone smaller from its own start, the chunks before it
@@ -129,10 +128,9 @@ pub struct Chunked<'r> {
     /// With `with_cache`: the budget the runs settled on, for a resumed run.
     cache: Option<RunnerCache>,
     cost: Option<Cost<'r>>,
-    notify: Option<Notify<'r>>,
+    on_chunk: Option<OnChunk<'r>>,
     chunks: Vec<ChunkRecord>,
     chunk_count: usize,
-    agreement: Option<Arc<dyn Collective + 'r>>,
 }
 
 impl fmt::Debug for Chunked<'_> {
@@ -150,7 +148,8 @@ settings_setters!(
     bounds,
     release,
     shrink,
-    learning
+    learning,
+    agreement
 );
 
 impl<'r> Chunked<'r> {
@@ -172,10 +171,9 @@ impl<'r> Chunked<'r> {
             },
             cache: None,
             cost: None,
-            notify: None,
+            on_chunk: None,
             chunks: Vec::new(),
             chunk_count: 0,
-            agreement: None,
         }
     }
 
@@ -212,41 +210,6 @@ impl<'r> Chunked<'r> {
         self
     }
 
-    /// Runs every chunk in step with the other ranks of a job whose chunks communicate (tensor
-    /// parallelism: an all-reduce inside each chunk): after every chunk the ranks agree; a chunk
-    /// that ran out of memory on any rank is redone smaller on every rank, from its start (a
-    /// rank where it completed takes it back: `run` drops its outputs, `for_each` runs it
-    /// again), so every rank runs the same chunks. A rank that is done answers the others
-    /// until they are done. See [`agree`](crate::agree).
-    ///
-    /// ```
-    /// use std::thread;
-    /// use batch_size_runtime::agree::{safe_point, Collective, ReduceOp, ThreadRanks};
-    /// use batch_size_runtime::{Chunked, OutOfMemory};
-    ///
-    /// let ranks = ThreadRanks::new(2);
-    /// let outputs: Vec<Vec<usize>> = thread::scope(|scope| {
-    ///     let workers: Vec<_> = ranks.iter().zip([300, 40]).map(|(rank, holds)| {
-    ///         scope.spawn(move || {
-    ///             Chunked::new(500).with_agreement(rank).run(|items| -> anyhow::Result<Vec<usize>> {
-    ///                 let out_of_memory = items.len() > holds; // this rank's forward pass
-    ///                 safe_point(rank, out_of_memory)?; // before the chunk's collective
-    ///                 if out_of_memory { Err(OutOfMemory::new())? }
-    ///                 rank.all_reduce(&mut [items.len() as u64], ReduceOp::Max)?;
-    ///                 Ok(items.collect())
-    ///             })
-    ///         })
-    ///     }).collect();
-    ///     workers.into_iter().map(|worker| worker.join().unwrap().unwrap()).collect()
-    /// });
-    /// assert_eq!(outputs[0], (0..500).collect::<Vec<_>>());
-    /// assert_eq!(outputs[0], outputs[1]);
-    /// ```
-    pub fn with_agreement(mut self, collective: impl Collective + 'r) -> Self {
-        self.agreement = Some(Arc::new(collective));
-        self
-    }
-
     /// Called after every chunk that completed, with the progress (drive a progress bar). Its
     /// own name: the other runners' `notify` is told of every attempt.
     ///
@@ -261,7 +224,7 @@ impl<'r> Chunked<'r> {
     /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
     /// ```
     pub fn on_chunk(mut self, callback: impl FnMut(&ChunkProgress) + Send + 'r) -> Self {
-        self.notify = Some(Box::new(callback));
+        self.on_chunk = Some(Box::new(callback));
         self
     }
 
@@ -393,9 +356,9 @@ impl<'r> Chunked<'r> {
         // Shared with each chunk's future by reference, so that the run's future is `Send`
         // when the work's is.
         let outputs = Mutex::new(Vec::with_capacity(self.total));
-        let notify = Mutex::new(self.notify.take());
+        let on_chunk = Mutex::new(self.on_chunk.take());
         let (cost_of, total) = (self.cost.as_ref(), self.total);
-        let (run_ref, outputs_ref, notify_ref) = (&run, &outputs, &notify);
+        let (run_ref, outputs_ref, on_chunk_ref) = (&run, &outputs, &on_chunk);
         let attempt = Returning(move |budget| {
             let (range, cost) = begin_chunk(cost_of, total, run_ref, budget);
             let pending = work(range.clone());
@@ -404,8 +367,8 @@ impl<'r> Chunked<'r> {
                     Ok(values) => keep_outputs(&mut lock_any(outputs_ref), range.clone(), values),
                     Err(error) => Err(ChunkAttempt::Work(error)),
                 };
-                let mut notify = lock_any(notify_ref);
-                Self::end_chunk(run_ref, &mut notify, range, budget, cost, outcome.is_ok());
+                let mut on_chunk = lock_any(on_chunk_ref);
+                Self::end_chunk(run_ref, &mut on_chunk, range, budget, cost, outcome.is_ok());
                 outcome
             }
         });
@@ -418,7 +381,9 @@ impl<'r> Chunked<'r> {
         .await
         .published();
         self.settings.shrink = shrink;
-        self.notify = notify.into_inner().unwrap_or_else(PoisonError::into_inner);
+        self.on_chunk = on_chunk
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
         self.conclude(&run, ended)?;
         Ok(outputs.into_inner().unwrap_or_else(PoisonError::into_inner))
     }
@@ -454,7 +419,7 @@ impl<'r> Chunked<'r> {
                 usize::try_from(whole).unwrap_or(usize::MAX)
             }
         };
-        self.settings.check_bounds();
+        self.settings.check();
         if self.cache.is_none() {
             if let Some(settings) = self.settings.cache() {
                 // The budget learned does not depend on how many items are left: a run resumed
@@ -488,20 +453,20 @@ impl<'r> Chunked<'r> {
             convergence: Convergence::new(self.settings.learn),
             probing: None,
             max: self.settings.max.unwrap_or(usize::MAX),
-            agreement: self.agreement.clone(),
+            // The chunks agree themselves, between chunks: the search does not wrap them.
+            agreement: self.settings.agreement.clone(),
         };
         let mut search = BatchSizeSearch::new(starting)
             .with_label("chunked")
             .with_policy(policy);
-        search.run.first_fit_at_debug = true;
         self.settings.lend_to_search(&mut search.settings);
         search
     }
 
-    /// Records how a chunk ended; on success, moves the progress past it and tells `notify`.
+    /// Records how a chunk ended; on success, moves the progress past it and tells `on_chunk`.
     fn end_chunk(
         run: &Mutex<Run>,
-        notify: &mut Option<Notify<'r>>,
+        on_chunk: &mut Option<OnChunk<'r>>,
         range: Range<usize>,
         budget: usize,
         cost: u64,
@@ -527,8 +492,8 @@ impl<'r> Chunked<'r> {
                 retries: run.retries,
             };
             drop(run);
-            if let Some(notify) = notify.as_mut() {
-                notify(&progress);
+            if let Some(on_chunk) = on_chunk.as_mut() {
+                on_chunk(&progress);
             }
         } else {
             run.retries += 1;
@@ -639,7 +604,7 @@ impl<'r> Chunked<'r> {
         let mut shrink = std::mem::take(&mut self.settings.shrink);
         let run = self.new_run();
         let search = self.prepare(shrink.borrowed(), &run);
-        let mut notify = self.notify.take();
+        let mut on_chunk = self.on_chunk.take();
         let (cost_of, total) = (self.cost.as_ref(), self.total);
         let finished = drive_ended(
             search.start(),
@@ -648,12 +613,12 @@ impl<'r> Chunked<'r> {
             |budget| {
                 let (range, cost) = begin_chunk(cost_of, total, &run, budget);
                 let outcome = work(range.clone());
-                Self::end_chunk(&run, &mut notify, range, budget, cost, outcome.is_ok());
+                Self::end_chunk(&run, &mut on_chunk, range, budget, cost, outcome.is_ok());
                 outcome
             },
         );
         self.settings.shrink = shrink;
-        self.notify = notify;
+        self.on_chunk = on_chunk;
         self.conclude(&run, finished.published())
     }
 }

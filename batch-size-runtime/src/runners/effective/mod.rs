@@ -7,12 +7,11 @@ use std::time::Duration;
 use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
 use crate::engine::BatchSizeSearch;
-use crate::engine::{settings_setters, Settings};
+use crate::engine::{settings_setters, Invalid, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::opaque::Opaque;
-use crate::policy::LadderControl;
 use crate::policy::{even_micro, Convergence, Probing};
 use crate::policy::{GrowBack, RunnerCache};
 use crate::record::SearchReport;
@@ -109,16 +108,13 @@ pub struct EffectiveBatch<'r> {
     steps: usize,
     recoveries: Vec<Recovery>,
     last_report: SearchReport,
-    agreement: Option<Box<dyn Collective + 'r>>,
     /// With uneven shares: this rank's part of the global batch, and what it measured.
     uneven: bool,
     shares: Option<Shares<'r>>,
     clock: Option<Opaque<Clock<'r>>>,
     /// The plan of the last step that ran (what `step_then`'s `apply` gets).
     last_plan: Option<BatchPlan>,
-    /// The remedies allowed once the micro-batch reaches `min_micro`, and the micro size the
-    /// search starts again from after one (the first step's).
-    remedies: Option<Arc<dyn LadderControl>>,
+    /// The micro size the search starts again from after a remedy (the first step's).
     first_micro: usize,
 }
 
@@ -127,7 +123,8 @@ settings_setters!(
     "EffectiveBatch::new(256)",
     release,
     shrink,
-    learning
+    learning,
+    agreement
 );
 
 impl<'r> EffectiveBatch<'r> {
@@ -152,12 +149,10 @@ impl<'r> EffectiveBatch<'r> {
             steps: 0,
             recoveries: Vec::new(),
             last_report: SearchReport::default(),
-            agreement: None,
             uneven: false,
             shares: None,
             clock: None,
             last_plan: None,
-            remedies: None,
             first_micro: effective,
         }
     }
@@ -208,7 +203,7 @@ impl<'r> EffectiveBatch<'r> {
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_remedies<S: Clone + Send + 'static>(mut self, remedies: &Remedies<S>) -> Self {
-        self.remedies = Some(remedies.control());
+        self.settings.remedies = Some(remedies.control());
         self
     }
 
@@ -222,47 +217,6 @@ impl<'r> EffectiveBatch<'r> {
     /// ```
     pub fn with_min_micro(mut self, min_micro: usize) -> Self {
         self.settings.set_min(min_micro);
-        self
-    }
-
-    /// Agrees with the other ranks of a data-parallel job on every step: if any rank runs out
-    /// of memory in a step, every rank redoes that step with the same smaller micro-batch, so
-    /// the ranks keep the same plan and step their optimizers together. Use it with
-    /// [`step_then`](Self::step_then), whose `apply` (the gradient all-reduce and the optimizer
-    /// step) runs only once every rank's micro-batches are done: the safe point. See
-    /// [`agree`](crate::agree).
-    ///
-    /// ```
-    /// use std::thread;
-    /// use batch_size_runtime::agree::{Collective, ReduceOp, ThreadRanks};
-    /// use batch_size_runtime::{EffectiveBatch, OutOfMemory};
-    ///
-    /// let ranks = ThreadRanks::new(2);
-    /// thread::scope(|scope| {
-    ///     for (rank, holds) in ranks.iter().zip([64, 16]) {
-    ///         scope.spawn(move || {
-    ///             let mut runner = EffectiveBatch::new(64).with_agreement(rank);
-    ///             for _ in 0..3 {
-    ///                 runner.step_then(
-    ///                     |plan| -> anyhow::Result<()> {
-    ///                         if plan.micro() > holds { Err(OutOfMemory::new())? }
-    ///                         Ok(()) // forward and backward of every micro-batch
-    ///                     },
-    ///                     |_plan, ()| {
-    ///                         let mut gradient = [1];
-    ///                         rank.all_reduce(&mut gradient, ReduceOp::Max)?; // both ranks here
-    ///                         Ok(())
-    ///                     },
-    ///                 )?;
-    ///             }
-    ///             assert!(runner.micro() <= 16); // the same plan on both ranks
-    ///             anyhow::Ok(())
-    ///         });
-    ///     }
-    /// });
-    /// ```
-    pub fn with_agreement(mut self, collective: impl Collective + 'r) -> Self {
-        self.agreement = Some(Box::new(collective));
         self
     }
 
@@ -479,31 +433,25 @@ impl<'r> EffectiveBatch<'r> {
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
         let mut search = BatchSizeSearch::new(start).with_label("effective_batch");
-        search.run.first_fit_at_debug = true;
         self.settings.lend_to_search(&mut search.settings);
         if self.effective == 0 {
-            search.invalidate("`effective` must be at least 1, got 0".to_owned());
+            search.invalidate(Invalid::EffectiveIsZero);
         }
-        let world = self.agreement.as_ref().map_or(1, |c| c.world_size());
+        let world = self
+            .settings
+            .agreement
+            .as_ref()
+            .map_or(1, |c| c.world_size());
         if self.uneven && self.effective < world {
-            search.invalidate(format!(
-                "uneven shares need a global batch of at least one sample a rank: `effective` \
-                 is {} for {world} ranks",
-                self.effective
-            ));
+            search.invalidate(Invalid::FewerSamplesThanRanks {
+                effective: self.effective,
+                ranks: world,
+            });
         }
-        if let Some(remedies) = &self.remedies {
-            if self.agreement.is_some() {
-                search.invalidate(
-                    "remedies are not agreed between ranks yet: an EffectiveBatch with remedies \
-                     runs without an agreement"
-                        .to_owned(),
-                );
-            }
-            search = search.with_remedy_control(
-                Arc::clone(remedies),
-                Some(self.first_micro.min(length).max(1)),
-            );
+        // The step's search applies the remedies (and refuses them with an agreement).
+        if let Some(remedies) = &self.settings.remedies {
+            search.settings.remedies = Some(Arc::clone(remedies));
+            search.settings.restart_after_remedy = Some(self.first_micro.min(length).max(1));
         }
         // The engine tries what runs: the even split of each proposal.
         let probing = Probing::new(
@@ -512,12 +460,14 @@ impl<'r> EffectiveBatch<'r> {
             self.convergence.is_enabled(),
         );
         let sizes = EvenSplit::new(probing, length, self.settings.min);
-        match &self.agreement {
+        match &self.settings.agreement {
             // Each rank its own micro size; an out-of-memory anywhere redoes the step everywhere.
             Some(collective) if self.uneven => {
-                search.with_policy(Agree::own_sizes(sizes, &**collective))
+                search.with_policy(Agree::own_sizes(sizes, Arc::clone(collective)))
             }
-            Some(collective) => search.with_policy(sizes).with_agreement(&**collective),
+            Some(collective) => search
+                .with_policy(sizes)
+                .with_agreement(Arc::clone(collective)),
             None => search.with_policy(sizes),
         }
     }
@@ -658,6 +608,7 @@ impl<'r> EffectiveBatch<'r> {
         let effective = self.effective;
         if self.uneven && self.shares.is_none() {
             let (rank, world) = self
+                .settings
                 .agreement
                 .as_ref()
                 .map_or((0, 1), |c| (c.rank(), c.world_size()));
@@ -703,7 +654,8 @@ impl<'r> EffectiveBatch<'r> {
 
     /// After a step that ran: the shares follow what every rank measured (with uneven shares).
     fn rebalance(&mut self, elapsed: Option<Duration>) -> Result<(), crate::agree::AgreementError> {
-        let (Some(shares), Some(collective)) = (self.shares.as_mut(), self.agreement.as_ref())
+        let (Some(shares), Some(collective)) =
+            (self.shares.as_mut(), self.settings.agreement.as_ref())
         else {
             return Ok(());
         };

@@ -399,22 +399,10 @@ impl<'r> BatchSizeSearch<'r> {
         mut self,
         remedies: &Remedies<S>,
     ) -> RemediedSearch<'r, S> {
-        self.remedies = Some((remedies.control(), None));
+        self.settings.remedies = Some(remedies.control());
         RemediedSearch {
             search: self,
             remedies: remedies.clone(),
         }
-    }
-
-    /// The remedies without their settings type, for runners that hand the settings over
-    /// themselves ([`EffectiveBatch`](crate::EffectiveBatch)): after a remedy the search starts
-    /// again from `restart` (default: its `starting`).
-    pub(crate) fn with_remedy_control(
-        mut self,
-        control: Arc<dyn LadderControl>,
-        restart: Option<usize>,
-    ) -> Self {
-        self.remedies = Some((control, restart));
-        self
     }
 }

@@ -7,12 +7,13 @@
 use std::time::Duration;
 
 use crate::attempt::AttemptError;
-use crate::engine::{settings_setters, BatchSizeSearch, Settings};
+use crate::engine::{settings_setters, BatchSizeSearch, Invalid, Settings};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::StopReason;
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::opaque::Opaque;
+use crate::policy::{Cached, CachedEntry, SizePolicy};
 use crate::record::SearchReport;
 
 // One concept a file: the search (a size policy) and what the trials measure of speed.
@@ -159,8 +160,9 @@ pub struct Tuned {
 }
 
 impl Tuned {
-    /// The size to train with: by default the largest that fit, less the margin (its trial ran
-    /// too); with [`Choice::Fastest`], [`fastest()`](Self::fastest).
+    /// The size to train with: by default [`largest()`](Self::largest) (its trial ran too); with
+    /// [`Choice::Fastest`], [`fastest()`](Self::fastest). A rerun from the cache returns the
+    /// same size, in one trial.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -172,8 +174,11 @@ impl Tuned {
         self.batch_size
     }
 
-    /// The largest size that fit, less the margin, whichever [`Choice`] was made. On a rerun from
-    /// the cache, computed from the largest size that fit when the entry was written.
+    /// The largest size to train with, whichever [`Choice`] was made: the size the tuner kept
+    /// below [`largest_fit()`](Self::largest_fit) with its headroom (`with_headroom`), aimed
+    /// at from the figures and confirmed by a trial of its own, or, without figures, the
+    /// largest that fit less the headroom. A rerun from the cache reports what the run that
+    /// wrote the entry reported.
     ///
     /// ```
     /// # use batch_size_runtime::{Choice, Tuner};
@@ -186,8 +191,8 @@ impl Tuned {
     }
 
     /// The largest size whose trial succeeded below every size that failed (a size that ran
-    /// before a smaller one failed no longer counts); on a rerun from the cache, the largest
-    /// that succeeded when the entry was written.
+    /// before a smaller one failed no longer counts), before the headroom; on a rerun from the
+    /// cache, the largest that succeeded when the entry was written.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -464,6 +469,17 @@ impl Tuner {
     {
         let mut settings = self.settings;
         let (margin, tolerance, min) = (self.headroom, self.tolerance, settings.min);
+        // Every setting is checked before any of your code runs, the dry run's trials included.
+        settings.check();
+        if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
+            settings.invalidate(Invalid::Headroom(margin));
+        }
+        if !(tolerance.is_finite() && (0.0..1.0).contains(&tolerance)) {
+            settings.invalidate(Invalid::Tolerance(tolerance));
+        }
+        if self.max_trials == 0 {
+            settings.invalidate(Invalid::MaxTrialsIsZero);
+        }
         // The tuner's policy, lent to the search: what it learned is read from it afterwards.
         let mut policy = TunerPolicy::new(
             min,
@@ -482,7 +498,7 @@ impl Tuner {
         // Sizing from dry runs, where asked for: their size first, the ordinary search capped
         // below it if it runs out of memory.
         let sizing = match (&self.dry_run, self.choice) {
-            (Some(Opaque(dry_run)), Choice::Largest) => {
+            (Some(Opaque(dry_run)), Choice::Largest) if settings.invalid.is_none() => {
                 dry_run::dry_sizing(dry_run.as_ref(), &mut trial, min, settings.max, margin)
             }
             _ => None,
@@ -499,44 +515,49 @@ impl Tuner {
             .with_fixed_memory(self.fixed_memory);
             DryRunPolicy::new(sizing, below, min)
         });
+        // The cache is the tuner's own wrapper, lent to the search with the policy: what it
+        // served, and the entry to keep the tuner's result with, are read from it afterwards.
+        let cache = settings.cache.take().filter(|cache| !cache.key.is_empty());
+        let release = settings.release.take().unwrap_or_default();
+        settings.release = Some(release.clone());
         let mut search = BatchSizeSearch::new(min).with_label("tuner");
         search.settings = settings;
-        let mut search = match &mut dry_policy {
-            Some(dry_policy) => search.with_policy(dry_policy),
-            None => search.with_policy(&mut policy),
-        };
-        if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
-            search.invalidate(format!(
-                "`headroom` must be at least 0 and below 1, got {margin}"
-            ));
-        }
-        if !(tolerance.is_finite() && (0.0..1.0).contains(&tolerance)) {
-            search.invalidate(format!(
-                "`tolerance` must be at least 0 and below 1, got {tolerance}"
-            ));
-        }
-        if self.max_trials == 0 {
-            search.invalidate("`max_trials` must be at least 1, got 0".to_owned());
-        }
         // Each trial is timed by the search, with the tuner's clock where one was given: the
         // durations are in the report, for the policy and for the throughput below.
         if let Some(Opaque(clock)) = self.clock {
             search = search.with_clock(clock);
         }
-        let (result, report) = search.run_with_report(trial);
+        let sizes: &mut dyn SizePolicy = match &mut dry_policy {
+            Some(dry_policy) => dry_policy,
+            None => &mut policy,
+        };
+        let (result, report, mut entry) = match cache {
+            Some(cache) => {
+                let mut cached = Cached::new(sizes, cache, "tuner", min, min, &release, None);
+                let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
+                (result, report, Some(cached.into_entry()))
+            }
+            None => {
+                let (result, report) = search.with_policy(sizes).run_with_report(trial);
+                (result, report, None)
+            }
+        };
         result?;
         let ran_largest = largest_below_failures(&report).unwrap_or(0);
         let batch_size = report.batch_size().unwrap_or(ran_largest);
-        // A rerun from the cache ran one size: what was measured is in the entry.
-        let (largest_fit, largest) = match report.cache_hit.map(|hit| hit.largest_fit) {
-            Some(entry_largest) => {
-                let largest_fit = entry_largest.unwrap_or(ran_largest).max(ran_largest);
+        // A rerun from the cache ran one size: what was measured is in the entry, and what the
+        // first run reported with it.
+        let hit = entry.as_ref().and_then(CachedEntry::hit);
+        let (largest_fit, largest) = match hit {
+            Some(hit) => {
+                let largest_fit = hit.largest_fit.unwrap_or(ran_largest).max(ran_largest);
                 // Never below the size cached: where nothing ran above it, it was kept with the
-                // margin already.
-                (
-                    largest_fit,
-                    kept_size(largest_fit, margin, min).max(batch_size),
-                )
+                // headroom already.
+                let largest = entry
+                    .as_ref()
+                    .and_then(CachedEntry::largest)
+                    .unwrap_or_else(|| kept_size(largest_fit, margin, min));
+                (largest_fit, largest.max(batch_size))
             }
             None => match dry_policy
                 .as_ref()
@@ -546,6 +567,9 @@ impl Tuner {
                 kept => (ran_largest, kept),
             },
         };
+        if let Some(entry) = entry.as_mut().filter(|_| hit.is_none()) {
+            entry.set_largest(largest);
+        }
         let throughput = throughput(&report);
         let fastest = fastest(&throughput, largest, tolerance).unwrap_or(largest);
         Ok(Tuned {
