@@ -5,6 +5,8 @@
 //! the README), and rustdoc compiles a block that has its own `fn main` as it is written. This
 //! test checks what makes that the same program as one pasted into a fresh crate's `main.rs`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
