@@ -56,8 +56,19 @@
 //! # Logs
 //! Through `tracing`: each retry at WARN (`batch_size`, `next_batch_size`, `error`, `memory`),
 //! the size found at INFO, giving up at ERROR. The library never prints.
+//!
+//! # Features
+//! - `anyhow` (default): conveniences for `anyhow::Error`.
+//! - `burn`, `wgpu`, `ort`: those frameworks' figures and release (`Release::burn`,
+//!   `Release::wgpu`, `Release::ort`), and with `burn`, `memory::BurnDryRun`.
+//! - `nccl`: the agreement between ranks over NCCL (`agree::NcclRank`, `agree::IdExchange`).
+//!
+//! Each feature's items are marked with the feature they need in the documentation docs.rs
+//! builds (every feature on).
 
 #![warn(missing_docs)]
+// docs.rs (`--cfg docsrs`): each feature-gated item says which feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// Retries the function with smaller batch sizes whenever it runs out of device memory.
 ///

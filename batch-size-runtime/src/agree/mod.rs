@@ -73,13 +73,16 @@ mod wire;
 
 pub use collective::{AgreementError, Collective, ReduceOp};
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use exchange::{ExchangeError, IdExchange};
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use nccl::{loaded_library, NcclError, NcclId, NcclRank, NCCL_LIBRARY_VARIABLE};
 pub use policy::Agree;
 pub use safe_point::{safe_point, OutOfMemoryOnAnotherRank};
 pub use threads::{ThreadRank, ThreadRanks};
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use wire::{
     CONNECTION_PATIENCE, EXCHANGE_PORT_VARIABLE, ID_BYTES, MAX_HELD_CONNECTIONS, TOKEN_VARIABLE,
 };

@@ -53,12 +53,16 @@ pub(crate) use release::Release;
 pub use simulated::{SimAllocation, SimulatedDevice};
 
 #[cfg(feature = "burn")]
+#[cfg_attr(docsrs, doc(cfg(feature = "burn")))]
 pub use self::burn::BurnMemory;
 #[cfg(feature = "burn")]
+#[cfg_attr(docsrs, doc(cfg(feature = "burn")))]
 pub use self::burn_dry_run::BurnDryRun;
 #[cfg(feature = "ort")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ort")))]
 pub use self::ort::OrtArena;
 #[cfg(feature = "wgpu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "wgpu")))]
 pub use self::wgpu::WgpuMemory;
 
 /// A byte count that displays itself the way PyTorch's OOM message does (`2.22 GiB`).
