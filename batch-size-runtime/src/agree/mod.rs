@@ -40,7 +40,7 @@
 //! # Where a rank may run out of memory
 //! The agreement happens between attempts. Inside an attempt, a rank that runs out of memory
 //! must not be left alone while the others enter a collective of the training step (the
-//! gradient all-reduce): they would wait forever. Call [`safe_point`] after the forward and
+//! gradient all-reduce): they would wait forever. Call [`safe_point()`] after the forward and
 //! backward passes and before the gradient all-reduce:
 //!
 //! ```text

@@ -5,7 +5,7 @@
 //! `(&&&&&&&tag::<R>()).batch_size_classify_kind()` and
 //! `(&&&&&&tag::<R>()).batch_size_give_up_kind()`; method lookup takes the rung with the most
 //! references whose bounds hold, and each rung returns a zero-sized kind that carries the
-//! real bound. [`Driver`](crate::__private::Driver) does the rest in ordinary code.
+//! real bound. The driver ([`drive`](crate::engine::driver::drive)) does the rest in ordinary code.
 //!
 //! Classification, best first: `E: Error + Send + Sync` (classified by type, kept as
 //! `source()`), `anyhow::Error` or `Box<dyn Error + Send + Sync>` (the chain, kept),
@@ -157,7 +157,7 @@ pub enum LastError {
 pub trait GiveUp<R> {
     /// The error type of `R`, as [`Classify::Error`].
     type Error;
-    /// What [`Driver::begin`](crate::__private::Driver::begin) returns when no size fits: the
+    /// What the driver ([`drive`](crate::engine::driver::drive)) returns when no size fits: the
     /// function's value (or the `NoExecutableBatchSize` for `BatchSizeSearch::call`).
     type Output;
     /// Whether the last out-of-memory error is returned as it is (it is then not boxed).

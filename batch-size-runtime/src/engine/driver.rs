@@ -2,7 +2,7 @@
 //! attempt, run it under `catch_unwind`, classify its outcome, record it, release memory, let
 //! the policy decide) for every runner and for the attribute's generated code. How an
 //! attempt's value is classified and what comes back when no size fits are the two kinds of
-//! [`dispatch`](crate::dispatch); every runner leaves through the same typed [`Ended`].
+//! [`dispatch`](crate::engine::dispatch); every runner leaves through the same typed [`Ended`].
 
 use std::fmt;
 use std::future::Future;

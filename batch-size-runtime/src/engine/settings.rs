@@ -370,7 +370,7 @@ macro_rules! settings_setters {
                 "with_agreement(batch_size_runtime::agree::ThreadRanks::new(1).remove(0))",
                 /// Agrees with the other ranks of a data-parallel job through `collective` (a
                 /// [`ThreadRank`](crate::agree::ThreadRank), an
-                /// [`NcclRank`](crate::agree::NcclRank), yours; borrowed, boxed or shared), so
+                /// `NcclRank` with the `nccl` feature, yours; borrowed, boxed or shared), so
                 /// that every rank runs the same sizes: an out-of-memory on any rank makes every
                 /// rank release and retry at the smallest size the ranks propose, and an error
                 /// on one stops the others naming it. A [`BatchSizeSearch`](crate::BatchSizeSearch)

@@ -1,5 +1,5 @@
 //! A framework's dry run, the hook a framework implements to measure a step without running it
-//! (cubecl 0.11's, for burn: [`BurnDryRun`](crate::memory::BurnDryRun)), and what the dry runs
+//! (cubecl 0.11's, for burn: `BurnDryRun`, with the `burn` feature), and what the dry runs
 //! measured; the tuner sizes from them ([`Tuner::with_dry_run`](crate::Tuner::with_dry_run)).
 
 use std::fmt;
