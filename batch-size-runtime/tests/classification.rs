@@ -195,7 +195,7 @@ fn user_rules_extend_detection_to_errors_and_panics() {
 
 #[test]
 fn a_pattern_past_the_first_line_is_found_and_the_description_is_the_line_that_matched() {
-    // Issue 36: the report and the WARN line say what ran out, not the error's first line.
+    // The report and the WARN line say what ran out, not the error's first line.
     let error = anyhow::anyhow!(
         "step 12 failed\ncaused by: CUDA out of memory. Tried to allocate 1.00 GiB"
     );

@@ -1,4 +1,4 @@
-//! Runners that learn from every step (issue 29): `EffectiveBatch` moves to the fewest passes
+//! Runners that learn from every step: `EffectiveBatch` moves to the fewest passes
 //! its device allows, on shapes whose memory differs between the first step and the next
 //! (`tests/common/training.rs`), without losing more than a few passes to out-of-memory, with
 //! every step's gradient the whole batch's; uneven shares keep the size that fitted when they

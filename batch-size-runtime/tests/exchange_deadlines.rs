@@ -1,4 +1,4 @@
-//! The Id exchange's time limits hold against peers that trickle bytes (issue 31): a limit per
+//! The Id exchange's time limits hold against peers that trickle bytes: a limit per
 //! read would let a peer that sends one byte every 400 ms hold a connection for ever, so the
 //! exchange keeps one deadline per exchange, per try of a rank and per connection of rank 0,
 //! over all their reads and writes. Over loopback, each direction: a process posing as rank 0

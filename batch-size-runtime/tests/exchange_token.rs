@@ -1,7 +1,7 @@
-//! The Id exchange lets in only the job's own ranks (issue 25), with ranks as threads over
+//! The Id exchange lets in only the job's own ranks, with ranks as threads over
 //! loopback: the right token joins; another token, no token against a token, a replayed answer
 //! and a process posing as rank 0 are refused with clear errors, at once, and the job forms
-//! with the right ranks (issue 31: a rank does not wait for its timeout); words from a peer
+//! with the right ranks (a rank does not wait for its timeout); words from a peer
 //! that has not proved the token are never shown as rank 0's; silent connections cost the
 //! ranks nothing; rank 0 warns when it listens beyond loopback with no token; the Id file is
 //! its owner's only. (Two processes: `tests/exchange.rs`; trickling peers:
@@ -93,7 +93,7 @@ fn another_token_is_refused_and_the_job_still_forms() {
     let port = free_port();
     let (rank_0, warnings) = spawn_recorded(rank(port, 0, 2).with_token(TOKEN), 42);
     // Fails at once, not at its timeout of 10 s: another token is a setting, not a passing
-    // fault (issue 31).
+    // fault.
     let started = Instant::now();
     let error = fetch(rank(port, 1, 2).with_token("another job")).unwrap_err();
     let took = started.elapsed();

@@ -1,4 +1,4 @@
-//! A size is not given up because a pool held memory from earlier work (issue 36, item 4): when
+//! A size is not given up because a pool held memory from earlier work: when
 //! an attempt fails while its pool held, from its start, memory reserved but unallocated that
 //! explains the failure, the same size runs once more after the release; the report says so.
 //! Everywhere else the search is unchanged.

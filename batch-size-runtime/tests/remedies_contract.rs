@@ -1,4 +1,4 @@
-//! The remedies' contract (issue 22) on a second cost model (a step whose memory checkpointing
+//! The remedies' contract on a second cost model (a step whose memory checkpointing
 //! quarters and bf16 halves): applied only after `min` fails, in the declared order, nothing
 //! undeclared changed, knobs never below their floor, sizes known to fail under the same
 //! settings never retried, the settings in the result, the report and the cache, with

@@ -1,4 +1,4 @@
-//! The tuner on step shapes the benchmark does not have (issue 37, item 1): a fixed part,
+//! The tuner on step shapes the benchmark does not have: a fixed part,
 //! layers allocating in turn, a `size²` term, a pool rounding to blocks, a buffer that does not
 //! grow with the batch, a buffer that appears only above some size. Whatever the shape, no size
 //! above a failure is returned and the size returned ran; on the smooth shapes it is at least

@@ -1,4 +1,4 @@
-//! Nothing on the success path (issue 29, item 4): through every door into the engine, a success
+//! Nothing on the success path: through every door into the engine, a success
 //! costs no synchronize and no pool trim, and only a bounded number of memory queries, with the
 //! default release (`Release::cuda()`, the real cudarc path over the active primary context)
 //! on the fake CUDA driver, which counts each call.
