@@ -9,13 +9,33 @@ use crate::error::{KeptError, NoExecutableBatchSize};
 /// `E: Error + Send + Sync + 'static` (marker [`Typed`]), `anyhow::Error` and
 /// `Box<dyn Error + Send + Sync>` (marker [`Dynamic`]). What the attribute needs of an error
 /// type it keeps; a runner needs [`AttemptError`] as well.
-pub trait InspectError<Marker>: Sized + 'static + InspectableError {
+///
+/// Sealed: the two blanket implementations are the whole list, so that a bound on it says
+/// exactly which error types a runner takes.
+pub trait InspectError<Marker>: Sized + 'static + InspectableError + sealed::Sealed<Marker> {
     /// The error as a trait object, for classification and descriptions.
     #[doc(hidden)]
     fn as_error(&self) -> &(dyn Error + 'static);
     /// The error kept as `NoExecutableBatchSize::source()`, downcastable to what it was.
     #[doc(hidden)]
     fn into_kept(self) -> KeptError;
+}
+
+/// Sealed on purpose (as anyhow and tracing do): the trait is public in a private module, so no
+/// one outside the crate can name it, and [`InspectError`] (hence [`AttemptError`]) has exactly
+/// the implementations below.
+mod sealed {
+    pub trait Sealed<Marker> {}
+}
+
+impl<E: Error + Send + Sync + 'static> sealed::Sealed<Typed> for E {}
+
+impl<E> sealed::Sealed<Dynamic> for E where
+    E: AsRef<dyn Error + Send + Sync + 'static>
+        + Into<Box<dyn Error + Send + Sync + 'static>>
+        + std::fmt::Display
+        + 'static
+{
 }
 
 impl<E: Error + Send + Sync + 'static> InspectError<Typed> for E {
@@ -66,6 +86,17 @@ where
 /// An error that is not out-of-memory comes back from the runner unchanged: same type, same
 /// value. The marker type parameter is inferred; you never write it. It is what lets one
 /// signature take both kinds without overlapping impls (`anyhow::Error` is not an `Error`).
+///
+/// Sealed: the types above are the whole list, and no other implementation can be written.
+///
+/// ```compile_fail
+/// use batch_size_runtime::{AttemptError, NoExecutableBatchSize};
+/// struct Mine;
+/// enum MyMarker {}
+/// impl AttemptError<MyMarker> for Mine {
+///     fn no_size_fits(_: NoExecutableBatchSize) -> Self { Mine }
+/// }
+/// ```
 #[diagnostic::on_unimplemented(
     message = "a batch-size runner cannot take `{Self}` as the closure's error type",
     label = "the closure's error type",
