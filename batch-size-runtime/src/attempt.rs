@@ -12,7 +12,9 @@ use crate::error::{KeptError, NoExecutableBatchSize};
 ///
 /// Sealed: the two blanket implementations are the whole list, so that a bound on it says
 /// exactly which error types a runner takes.
-pub trait InspectError<Marker>: Sized + 'static + InspectableError + sealed::Sealed<Marker> {
+pub trait InspectError<Marker>:
+    Sized + 'static + InspectableError + sealed::Sealed<Marker>
+{
     /// The error as a trait object, for classification and descriptions.
     #[doc(hidden)]
     fn as_error(&self) -> &(dyn Error + 'static);

@@ -664,18 +664,43 @@ fn matched_pattern(text: &str) -> Option<OomPattern> {
 fn match_patterns(text: &str) -> Option<OomMatch> {
     matched_pattern(text).map(|pattern| OomMatch {
         kind: OomKind::Pattern(pattern),
-        description: truncate(matched_line(text)),
+        description: truncate(what_ran_out(text)),
         requested: read_figures(pattern.figures, text).requested,
     })
 }
 
-/// The line of `text` that says what ran out: the first line that matches a pattern by itself
-/// (burn's "An error happened during execution" puts the cause lines below), else the first.
-fn matched_line(text: &str) -> &str {
-    text.lines()
+/// The line of `text` that says what ran out, and only that: the first line that matches a
+/// pattern by itself (burn's "An error happened during execution" puts the cause lines below),
+/// else the first. Lines are also split where an error's `Debug` escaped its newlines (tch's
+/// `unwrap()` panics with libtorch's whole C++ stack on one line), and the wrappers around the
+/// message are taken off (``called `Result::unwrap()` on an `Err` value: Torch("...")``).
+fn what_ran_out(text: &str) -> &str {
+    let line = text
+        .lines()
+        .flat_map(|line| line.split("\\n"))
         .find(|line| matched_pattern(line).is_some())
-        .map(str::trim)
-        .unwrap_or(text)
+        .unwrap_or(text);
+    unwrapped(line.trim())
+}
+
+/// `line` without what panicking on an `Err` and the error's `Debug` put around its message.
+fn unwrapped(line: &str) -> &str {
+    const UNWRAPPED: [&str; 2] = ["on an `Err` value: ", "on a `None` value: "];
+    let mut line = UNWRAPPED
+        .iter()
+        .find_map(|marker| line.split_once(marker).map(|(_, rest)| rest))
+        .unwrap_or(line);
+    // A tuple variant's `Debug` around a string: `Torch("...")`, `Msg("...")`.
+    if let Some((variant, message)) = line.split_once("(\"") {
+        if !variant.is_empty()
+            && variant
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+        {
+            line = message.strip_suffix("\")").unwrap_or(message);
+        }
+    }
+    line.trim()
 }
 
 fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>)> {
@@ -952,6 +977,34 @@ mod tests {
         // The lost handle alone is not out-of-memory: only a device thread's panic says so.
         let lost = "An error happened during execution\nCaused by:\n  couldn't find resource for that handle: Memory location was never initialized";
         assert!(classify_text(lost).is_none());
+    }
+
+    #[test]
+    fn says_what_ran_out_without_stack_frames_or_unwrap_wrappers() {
+        // tch's plain methods: `unwrap()` on `TchError::Torch`, libtorch's stack escaped.
+        let tch = "called `Result::unwrap()` on an `Err` value: Torch(\"DefaultCPUAllocator: can't allocate memory: you tried to allocate 85899345920 bytes. Error code 12 (Cannot allocate memory)\\nException raised from alloc_cpu at ../c10/core/impl/alloc_cpu.cpp:72 (most recent call first):\\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x57 (0x7f in /usr/lib/libc10.so)\\nframe #1: <unknown function> + 0x4c062 (0x7f in /usr/lib/libc10.so)\")";
+        let found = classify_text(tch).unwrap();
+        assert_eq!(
+            found.description,
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 85899345920 bytes. Error code 12 (Cannot allocate memory)"
+        );
+        assert_eq!(found.requested, Some(85_899_345_920));
+        // Its `f_*` methods: the error's `Display`, with real newlines.
+        let returned = "Internal torch error: DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes. Error code 12 (Cannot allocate memory)\nException raised from alloc_cpu at ../c10/core/impl/alloc_cpu.cpp:72\nframe #0: <unknown function> + 0x4c062";
+        let found = classify_text(returned).unwrap();
+        assert!(
+            !found.description.contains("frame #"),
+            "{}",
+            found.description
+        );
+        assert!(
+            !found.description.contains("Exception raised"),
+            "{}",
+            found.description
+        );
+        // A plain message stays as it is.
+        let plain = "CUDA out of memory. Tried to allocate 2.00 GiB";
+        assert_eq!(classify_text(plain).unwrap().description, plain);
     }
 
     #[test]

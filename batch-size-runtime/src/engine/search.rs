@@ -724,15 +724,16 @@ impl Search<'_> {
     fn log_retry(&self, failed_size: usize, number: usize, description: &str) {
         // As PyTorch's message does: the memory when the attempt failed; then what the release
         // made free for the next attempt.
+        // Fields with nothing to say are left out (an `Option` records only when `Some`).
         let last = self.report.last();
         let memory = last
             .and_then(|attempt| attempt.memory_at_end.as_ref())
-            .map(ToString::to_string)
-            .unwrap_or_default();
+            .filter(|memory| !memory.is_empty())
+            .map(tracing::field::display);
         let free_after_release = last
             .and_then(|attempt| attempt.memory_after_release.as_ref())
-            .map(|after| Bytes(after.free()).to_string())
-            .unwrap_or_default();
+            .filter(|after| !after.is_empty())
+            .map(|after| tracing::field::display(Bytes(after.free())));
         let because = self
             .rationale
             .as_deref()
@@ -745,8 +746,8 @@ impl Search<'_> {
                 next_batch_size = *next,
                 attempt = number,
                 error = %description,
-                memory = %memory,
-                free_after_release = %free_after_release,
+                memory,
+                free_after_release,
                 "out of memory with batch size {failed_size}; retrying with {next}{because}"
             ),
             Next::Accepted => tracing::warn!(
@@ -761,8 +762,8 @@ impl Search<'_> {
                 batch_size = failed_size,
                 attempt = number,
                 error = %description,
-                memory = %memory,
-                free_after_release = %free_after_release,
+                memory,
+                free_after_release,
                 "out of memory with batch size {failed_size}; no smaller size is left"
             ),
         }

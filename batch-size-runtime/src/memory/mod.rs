@@ -144,6 +144,10 @@ impl fmt::Display for DeviceMemory {
                 Bytes(used),
                 Bytes(reserved.saturating_sub(used))
             )?,
+            // On the host (`cpu`) there is no pool: what is held is the process's own memory.
+            (None, Some(reserved)) if self.device == "cpu" => {
+                write!(f, "; the process holds {}", Bytes(reserved))?
+            }
             (None, Some(reserved)) => write!(f, "; the pool reserves {}", Bytes(reserved))?,
             (Some(used), None) => write!(f, "; {} is allocated", Bytes(used))?,
             (None, None) => {}

@@ -497,7 +497,9 @@ impl<'r> Chunked<'r> {
             }
         } else {
             run.retries += 1;
-            tracing::warn!(
+            // The engine's WARN says the chunk ran out of memory and what comes next: one WARN
+            // a failure.
+            tracing::debug!(
                 items = ?range,
                 budget,
                 cost,

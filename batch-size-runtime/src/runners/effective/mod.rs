@@ -526,7 +526,8 @@ impl<'r> EffectiveBatch<'r> {
                      that fitted"
                 );
             } else if report.out_of_memory_count() > 0 {
-                tracing::warn!(
+                // Each failed attempt had its WARN from the engine; this is the step's outcome.
+                tracing::info!(
                     step,
                     tried = ?tried,
                     micro = report.batch_size(),
