@@ -31,6 +31,7 @@
 mod burn;
 #[cfg(feature = "burn")]
 mod burn_dry_run;
+mod child;
 mod cuda;
 mod dry_run;
 mod host;
@@ -45,6 +46,7 @@ mod wgpu;
 
 use std::fmt;
 
+pub use child::{ChildTrial, ChildTrialError};
 pub use cuda::CudaBackend;
 pub use dry_run::{DryRun, DrySizing};
 pub use host::{HostLimit, HostLimitKind, HostMemory};
