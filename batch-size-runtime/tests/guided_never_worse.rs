@@ -1,7 +1,7 @@
 //! The default policy is never worse than halving, case by case: on every workload of the search
 //! benchmark (`common/workloads.rs`, the one definition `benches/search.rs` runs too), from every
 //! start above the fit, with the device's figures and with the error's text only, it ends at a
-//! size at least as large as halving's and in no more attempts than halving's + 1; and the same
+//! size at least as large as halving's and in no more attempts than halving's + 2; and the same
 //! over random step shapes (a fixed part, layers that allocate in turn, a batch² term, a tail
 //! after the layers).
 
@@ -46,7 +46,7 @@ fn search(
 }
 
 #[test]
-fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_one() {
+fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_two() {
     let mut utilisation = Vec::new();
     for workload in Workload::ALL {
         let name = workload.name();
@@ -72,7 +72,7 @@ fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_on
                     halving.0
                 );
                 assert!(
-                    guided.1 <= halving.1 + 1,
+                    guided.1 <= halving.1 + 2,
                     "{name} from {start} (figures: {figures}): {} attempts, halving {}",
                     guided.1,
                     halving.1
@@ -87,9 +87,9 @@ fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_on
         }
     }
     // Not a bound it promises (see the README's table), a guard against a policy that halves
-    // only: halving itself gets 0.65 here.
+    // only: halving itself gets 0.65 here, the default 0.89.
     let mean = utilisation.iter().sum::<f64>() / utilisation.len() as f64;
-    assert!(mean > 0.75, "mean utilisation {mean:.3}");
+    assert!(mean > 0.85, "mean utilisation {mean:.3}");
 }
 
 /// A step of random shape: a fixed part, layers that each keep a linear and a batch² part,
@@ -146,9 +146,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     /// On any such step, from any start, with or without the device's figures: at least
-    /// halving's size, at most halving's attempts + 1, and a size that fits.
+    /// halving's size, at most halving's attempts + 2, and a size that fits.
     #[test]
-    fn any_step_shape_never_below_halving_nor_over_its_attempts_plus_one(
+    fn any_step_shape_never_below_halving_nor_over_its_attempts_plus_two(
         shape in shape(),
         start in 1usize..3000,
         figures in any::<bool>(),
@@ -160,7 +160,7 @@ proptest! {
         let halving = search(start, Halve, true, &device, step);
         let guided = search(start, Guided::new(), figures, &device, step);
         prop_assert!(guided.0 >= halving.0, "{:?} from {}: {:?} against halving's {:?}", shape, start, guided, halving);
-        prop_assert!(guided.1 <= halving.1 + 1, "{:?} from {}: {:?} against halving's {:?}", shape, start, guided, halving);
+        prop_assert!(guided.1 <= halving.1 + 2, "{:?} from {}: {:?} against halving's {:?}", shape, start, guided, halving);
         if guided.0 > 0 {
             device.release().unwrap(); // what the last attempt left in the cache
             prop_assert!(shape.step(&device, guided.0 as u64).is_ok());
