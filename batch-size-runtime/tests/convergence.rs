@@ -53,13 +53,18 @@ fn every_shape_reaches_the_fewest_passes_and_loses_few_to_out_of_memory() {
             let fewest = effective.div_ceil(fit);
             let (passes, lost) = train(shape, effective, 40, true);
             let case = format!("{} at {effective} (fit {fit}): {passes:?}", shape.name);
-            assert!(passes.iter().all(|&ran| ran >= fewest), "{case}");
+            // The first step runs before a lazily created optimizer state exists, so a larger
+            // size may truly fit it (the guided default now lands near that first step's limit);
+            // every later step runs with the state and never in fewer passes than it allows.
+            assert!(passes[1..].iter().all(|&ran| ran >= fewest), "{case}");
             assert!(passes[9] as f64 <= fewest as f64 * 1.1, "step 10: {case}");
             assert!(
                 passes[20..].iter().all(|&ran| ran == fewest),
                 "from step 20: {case}"
             );
-            assert!(lost <= 6, "{lost} passes lost: {case}");
+            // The first step's search spends up to three attempts more than halving to land near
+            // the limit (the guided default's estimates), each a pass lost: 8 at most.
+            assert!(lost <= 8, "{lost} passes lost: {case}");
         }
     }
 }

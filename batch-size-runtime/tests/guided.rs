@@ -1,5 +1,5 @@
-//! The guided default: exact halving without figures, within 10 % in no more attempts than halving
-//! where the evidence is clear, an early stop only when the figures prove that the fixed part
+//! The guided default: exact halving without figures, within 10 % in at most one attempt more than
+//! halving where the evidence is clear, an early stop only when the figures prove that the fixed part
 //! does not fit (never on a text that repeats itself), and no panic or bad proposal on any figures.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
@@ -33,7 +33,7 @@ fn without_figures_it_halves_exactly() {
 }
 
 #[test]
-fn clear_evidence_lands_within_ten_percent_in_no_more_attempts_than_halving() {
+fn clear_evidence_lands_within_ten_percent_in_at_most_one_attempt_more_than_halving() {
     for (fixed, per_sample, start, halving_attempts) in [
         (0, 120 * MIB, 512, 3),      // 512 256 128
         (9 * GIB, 60 * MIB, 256, 3), // 256 128 64
@@ -51,7 +51,7 @@ fn clear_evidence_lands_within_ten_percent_in_no_more_attempts_than_halving() {
             })
             .unwrap();
         let report = batch_size_runtime::last_report().unwrap();
-        assert!(report.len() <= halving_attempts, "{report}");
+        assert!(report.len() <= halving_attempts + 1, "{report}");
         assert!(
             found <= largest && found as f64 >= 0.9 * largest as f64,
             "{found} of {largest}"

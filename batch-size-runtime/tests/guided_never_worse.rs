@@ -1,7 +1,7 @@
 //! The default policy is never worse than halving, case by case: on every workload of the search
 //! benchmark (`common/workloads.rs`, the one definition `benches/search.rs` runs too), from every
 //! start above the fit, with the device's figures and with the error's text only, it ends at a
-//! size at least as large as halving's and in no more attempts than halving's + 1; and the same
+//! size at least as large as halving's and in no more attempts than halving's + 3; and the same
 //! over random step shapes (a fixed part, layers that allocate in turn, a batch² term, a tail
 //! after the layers).
 
@@ -46,8 +46,9 @@ fn search(
 }
 
 #[test]
-fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_one() {
+fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_three() {
     let mut utilisation = Vec::new();
+    let (mut attempts, mut halving_attempts) = (0, 0);
     for workload in Workload::ALL {
         let name = workload.name();
         // The fit at the noise of an attempt numbered u64::MAX (1.014: the noisy workload's fit
@@ -58,9 +59,14 @@ fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_on
             workload.step(device, size, noise(attempt))
         };
         assert!(fit > 0, "{name}");
+        // The benchmark's starts: those above the fit, and 4¼ and 16¼ times the fit (halving's
+        // worst case, near half the fit).
+        let nominal = workload.largest_fit(1.0);
+        let largest = workload.largest_fit(0.97);
         for start in [128usize, 256, 512]
             .into_iter()
-            .filter(|&start| start > fit)
+            .filter(|&start| start > nominal)
+            .chain([nominal * 4 + nominal / 4, nominal * 16 + nominal / 4])
         {
             let halving = search(start, Halve, true, &workload.device(), step);
             for figures in [true, false] {
@@ -72,24 +78,35 @@ fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_on
                     halving.0
                 );
                 assert!(
-                    guided.1 <= halving.1 + 1,
+                    guided.1 <= halving.1 + 3,
                     "{name} from {start} (figures: {figures}): {} attempts, halving {}",
                     guided.1,
                     halving.1
                 );
+                // A size that ran at an attempt's lower noise may be above `fit`, never above the
+                // fit at the least noise.
                 assert!(
-                    guided.0 <= fit,
-                    "{name} from {start}: {} of {fit}",
+                    guided.0 <= largest,
+                    "{name} from {start}: {} of {largest}",
                     guided.0
                 );
                 utilisation.push(guided.0 as f64 / fit as f64);
+                attempts += guided.1;
+                halving_attempts += halving.1;
             }
         }
     }
-    // Not a bound it promises (see the README's table), a guard against a policy that halves
-    // only: halving itself gets 0.65 here.
-    let mean = utilisation.iter().sum::<f64>() / utilisation.len() as f64;
-    assert!(mean > 0.75, "mean utilisation {mean:.3}");
+    // Over the cases, with and without the device's figures: at least 0.90 of the fit on the
+    // mean (halving gets 0.62 here), in at most two attempts more than halving on the mean.
+    let cases = utilisation.len() as f64;
+    let mean = utilisation.iter().sum::<f64>() / cases;
+    assert!(mean >= 0.90, "mean utilisation {mean:.3}");
+    let extra = (attempts as f64 - halving_attempts as f64) / cases;
+    assert!(
+        extra <= 2.0,
+        "{extra:.2} attempts more than halving on the mean"
+    );
+    println!("mean utilisation {mean:.3}, {extra:.2} attempts more than halving on the mean");
 }
 
 /// A step of random shape: a fixed part, layers that each keep a linear and a batch² part,
@@ -146,9 +163,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     /// On any such step, from any start, with or without the device's figures: at least
-    /// halving's size, at most halving's attempts + 1, and a size that fits.
+    /// halving's size, at most halving's attempts + 3, and a size that fits.
     #[test]
-    fn any_step_shape_never_below_halving_nor_over_its_attempts_plus_one(
+    fn any_step_shape_never_below_halving_nor_over_its_attempts_plus_three(
         shape in shape(),
         start in 1usize..3000,
         figures in any::<bool>(),
@@ -160,7 +177,7 @@ proptest! {
         let halving = search(start, Halve, true, &device, step);
         let guided = search(start, Guided::new(), figures, &device, step);
         prop_assert!(guided.0 >= halving.0, "{:?} from {}: {:?} against halving's {:?}", shape, start, guided, halving);
-        prop_assert!(guided.1 <= halving.1 + 1, "{:?} from {}: {:?} against halving's {:?}", shape, start, guided, halving);
+        prop_assert!(guided.1 <= halving.1 + 3, "{:?} from {}: {:?} against halving's {:?}", shape, start, guided, halving);
         if guided.0 > 0 {
             device.release().unwrap(); // what the last attempt left in the cache
             prop_assert!(shape.step(&device, guided.0 as u64).is_ok());

@@ -70,18 +70,30 @@ pub fn value(lines: &[(String, String)], key: &str) -> String {
         .unwrap_or_else(|| panic!("no {key} in {lines:?}"))
 }
 
+/// The policy of a scenario's attribute: the default, or halving where the parent asks
+/// (`REAL_ALLOCATORS_POLICY=halving`) to print halving's size beside the default's.
+pub fn policy() -> batch_size_runtime::policy::Reduction<'static> {
+    if std::env::var("REAL_ALLOCATORS_POLICY").as_deref() == Ok("halving") {
+        batch_size_runtime::policy::Reduction::Halve
+    } else {
+        batch_size_runtime::policy::Reduction::default()
+    }
+}
+
 /// Runs each `(scenario, label)` in a fresh child, asserts it ran (and, with `quiet`, that it
 /// printed no panic: a recovered out-of-memory panic is kept quiet, on any thread) and that
 /// the size it found is not above the largest that fits and runs again in a fresh process;
 /// prints it against the largest, beside the same search without figures
 /// (`REAL_ALLOCATORS_FIGURES=none`: `Release::none()`) for the attribute's `Result` form and
-/// the tuner.
+/// the tuner, and beside halving's run (`REAL_ALLOCATORS_POLICY=halving`) for the attribute's
+/// forms. A scenario named in `at_least` must find at least that share of the largest.
 pub fn compare_with_the_largest(
     framework: &str,
     scenarios: &[(&str, &str)],
     largest: usize,
     fits: impl Fn(usize) -> bool,
     quiet: bool,
+    at_least: &[(&str, f64)],
 ) {
     for &(scenario, label) in scenarios {
         let (lines, ran, stderr) = child_status(scenario, &[]);
@@ -94,23 +106,41 @@ pub fn compare_with_the_largest(
         let attempts = value(&lines, &format!("{label}.attempts"));
         assert_fits(scenario, found, largest, &fits);
         let share = |size: usize| size as f64 / largest as f64;
-        let without = if scenario == "attribute_result" || scenario == "tuner" {
+        let mut beside = String::new();
+        if scenario == "attribute_result" || scenario == "tuner" {
             let lines = child(scenario, &[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
             let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
-            format!(
+            beside.push_str(&format!(
                 "; without figures {found} ({:.3}) in {} attempts",
                 share(found),
                 value(&lines, &format!("{label}.attempts"))
-            )
-        } else {
-            String::new()
-        };
+            ));
+        }
+        if scenario.starts_with("attribute") {
+            let lines = child(
+                scenario,
+                &[("REAL_ALLOCATORS_POLICY", "halving".to_owned())],
+            );
+            let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
+            beside.push_str(&format!(
+                "; halving {found} ({:.3}) in {} attempts",
+                share(found),
+                value(&lines, &format!("{label}.attempts"))
+            ));
+        }
         println!(
-            "{framework} {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{without}; error: {}",
+            "{framework} {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{beside}; error: {}",
             share(found),
             value_if_any(&lines, &format!("{label}.error"))
                 .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
         );
+        if let Some(&(_, least)) = at_least.iter().find(|(name, _)| *name == scenario) {
+            assert!(
+                share(found) >= least,
+                "{framework} {scenario}: {found} of {largest} ({:.3}), below {least}",
+                share(found)
+            );
+        }
     }
 }
 

@@ -82,7 +82,7 @@ fn memory_back(failed: &Attempt) {
     );
 }
 
-#[find_executable_batch_size(starting = STARTING, release = release(device))]
+#[find_executable_batch_size(starting = STARTING, release = release(device), policy = real_allocators::policy())]
 fn train_result(
     batch_size: usize,
     device: &Device,
@@ -90,7 +90,7 @@ fn train_result(
     Ok((batch_size, step(device, batch_size)?))
 }
 
-#[find_executable_batch_size(starting = STARTING, release = release(device))]
+#[find_executable_batch_size(starting = STARTING, release = release(device), policy = real_allocators::policy())]
 fn train_panicking(batch_size: usize, device: &Device) -> (usize, f32) {
     (batch_size, step_panicking(device, batch_size))
 }
@@ -203,5 +203,5 @@ fn burn_on_llvmpipe() {
         ("chunked", "chunked"),
         ("tuner", "tuner"),
     ];
-    compare_with_the_largest("burn", &scenarios, largest, fits, true);
+    compare_with_the_largest("burn", &scenarios, largest, fits, true, &[]);
 }

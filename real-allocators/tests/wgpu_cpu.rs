@@ -107,7 +107,7 @@ fn memory_back(failed: &batch_size_runtime::Attempt) {
     );
 }
 
-#[find_executable_batch_size(starting = STARTING, release = release(device))]
+#[find_executable_batch_size(starting = STARTING, release = release(device), policy = real_allocators::policy())]
 fn train_result(
     batch_size: usize,
     device: &wgpu::Device,
@@ -116,7 +116,7 @@ fn train_result(
     step_in_scope(device, queue, batch_size)
 }
 
-#[find_executable_batch_size(starting = STARTING, release = release(device))]
+#[find_executable_batch_size(starting = STARTING, release = release(device), policy = real_allocators::policy())]
 fn train_panicking(batch_size: usize, device: &wgpu::Device, queue: &wgpu::Queue) -> usize {
     step(device, queue, batch_size) // the default handler panics on out-of-memory
 }
@@ -222,5 +222,5 @@ fn wgpu_on_llvmpipe() {
         ("chunked", "chunked"),
         ("tuner", "tuner"),
     ];
-    compare_with_the_largest("wgpu", &scenarios, largest, fits, false);
+    compare_with_the_largest("wgpu", &scenarios, largest, fits, false, &[]);
 }

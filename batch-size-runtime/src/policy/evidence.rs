@@ -30,6 +30,14 @@ pub struct Evidence {
     pub capacity: Option<u64>,
     /// Bytes in use on the device when the attempt started (what it did not allocate itself).
     pub used_at_start: Option<u64>,
+    /// Bytes free when the allocation failed, as the error said: kept where the text gives no
+    /// total (ONNX Runtime's "Available memory of A"), to be read against the backend's total
+    /// or, with none, against the bytes asked for.
+    pub free_at_failure: Option<u64>,
+    /// The most bytes in use on the device during the attempt (what was in use before it plus
+    /// the attempt's peak), where the backend keeps a peak: above what was in use at the failure
+    /// when the attempt freed memory before failing.
+    pub peak: Option<u64>,
 }
 
 impl Evidence {
@@ -58,6 +66,10 @@ impl Evidence {
             // Figures that contradict each other (free above total) are not used at all.
             capacity: figures.capacity.filter(|_| used_at_failure.is_some()),
             used_at_start: None,
+            free_at_failure: figures
+                .free
+                .filter(|free| figures.capacity.is_none_or(|total| *free <= total)),
+            peak: None,
         }
     }
 
@@ -104,18 +116,25 @@ impl Evidence {
             evidence.capacity = at_end.or(at_start).map(|device| device.total);
         }
         evidence.used_at_start = at_start.map(|device| device.total.saturating_sub(device.free));
+        // In use before the attempt outside the pool (other processes, the context), plus the
+        // pool's peak during the attempt, which counts what was in the pool at the start.
+        evidence.peak = match (at_start, at_end.and_then(|device| device.peak)) {
+            (Some(start), Some(peak)) => Some(
+                start
+                    .total
+                    .saturating_sub(start.free)
+                    .saturating_sub(start.pool_reserved.unwrap_or(0))
+                    .saturating_add(peak),
+            ),
+            _ => None,
+        };
         if evidence.used_at_failure.is_none() {
-            // In use before the attempt outside the pool (other processes, the context), plus
-            // the pool's peak during the attempt, which counts what was in the pool at the start.
-            evidence.used_at_failure = match (at_start, at_end.and_then(|device| device.peak)) {
-                (Some(start), Some(peak)) => Some(
-                    start
-                        .total
-                        .saturating_sub(start.free)
-                        .saturating_sub(start.pool_reserved.unwrap_or(0))
-                        .saturating_add(peak),
-                ),
-                _ => None,
+            // The text's free bytes against the backend's total say what was in use at the
+            // failure itself; the peak, which may be later than the failure, only where they
+            // cannot.
+            evidence.used_at_failure = match (evidence.capacity, evidence.free_at_failure) {
+                (Some(total), Some(free)) if free <= total => Some(total - free),
+                _ => evidence.peak,
             };
         }
         Some(evidence)

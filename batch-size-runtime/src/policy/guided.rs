@@ -1,6 +1,6 @@
 //! The default policy: after an out-of-memory attempt, estimate from its figures how memory
 //! grows with the batch size, without ever ending below the size halving would have found or
-//! taking more than one attempt more than halving.
+//! taking more than three attempts more than halving.
 
 use super::evidence::Evidence;
 use super::{Decision, SizePolicy};
@@ -9,7 +9,8 @@ use crate::memory::Bytes;
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Chooses each next size from the evidence of the failures so far, never ending below the size
-/// halving would have found nor taking more than one attempt more than halving.
+/// halving would have found nor taking more than three attempts more than halving (0.9 more on
+/// the mean of the search benchmark's cases).
 ///
 /// Halving from the first size `s₀` tries the rungs `s₀, s₀/2, s₀/4, ...` and ends at the
 /// largest rung that fits. This policy keeps that ladder as its floor:
@@ -17,24 +18,30 @@ use crate::record::{Attempt, Outcome, SearchReport};
 /// - **Never below halving.** After an out-of-memory attempt it never proposes a size below the
 ///   largest rung that the evidence has not proved to fail. A rung is proved to fail when it is at
 ///   or above a size that failed, or when the bytes a failure had reached (what the attempt held
-///   plus what it asked for) would still exceed the device at that rung even if every one of them
-///   shrank as fast as the batch squared (attention's `batch²` term; a linear or a fixed part
-///   shrinks slower). Whatever the step does after the failure, and wherever in the step the
-///   failure came (layers that allocate in turn, a pyramid, buffers that do not grow), the
-///   figures seen so far only bound the need from below, and that bound is all it relies on.
-/// - **At most one attempt more than halving.** An attempt at a rung costs nothing against
+///   plus what it asked for, or its peak) would still exceed the device at that rung even if every
+///   one of them shrank as fast as the batch squared (attention's `batch²` term; a linear or a
+///   fixed part shrinks slower). Whatever the step does after the failure, and wherever in the
+///   step the failure came, the figures seen so far only bound the need from below, and that
+///   bound is all it relies on.
+/// - **At most three attempts more than halving.** An attempt at a rung costs nothing against
 ///   halving, which makes it too; a rung proved to fail is an attempt saved. Between the rungs it
-///   tries one estimate of its own at a time, and only while it has an attempt in hand: after an
-///   estimate that failed and saved nothing it follows the ladder until a proof gives one back.
-/// - **The estimate.** After a failure at size `s` whose allocation asked for `r` bytes with
-///   `u` in use on a device of `C`, it takes the failing allocation as the part that grows
-///   (linearly, or at the exponent two failures of the same allocation show) and the rest as
-///   fixed: `s × (C − u) / r × (1 − margin)`. One tensor that grows beside a fixed part is then
-///   found in one attempt once the ladder is below it. Where the failure may have come part-way
-///   through the step (the failing allocation smaller than what the attempt held) or more comes
-///   after it (logits after the layers, optimizer state created at the first step) the estimate
-///   may be too large: that costs the attempt in hand, never a size below the ladder. An
-///   estimate at or below the next rung not proved to fail is not tried: that rung is.
+///   tries an estimate of its own only while at most two attempts more were made than rungs were
+///   proved, so that a failed estimate still leaves the ladder within three attempts of halving.
+///   An estimate from one failure that came part-way through the step is little more than a
+///   step down of a tenth (the bytes reached are about the room, wherever the failure came); it
+///   is still tried, since the ladder's next rung is half.
+/// - **The estimate reads the whole step.** From one failure: every byte the attempt had reached
+///   (its own bytes at the failure plus the request, or its peak) grows with the size and what
+///   was in use before it is fixed, `s × room / reached`; for a linear step that is never below
+///   the largest size that fits, whatever its fixed part or wherever the failure came. From two
+///   failures: the line through the bytes each reached, `fixed + k × size` (`size^e` where two
+///   failures of one allocation show its exponent), met with the room; a line steeper than the
+///   failing allocation grows, or one a third failure lies off, says the failures came at
+///   different points of the step and is not used. After an estimate that failed only a line may
+///   follow it: the same reading would miss the same way. Without the device's total (a text
+///   with the bytes asked for and free only, as ONNX Runtime's): the failing allocation grows
+///   and the rest is fixed, `s × free / requested`. An estimate at or below the next rung not
+///   proved to fail is not tried: that rung is.
 /// - **Stopping early only on proof.** It stops before the engine reaches `min` only when two
 ///   failures at different sizes failed on their first allocation (nothing of the attempt's own in
 ///   use, which needs the memory backend's readings), asking for the same bytes, more than the
@@ -137,55 +144,139 @@ impl Guided {
         self.margin
     }
 
-    /// The size the figures of `latest` point to, and how it was reached; `None` where they
-    /// point nowhere (nothing free, figures that contradict the failure).
-    fn estimate(&self, latest: &Failure, failures: &[Failure]) -> Option<(f64, String)> {
+    /// The size the figures point to after the failure `latest` (the smallest so far), and how
+    /// it was reached; `None` where they point nowhere (nothing free, figures that contradict
+    /// the failure).
+    ///
+    /// Two failures at different sizes give a line: the bytes each attempt had reached against
+    /// its size, as `fixed + k × size^e` (`e` from the failing allocations where two of the same
+    /// one show it, else 1), and the size where that line meets the room. A line along which the
+    /// bytes did not shrink with the size (each failure came part-way, where the room ran out,
+    /// wherever that was in the step) says nothing, and neither does one that puts the fixed part
+    /// above the room. One failure, or no line: every byte the attempt had reached grows with
+    /// the size, none of it fixed, which for a linear step is never below the largest that fits
+    /// (a fixed part or a failure part-way only lowers it); the next failure then gives the line.
+    /// Without the device's total (a text that says only what was asked for and what was free):
+    /// the failing allocation as the part that grows and the rest as fixed.
+    fn estimate(
+        &self,
+        latest: &Failure,
+        failures: &[Failure],
+        whole: bool,
+    ) -> Option<(f64, String)> {
         let keep = 1.0 - self.margin;
         let size = latest.size as f64;
-        let own = latest.own();
-        // How fast the failing allocation grows: linear unless two failures of the same
-        // allocation at different sizes show more (the exponent of `requested ∝ size^k`).
-        let exponent = failures
+        let exponent = exponent(latest, failures);
+        let growth = if exponent > 1.0 {
+            format!(", growing as size^{exponent:.1}")
+        } else {
+            String::new()
+        };
+        let estimate = |estimate: f64, how: String| {
+            let estimate = estimate * keep;
+            (estimate.is_finite() && estimate >= 1.0).then(|| {
+                (
+                    estimate,
+                    format!(
+                        "{how}: about {} fit{growth}, {:.0} % margin",
+                        estimate.floor(),
+                        self.margin * 100.0
+                    ),
+                )
+            })
+        };
+        let Some(room) = latest.room() else {
+            // The failing allocation alone grows, in what the text said was free.
+            let fit = size * (latest.free as f64 / latest.requested as f64).powf(1.0 / exponent);
+            return estimate(
+                fit,
+                format!(
+                    "{} asked for at size {} with {} free, if only that allocation grows",
+                    Bytes(latest.requested),
+                    latest.size,
+                    Bytes(latest.free)
+                ),
+            );
+        };
+        let reached = latest.reached() as f64;
+        let line = failures
             .iter()
             .rev()
-            .find(|earlier| earlier.size != latest.size && earlier.site == latest.site)
-            .map(|earlier| {
-                (latest.requested as f64 / earlier.requested as f64).ln()
-                    / (latest.size as f64 / earlier.size as f64).ln()
-            })
-            .filter(|k| k.is_finite() && (1.2..=3.0).contains(k))
-            .unwrap_or(1.0);
-        let growth = if exponent > 1.0 {
-            format!("the failing allocation growing as size^{exponent:.1}")
-        } else {
-            "if only the failing allocation grows".to_owned()
-        };
-        // The failing allocation is taken as the part that grows and everything before it as
-        // fixed. Where it is smaller than what the attempt held, the failure may have come
-        // part-way through the step and the estimate may be too large: then it costs the one
-        // attempt in hand, never a size below the ladder.
-        let room = latest.capacity.saturating_sub(latest.used) as f64;
-        let estimate = size * (room / latest.requested as f64).powf(1.0 / exponent) * keep;
-        let part_way = if latest.requested < own {
-            "; the failure may have come part-way through the step"
-        } else {
-            ""
-        };
-        Some((
-            estimate,
+            .filter(|earlier| earlier.size > latest.size && earlier.capacity == latest.capacity)
+            .find_map(|earlier| {
+                let earlier_reached = earlier.reached() as f64;
+                let (x0, x1) = (size.powf(exponent), (earlier.size as f64).powf(exponent));
+                let slope = (earlier_reached - reached) / (x1 - x0);
+                let fixed = reached - slope * x0;
+                let fit = ((room as f64 - fixed) / slope).powf(1.0 / exponent);
+                // A line steeper than the failing allocation's own growth says that the failures
+                // came at different points of the step (where the room ran out each time), not
+                // that the rest is fixed: nothing to read from it.
+                let per_unit = (latest.requested as f64 / x0).max(earlier.requested as f64 / x1);
+                // Every other failure must lie on it too: a failure off the line came at another
+                // point of the step, and the line between these two is a coincidence.
+                let on_line = failures.iter().all(|other| {
+                    other.capacity != latest.capacity || {
+                        let predicted = fixed + slope * (other.size as f64).powf(exponent);
+                        (predicted - other.reached() as f64).abs() <= 0.01 * other.reached() as f64
+                    }
+                });
+                (slope > 0.0
+                    && on_line
+                    && (slope <= 1.5 * per_unit
+                        // A failing allocation of the same bytes at both sizes does not grow:
+                        // the growth is elsewhere, and its own says nothing of the line.
+                        || close(latest.requested, earlier.requested))
+                    && fixed < room as f64
+                    && fit.is_finite()
+                    && fit < size)
+                    .then_some((fit, earlier, fixed))
+            });
+        if let Some((fit, earlier, fixed)) = line {
+            return estimate(
+                fit,
+                format!(
+                    "the failures at {} and {} reached {} and {} of {} of room: {} fixed and the rest growing with the size",
+                    earlier.size,
+                    latest.size,
+                    Bytes(earlier.reached()),
+                    Bytes(latest.reached()),
+                    Bytes(room),
+                    Bytes(fixed.max(0.0) as u64),
+                ),
+            );
+        }
+        if !whole {
+            return None;
+        }
+        let fit = size * (room as f64 / reached).powf(1.0 / exponent);
+        estimate(
+            fit,
             format!(
-                "{} in use ({} of them the attempt's) + {} asked for at size {} on {}: about {} fit ({growth}, {:.0} % margin{part_way})",
-                Bytes(latest.used),
-                Bytes(own),
-                Bytes(latest.requested),
+                "the attempt at {} reached {} of its own ({} in use, {} asked for) with {} of room, if all of it grows with the size",
                 latest.size,
-                Bytes(latest.capacity),
-                estimate.floor(),
-                self.margin * 100.0,
+                Bytes(latest.reached()),
+                Bytes(latest.used().unwrap_or(0)),
+                Bytes(latest.requested),
+                Bytes(room),
             ),
-        ))
-        .filter(|(estimate, _)| estimate.is_finite() && *estimate >= 1.0)
+        )
     }
+}
+
+/// How fast the failing allocation grows with the size: linear unless two failures of the
+/// same allocation at different sizes show more (the exponent of `requested ∝ size^k`).
+fn exponent(latest: &Failure, failures: &[Failure]) -> f64 {
+    failures
+        .iter()
+        .rev()
+        .find(|earlier| earlier.size != latest.size && earlier.site == latest.site)
+        .map(|earlier| {
+            (latest.requested as f64 / earlier.requested as f64).ln()
+                / (latest.size as f64 / earlier.size as f64).ln()
+        })
+        .filter(|k| k.is_finite() && (1.2..=3.0).contains(k))
+        .unwrap_or(1.0)
 }
 
 /// One failure with every figure the estimate needs.
@@ -195,28 +286,54 @@ struct Failure {
     site: String,
     size: usize,
     requested: u64,
-    used: u64,
-    capacity: u64,
+    /// Free when the allocation failed.
+    free: u64,
+    /// The device's total, where the text or the backend said.
+    capacity: Option<u64>,
     /// In use before the attempt, where the memory backend said.
     used_at_start: Option<u64>,
+    /// The most in use during the attempt, where the backend keeps a peak.
+    peak: Option<u64>,
 }
 
 impl Failure {
+    /// In use when the allocation failed.
+    fn used(&self) -> Option<u64> {
+        Some(self.capacity?.saturating_sub(self.free))
+    }
+
     /// What the attempt itself held when it failed (all that was in use where the backend did not
     /// say what was in use before: the bound stays a bound).
     fn own(&self) -> u64 {
-        self.used.saturating_sub(self.used_at_start.unwrap_or(0))
+        self.used()
+            .unwrap_or(0)
+            .saturating_sub(self.used_at_start.unwrap_or(0))
+    }
+
+    /// What the attempt needed at least: its own bytes plus the allocation that failed, or its
+    /// peak where it freed memory before failing and the peak was higher.
+    fn reached(&self) -> u64 {
+        let peak = self.peak.map_or(0, |peak| {
+            peak.saturating_sub(self.used_at_start.unwrap_or(0))
+        });
+        self.own().saturating_add(self.requested).max(peak)
+    }
+
+    /// The bytes the attempt could have used: the total less what was in use before it.
+    fn room(&self) -> Option<u64> {
+        Some(
+            self.capacity?
+                .saturating_sub(self.used_at_start.unwrap_or(0)),
+        )
     }
 
     /// The size from which every size is proved to fail by this failure: its attempt had reached
-    /// `own + requested` bytes of its own, and at a size `b` below its own those bytes are at
-    /// least `(b / size)²` of what they were (no allocation shrinks faster than the batch
-    /// squared). `None` where it proves nothing.
+    /// `reached` bytes of its own, and at a size `b` below its own those bytes are at least
+    /// `(b / size)²` of what they were (no allocation shrinks faster than the batch squared).
+    /// `None` where it proves nothing (no total to compare with).
     fn proved_to_fail_from(&self) -> Option<f64> {
-        let room = self
-            .capacity
-            .saturating_sub(self.used_at_start.unwrap_or(0)) as f64;
-        let reached = self.own().saturating_add(self.requested) as f64 * PROOF_TOLERANCE;
+        let room = self.room()? as f64;
+        let reached = self.reached() as f64 * PROOF_TOLERANCE;
         if room <= 0.0 || reached <= room {
             return None;
         }
@@ -228,8 +345,11 @@ impl Failure {
     fn repeats(&self, other: &Failure) -> bool {
         other.size != self.size
             && close(other.requested, self.requested)
-            && close(other.used, self.used)
-            && close(other.capacity, self.capacity)
+            && close(other.free, self.free)
+            && other
+                .capacity
+                .zip(self.capacity)
+                .is_none_or(|(a, b)| close(a, b))
     }
 }
 
@@ -249,21 +369,28 @@ fn failures(history: &SearchReport) -> Vec<Failure> {
         .attempts()
         .filter_map(|attempt| {
             let evidence = Evidence::of(attempt)?;
+            // In use at the failure against the total, or, with no total, the text's free bytes.
+            let (free, capacity) = match (evidence.used_at_failure, evidence.capacity) {
+                (Some(used), Some(capacity)) if used <= capacity => {
+                    (capacity - used, Some(capacity))
+                }
+                (Some(_), Some(_)) => return None,
+                _ => (evidence.free_at_failure?, None),
+            };
             let failure = Failure {
                 site: site(attempt),
                 size: attempt.batch_size,
                 requested: evidence.requested?,
-                used: evidence.used_at_failure?,
-                capacity: evidence.capacity?,
+                free,
+                capacity,
                 used_at_start: evidence.used_at_start,
+                peak: evidence.peak,
             };
             // Figures that cannot be true are no evidence.
             let plausible = failure.requested > 0
-                && failure.capacity > 0
-                && failure.used <= failure.capacity
-                && failure
-                    .used_at_start
-                    .is_none_or(|start| start <= failure.capacity)
+                && failure.capacity.is_none_or(|capacity| {
+                    capacity > 0 && failure.used_at_start.is_none_or(|start| start <= capacity)
+                })
                 && failure.size > 0;
             plausible.then_some(failure)
         })
@@ -280,10 +407,13 @@ fn close(a: u64, b: u64) -> bool {
 /// attempt: that allocation does not depend on the batch size and does not fit at any.
 fn fixed_part_does_not_fit(failures: &[Failure]) -> Option<(&Failure, &Failure)> {
     let first_allocation = |failure: &&Failure| {
-        failure.used_at_start.is_some_and(|start| {
-            failure.own().saturating_mul(100) <= failure.requested
-                && failure.requested > failure.capacity.saturating_sub(start)
-        })
+        failure
+            .used_at_start
+            .zip(failure.capacity)
+            .is_some_and(|(start, capacity)| {
+                failure.own().saturating_mul(100) <= failure.requested
+                    && failure.requested > capacity.saturating_sub(start)
+            })
     };
     let latest = failures.last().filter(first_allocation)?;
     let earlier = failures
@@ -339,10 +469,8 @@ impl SizePolicy for Guided {
             return Decision::Stop(StopReason::FixedMemoryDoesNotFit {
                 sizes: (earlier.size, latest.size),
                 requested: latest.requested,
-                free: latest
-                    .capacity
-                    .saturating_sub(latest.used_at_start.unwrap_or(0)),
-                capacity: latest.capacity,
+                free: latest.room().unwrap_or(latest.free),
+                capacity: latest.capacity.unwrap_or(0),
             });
         }
 
@@ -373,10 +501,10 @@ impl SizePolicy for Guided {
             return Decision::Try(size / 2);
         };
         // Halving makes an attempt at every proved rung and one more to end. Rungs keep this
-        // search within one attempt of that; an estimate may be tried only while no more
-        // attempts were made than rungs were proved, so that if it fails the next rung still
-        // ends within one attempt of halving.
-        let in_hand = history.len() <= proved_rungs;
+        // search within its attempts; an estimate may be tried only while at most two attempts
+        // more were made than rungs were proved, so that if it fails the next rung still ends
+        // within three attempts of halving.
+        let in_hand = history.len() <= proved_rungs + 2;
 
         let latest = failures
             .last()
@@ -384,7 +512,14 @@ impl SizePolicy for Guided {
             .filter(|latest| !failures.iter().any(|earlier| latest.repeats(earlier)));
         let estimate = latest
             .filter(|_| in_hand)
-            .and_then(|latest| self.estimate(latest, &failures))
+            .and_then(|latest| {
+                // An estimate that failed showed the step larger than all its bytes growing
+                // would make it (the failure came part-way): the next estimate from those bytes
+                // would miss the same way, so only a line may follow it, else the ladder.
+                let after_a_failed_estimate =
+                    history.len() > 1 && !ladder(first).any(|rung| rung == size);
+                self.estimate(latest, &failures, !after_a_failed_estimate)
+            })
             .map(|(estimate, why)| (estimate.floor().min(usize::MAX as f64) as usize, why))
             // Above the next rung and below every size proved to fail.
             .filter(|&(estimate, _)| estimate > next_rung && (estimate as f64) < proved);

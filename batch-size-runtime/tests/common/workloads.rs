@@ -27,6 +27,12 @@
 //!   the device only when a request fails (then retried) or at the release between attempts.
 //!   3 GiB of weights, 24 layers keeping 3 MiB a sample with a 1.5 MiB-a-sample temporary and a
 //!   40 KiB-a-sample buffer each, then logits of 40 MiB a sample.
+//! - pyramid: 1 GiB, then a U-Net's levels down and back up, each keeping 64, 32, 16, 8, 4 MiB a
+//!   sample down and the same up (the largest tensors first and last);
+//! - attention layers: 2 GiB, then 6 layers that each keep 10 MiB a sample and a batch² score
+//!   matrix of 48 KiB × size²: the failure comes part-way, in a batch² term;
+//! - state last: activations of 70 MiB a sample first, then 6 GiB of optimizer state created
+//!   during the attempt (a fixed part that is not there when a large size fails).
 
 use std::cell::RefCell;
 
@@ -53,10 +59,13 @@ pub enum Workload {
     Attention,
     LazyAdam,
     PyTorchAllocator,
+    Pyramid,
+    AttentionLayers,
+    StateLast,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 11] = [
+    pub const ALL: [Workload; 14] = [
         Workload::Linear,
         Workload::FixedLinear,
         Workload::Layered,
@@ -68,6 +77,9 @@ impl Workload {
         Workload::Attention,
         Workload::LazyAdam,
         Workload::PyTorchAllocator,
+        Workload::Pyramid,
+        Workload::AttentionLayers,
+        Workload::StateLast,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +95,9 @@ impl Workload {
             Workload::Attention => "attention (size²)",
             Workload::LazyAdam => "lazy Adam moments",
             Workload::PyTorchAllocator => "PyTorch allocator",
+            Workload::Pyramid => "pyramid (U-Net)",
+            Workload::AttentionLayers => "attention layers (6 × size²)",
+            Workload::StateLast => "optimizer state last",
         }
     }
 
@@ -163,6 +178,25 @@ impl Workload {
             }
             Workload::PyTorchAllocator => {
                 pytorch_step(&CachingAllocator::new(device.clone()), size)
+            }
+            Workload::Pyramid => {
+                hold(device, held, GIB)?;
+                let levels = [64, 32, 16, 8, 4];
+                levels
+                    .iter()
+                    .chain(levels.iter().rev())
+                    .try_for_each(|&per_sample| hold(device, held, size * per_sample * MIB))
+            }
+            Workload::AttentionLayers => {
+                hold(device, held, 2 * GIB)?;
+                (0..6).try_for_each(|_| {
+                    hold(device, held, size * 10 * MIB)?;
+                    hold(device, held, size * size * 48 * KIB)
+                })
+            }
+            Workload::StateLast => {
+                hold(device, held, size * 70 * MIB)?;
+                hold(device, held, 6 * GIB)
             }
         }
     }
