@@ -1006,7 +1006,9 @@ mod tests {
         // A plain message stays as it is.
         let plain = "CUDA out of memory. Tried to allocate 2.00 GiB";
         assert_eq!(
-            classify_text(plain).map(|found| found.description).as_deref(),
+            classify_text(plain)
+                .map(|found| found.description)
+                .as_deref(),
             Some(plain)
         );
     }

@@ -13,9 +13,36 @@ use batch_size_runtime::{Attempt, Outcome, SearchReport};
 /// Set in a child: which scenario it runs.
 pub const CHILD: &str = "REAL_ALLOCATORS_CHILD";
 
-/// Whether this process is a child running a scenario.
-pub fn is_child() -> bool {
-    std::env::var_os(CHILD).is_some()
+/// A scenario runs only as the child its framework's test starts (it limits the process's
+/// address space): run by hand without its parent, it fails, saying so, rather than pass
+/// having done nothing.
+pub fn expect_child(scenario: &str) {
+    assert_eq!(
+        std::env::var(CHILD).as_deref(),
+        Ok(scenario),
+        "{scenario} is a scenario: its framework's test runs it in a child process"
+    );
+}
+
+/// Where Mesa's software Vulkan driver (llvmpipe) registers itself.
+pub const LLVMPIPE: &str = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json";
+
+/// Set (by `.ci/run`) where every framework must be tested: a missing library or driver then
+/// fails the test instead of skipping it.
+pub const REQUIRED: &str = "REAL_ALLOCATORS_REQUIRED";
+
+/// Whether the framework `test` needs is here. Where it is not: a failure under
+/// [`REQUIRED`] (CI), otherwise a message that the test was skipped, and `false`.
+pub fn available(test: &str, present: bool, missing: &str) -> bool {
+    if present {
+        return true;
+    }
+    assert!(
+        std::env::var_os(REQUIRED).is_none(),
+        "{test}: {missing}, and {REQUIRED} is set: every framework must be tested"
+    );
+    eprintln!("{test}: skipped, {missing}");
+    false
 }
 
 #[path = "../../batch-size-runtime/tests/common/address_space.rs"]
@@ -42,7 +69,13 @@ pub fn child_status(
 ) -> (Vec<(String, String)>, bool, String) {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            scenario,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, scenario);
     for (key, value) in extra {
         command.env(key, value);

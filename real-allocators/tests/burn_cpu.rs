@@ -13,8 +13,7 @@ use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunk
 use burn::tensor::{Device, DeviceKind, Tensor};
 use real_allocators::{
     check_failures, check_tuner_failures, compare_with_the_largest, fits_in_a_fresh_process,
-    is_child, largest_that_fits, leave_room, one_size_requested, print_search,
-    reserved_unallocated,
+    largest_that_fits, leave_room, one_size_requested, print_search, reserved_unallocated,
 };
 
 /// f32 values a sample: 256 KiB a tensor, four tensors live in a step.
@@ -95,22 +94,19 @@ fn train_panicking(batch_size: usize, device: &Device) -> (usize, f32) {
     (batch_size, step_panicking(device, batch_size))
 }
 
-fn scenario(name: &str) -> Option<Device> {
-    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
-        return None;
-    }
+fn scenario(name: &str) -> Device {
+    real_allocators::expect_child(name);
     let device = device();
     step(&device, 4).unwrap(); // kernels compiled, pools started
     device.memory_cleanup();
     leave_room(ROOM);
-    Some(device)
+    device
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn attribute_result() {
-    let Some(device) = scenario("attribute_result") else {
-        return;
-    };
+    let device = scenario("attribute_result");
     let (found, _) = train_result(&device).unwrap();
     let report = last_report().unwrap();
     if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
@@ -120,10 +116,9 @@ fn attribute_result() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn attribute_panicking() {
-    let Some(device) = scenario("attribute_panicking") else {
-        return;
-    };
+    let device = scenario("attribute_panicking");
     let (found, _) = train_panicking(&device);
     let report = last_report().unwrap();
     check_failures(&report, memory_back);
@@ -131,10 +126,9 @@ fn attribute_panicking() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn chunked() {
-    let Some(device) = scenario("chunked") else {
-        return;
-    };
+    let device = scenario("chunked");
     let mut done = 0;
     let ran = Chunked::new(1024)
         .with_starting(STARTING)
@@ -161,10 +155,9 @@ fn chunked() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn tuner() {
-    let Some(device) = scenario("tuner") else {
-        return;
-    };
+    let device = scenario("tuner");
     let tuned = Tuner::new()
         .with_max(STARTING)
         .with_release(release(&device))
@@ -175,10 +168,9 @@ fn tuner() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn one_size() {
-    let Some(device) = scenario("one_size") else {
-        return;
-    };
+    let device = scenario("one_size");
     let size = one_size_requested();
     step(&device, size).unwrap();
 }
@@ -186,11 +178,11 @@ fn one_size() {
 /// Every scenario, its size against the largest that fits, beside halving's (no figures).
 #[test]
 fn burn_on_llvmpipe() {
-    if is_child() {
-        return;
-    }
-    if !std::path::Path::new("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json").exists() {
-        eprintln!("burn_on_llvmpipe: skipped, no llvmpipe (apt-get install mesa-vulkan-drivers)");
+    if !real_allocators::available(
+        "burn_on_llvmpipe",
+        std::path::Path::new(real_allocators::LLVMPIPE).exists(),
+        "no llvmpipe (apt-get install mesa-vulkan-drivers)",
+    ) {
         return;
     }
     let fits = fits_in_a_fresh_process;

@@ -17,8 +17,7 @@ use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, SearchReport, Tuner};
 use burn::tensor::{Device, DeviceKind, Tensor};
 use real_allocators::{
-    child, fits_in_a_fresh_process, is_child, largest_that_fits, leave_room, one_size_requested,
-    value,
+    child, fits_in_a_fresh_process, largest_that_fits, leave_room, one_size_requested, value,
 };
 
 /// f32 values a sample: 256 KiB of input a sample.
@@ -58,10 +57,8 @@ fn step(
 
 /// The device warm (kernels compiled at a small size, pools started), the model loaded, the
 /// address space limited: the same start in every child.
-fn scenario(name: &str) -> Option<(Device, Model)> {
-    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
-        return None;
-    }
+fn scenario(name: &str) -> (Device, Model) {
+    real_allocators::expect_child(name);
     let device = device();
     let model = Model {
         weight: Tensor::ones([WIDTH, 16], &device),
@@ -70,7 +67,7 @@ fn scenario(name: &str) -> Option<(Device, Model)> {
     step(&device, &model, 4).unwrap();
     device.memory_cleanup();
     leave_room(ROOM);
-    Some((device, model))
+    (device, model)
 }
 
 fn print(label: &str, found: usize, report: &SearchReport, dry_runs: usize) {
@@ -84,10 +81,9 @@ fn print(label: &str, found: usize, report: &SearchReport, dry_runs: usize) {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn dry() {
-    let Some((device, model)) = scenario("dry") else {
-        return;
-    };
+    let (device, model) = scenario("dry");
     let dry_run = BurnDryRun::new(&device);
     // The default margin (5 %): without it the dry runs' size ran out of memory
     // (docs/BENCHMARKS.md).
@@ -108,10 +104,9 @@ fn dry() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn ordinary() {
-    let Some((device, model)) = scenario("ordinary") else {
-        return;
-    };
+    let (device, model) = scenario("ordinary");
     let tuned = Tuner::new()
         .with_max(MAX)
         .with_release(Release::burn(&device))
@@ -127,30 +122,28 @@ fn halved(batch_size: usize, device: &Device, model: &Model) -> anyhow::Result<u
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn halving() {
-    let Some((device, model)) = scenario("halving") else {
-        return;
-    };
+    let (device, model) = scenario("halving");
     let found = halved(&device, &model).unwrap();
     print("halving", found, &last_report().unwrap(), 0);
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn one_size() {
-    let Some((device, model)) = scenario("one_size") else {
-        return;
-    };
+    let (device, model) = scenario("one_size");
     let size = one_size_requested();
     step(&device, &model, size).unwrap();
 }
 
 #[test]
 fn dry_run_sizing_on_llvmpipe() {
-    if is_child() {
-        return;
-    }
-    if !std::path::Path::new("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json").exists() {
-        eprintln!("dry_run_sizing_on_llvmpipe: skipped, no llvmpipe (apt-get install mesa-vulkan-drivers)");
+    if !real_allocators::available(
+        "dry_run_sizing_on_llvmpipe",
+        std::path::Path::new(real_allocators::LLVMPIPE).exists(),
+        "no llvmpipe (apt-get install mesa-vulkan-drivers)",
+    ) {
         return;
     }
     let fits = fits_in_a_fresh_process;

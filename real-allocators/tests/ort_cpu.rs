@@ -20,7 +20,7 @@ use ort::value::Tensor;
 use ort::AsPointer;
 use real_allocators::{
     check_failures, check_tuner_failures, child, compare_with_the_largest, fits_in_a_fresh_process,
-    is_child, largest_that_fits, one_size_requested, print_search, reserved_unallocated,
+    largest_that_fits, one_size_requested, print_search, reserved_unallocated,
 };
 
 /// The arena's cap: some hundreds of samples (128 KiB each in the model's two intermediates).
@@ -111,18 +111,15 @@ fn train_result(batch_size: usize, session: &Arc<Mutex<Session>>) -> ort::Result
     Ok((batch_size, infer(session, batch_size)?))
 }
 
-fn scenario(name: &str) -> Option<Arc<Mutex<Session>>> {
-    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
-        return None;
-    }
-    Some(session())
+fn scenario(name: &str) -> Arc<Mutex<Session>> {
+    real_allocators::expect_child(name);
+    session()
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn attribute_result() {
-    let Some(session) = scenario("attribute_result") else {
-        return;
-    };
+    let session = scenario("attribute_result");
     let (found, _) = train_result(&session).unwrap();
     let report = last_report().unwrap();
     if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
@@ -132,10 +129,9 @@ fn attribute_result() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn chunked() {
-    let Some(session) = scenario("chunked") else {
-        return;
-    };
+    let session = scenario("chunked");
     let outputs = Chunked::new(8192)
         .with_starting(STARTING)
         .with_release(release(&session))
@@ -152,10 +148,9 @@ fn chunked() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn tuner() {
-    let Some(session) = scenario("tuner") else {
-        return;
-    };
+    let session = scenario("tuner");
     let tuned = Tuner::new()
         .with_max(STARTING)
         .with_release(release(&session))
@@ -166,20 +161,18 @@ fn tuner() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn one_size() {
-    let Some(session) = scenario("one_size") else {
-        return;
-    };
+    let session = scenario("one_size");
     let size = one_size_requested();
     infer(&session, size).unwrap();
 }
 
 /// The capped arena's message, as ONNX Runtime writes it, recognised by the table.
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn capped_arena_message() {
-    let Some(session) = scenario("capped_arena_message") else {
-        return;
-    };
+    let session = scenario("capped_arena_message");
     let error = infer(&session, STARTING).unwrap_err();
     let found = oom::classify_error(&error).unwrap();
     assert!(
@@ -197,11 +190,11 @@ fn capped_arena_message() {
 /// Every scenario, its size against the largest that fits, beside halving's (no figures).
 #[test]
 fn onnx_runtime_capped_arena() {
-    if is_child() {
-        return;
-    }
-    if std::env::var_os("ORT_DYLIB_PATH").is_none() {
-        eprintln!("onnx_runtime_capped_arena: skipped, ORT_DYLIB_PATH is not set (pip install onnxruntime)");
+    if !real_allocators::available(
+        "onnx_runtime_capped_arena",
+        std::env::var_os("ORT_DYLIB_PATH").is_some(),
+        "ORT_DYLIB_PATH is not set (pip install onnxruntime)",
+    ) {
         return;
     }
     child("capped_arena_message", &[]);

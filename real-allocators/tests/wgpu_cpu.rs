@@ -11,7 +11,7 @@ use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Chunked, Tuner};
 use real_allocators::{
     check_failures, check_tuner_failures, compare_with_the_largest, fits_in_a_fresh_process,
-    is_child, largest_that_fits, leave_room, one_size_requested, print_search,
+    largest_that_fits, leave_room, one_size_requested, print_search,
 };
 
 /// Bytes a sample holds on the device: one buffer each.
@@ -121,22 +121,19 @@ fn train_panicking(batch_size: usize, device: &wgpu::Device, queue: &wgpu::Queue
     step(device, queue, batch_size) // the default handler panics on out-of-memory
 }
 
-fn scenario(name: &str) -> Option<(wgpu::Device, wgpu::Queue)> {
-    if std::env::var(real_allocators::CHILD).as_deref() != Ok(name) {
-        return None;
-    }
+fn scenario(name: &str) -> (wgpu::Device, wgpu::Queue) {
+    real_allocators::expect_child(name);
     let (device, queue) = device().expect("no Vulkan adapter");
     // Warm: the driver's first allocations and pipelines made before the limit.
     step(&device, &queue, 4);
     leave_room(ROOM);
-    Some((device, queue))
+    (device, queue)
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn attribute_result() {
-    let Some((device, queue)) = scenario("attribute_result") else {
-        return;
-    };
+    let (device, queue) = scenario("attribute_result");
     let found = train_result(&device, &queue).unwrap();
     let report = last_report().unwrap();
     if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
@@ -146,10 +143,9 @@ fn attribute_result() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn attribute_panicking() {
-    let Some((device, queue)) = scenario("attribute_panicking") else {
-        return;
-    };
+    let (device, queue) = scenario("attribute_panicking");
     let found = train_panicking(&device, &queue);
     let report = last_report().unwrap();
     check_failures(&report, memory_back);
@@ -157,10 +153,9 @@ fn attribute_panicking() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn chunked() {
-    let Some((device, queue)) = scenario("chunked") else {
-        return;
-    };
+    let (device, queue) = scenario("chunked");
     let mut done = 0;
     Chunked::new(2048)
         .with_starting(STARTING)
@@ -178,10 +173,9 @@ fn chunked() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn tuner() {
-    let Some((device, queue)) = scenario("tuner") else {
-        return;
-    };
+    let (device, queue) = scenario("tuner");
     let tuned = Tuner::new()
         .with_max(STARTING)
         .with_release(release(&device))
@@ -192,10 +186,9 @@ fn tuner() {
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
 fn one_size() {
-    let Some((device, queue)) = scenario("one_size") else {
-        return;
-    };
+    let (device, queue) = scenario("one_size");
     let size = one_size_requested();
     step_in_scope(&device, &queue, size).unwrap();
 }
@@ -203,13 +196,11 @@ fn one_size() {
 /// Every scenario, its size against the largest that fits, beside halving's (no figures).
 #[test]
 fn wgpu_on_llvmpipe() {
-    if is_child() {
-        return;
-    }
-    if device().is_none() {
-        eprintln!(
-            "wgpu_on_llvmpipe: skipped, no Vulkan adapter (apt-get install mesa-vulkan-drivers)"
-        );
+    if !real_allocators::available(
+        "wgpu_on_llvmpipe",
+        device().is_some(),
+        "no Vulkan adapter (apt-get install mesa-vulkan-drivers)",
+    ) {
         return;
     }
     let fits = fits_in_a_fresh_process;
