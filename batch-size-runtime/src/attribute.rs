@@ -4,7 +4,8 @@
 //! type does not fit; the functions here (hidden) are what the generated code calls, so that
 //! such an error points at your argument.
 
-use crate::engine::{BatchSizeSearch, Invalid};
+use crate::engine::Invalid;
+use crate::runners::search::BatchSizeSearch;
 
 /// An argument of the attribute that is not a batch size (a negative `starting`): its name and
 /// value, for the search to stop with before its first attempt.

@@ -99,13 +99,13 @@
 ///   starts there ([`BatchSizeSearch::with_cache`], [`policy::CacheEntry`]).
 /// - `cache_dir = EXPR`: the folder for the cache's files (with `cache`; without it, a compile
 ///   error) ([`BatchSizeSearch::with_cache_dir`]).
-/// - `agree = EXPR`: a rank ([`agree::ThreadRank`], `agree::nccl::NcclRank`, any
+/// - `agree = EXPR`: a rank ([`agree::ThreadRank`], `agree::NcclRank` with the `nccl` feature, any
 ///   [`agree::Collective`]): every rank of the job settles on the same size
 ///   ([`BatchSizeSearch::with_agreement`]).
 /// - `remedies = EXPR`: a [`Remedies`](remedies::Remedies) (or `&Remedies`), with a [`Remedied`](remedies::Remedied) first parameter
 ///   carrying the batch size and the settings: when even `min` runs out of memory, the next
 ///   remedy is applied and the batch size searched again from `starting`
-///   ([`BatchSizeSearch::with_remedies`], [`runners::remedies`]).
+///   ([`BatchSizeSearch::with_remedies`], [`remedies`]).
 /// - `crate = PATH`: where the runtime is, when renamed or re-exported.
 ///
 /// # Parameters and return type
@@ -241,6 +241,7 @@ mod opaque;
 mod panic_filter;
 pub mod policy;
 mod record;
+pub mod remedies;
 mod runners;
 mod unwind;
 
@@ -249,12 +250,12 @@ mod unwind;
 pub mod __private;
 
 pub use attempt::AttemptError;
-pub use engine::{BatchSizeSearch, Search};
+pub use engine::Search;
 pub use error::{NoExecutableBatchSize, StopReason};
 pub use memory::out_of_memory::OutOfMemory;
 pub use memory::release::Release;
 pub use record::{last_report, Attempt, Outcome, SearchReport};
 pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use runners::effective::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
-pub use runners::remedies;
+pub use runners::search::BatchSizeSearch;
 pub use runners::tuner::{Choice, Tuned, Tuner};

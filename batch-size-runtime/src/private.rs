@@ -13,7 +13,7 @@ pub use crate::attribute::{
 };
 pub use crate::engine::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
 pub use crate::engine::driver::{drive, drive_async, AsyncAttempt, Lending, Returning};
-pub use crate::engine::BatchSizeSearch;
+pub use crate::runners::search::BatchSizeSearch;
 pub use crate::{drive_attempts, drive_attempts_async};
 pub use core;
 

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use batch_size_runtime::memory::{ChildTrial, ChildTrialError};
+use batch_size_runtime::oom::{ChildTrial, ChildTrialError};
 use batch_size_runtime::{find_executable_batch_size, last_report, Outcome};
 use candle_core::{DType, Device, Tensor};
 

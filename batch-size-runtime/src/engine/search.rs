@@ -5,12 +5,16 @@
 use std::error::Error;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use super::{ActivePolicy, Hooks, Settings};
+use crate::agree::Agree;
 use crate::engine::dispatch::OomRules;
 use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
+use crate::policy::{Cached, Remediate};
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{self, Attempt, CacheHit, Outcome, SearchReport};
 use crate::unwind::PanicPayload;
@@ -89,6 +93,48 @@ pub struct Search<'r> {
 }
 
 impl<'r> Search<'r> {
+    /// The search from `starting` with `settings`: its policy wrapped as the settings ask, in
+    /// one order (remedies around the size rule, the cache around them, since it remembers the
+    /// remedies' levels with the size; the agreement outermost, so that every rank sees the
+    /// same verdict, cached or not), and every setting checked before the first attempt.
+    #[inline]
+    pub(crate) fn start(starting: usize, mut settings: Settings<'r>) -> Self {
+        // What only the whole can say, for every runner (the tuner's included).
+        settings.check();
+        let mut policy = match settings.policy.take() {
+            Some(policy) => ActivePolicy::Custom(policy),
+            None => ActivePolicy::Shrink(std::mem::take(&mut settings.shrink)),
+        };
+        let ladder = settings.remedies.take();
+        if let Some(control) = &ladder {
+            policy = ActivePolicy::Custom(Box::new(Remediate::new(
+                policy,
+                Arc::clone(control),
+                settings.restart_after_remedy.unwrap_or(starting),
+                settings.min,
+                settings.label,
+            )));
+        }
+        if let Some(cache) = settings.cache.take().filter(|cache| !cache.key.is_empty()) {
+            // Without a key the cache's settings hold only a folder: nothing is cached.
+            let release = settings.release.take().unwrap_or_default();
+            policy = ActivePolicy::Custom(Box::new(Cached::new(
+                policy,
+                cache,
+                settings.label,
+                starting,
+                settings.min,
+                &release,
+                ladder,
+            )));
+            settings.release = Some(release);
+        }
+        if let Some(collective) = settings.agreement.take() {
+            policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
+        }
+        Search::new(starting, policy, settings)
+    }
+
     #[inline]
     pub(crate) fn new(
         starting: usize,
@@ -532,7 +578,7 @@ impl Search<'_> {
     }
 
     /// What counts as out-of-memory for this search: the process-wide rules, then its own
-    /// [`when`](super::BatchSizeSearch::when).
+    /// [`when`](crate::BatchSizeSearch::when).
     pub(crate) fn rules(&self) -> OomRules<'_> {
         OomRules::new(self.hooks.as_ref().and_then(|hooks| hooks.when.as_ref()))
             .with_side_threads(self.running.as_ref().map(|running| &running.side_threads))

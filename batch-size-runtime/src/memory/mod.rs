@@ -31,7 +31,6 @@
 mod burn;
 #[cfg(feature = "burn")]
 mod burn_dry_run;
-mod child;
 mod cuda;
 mod dry_run;
 mod host;
@@ -46,7 +45,6 @@ mod wgpu;
 
 use std::fmt;
 
-pub use child::{ChildTrial, ChildTrialError};
 pub use cuda::CudaBackend;
 pub use dry_run::{DryRun, DrySizing};
 pub use host::{HostLimit, HostLimitKind, HostMemory};

@@ -1,4 +1,5 @@
-//! The ways into the engine beside the attribute and [`BatchSizeSearch`](crate::BatchSizeSearch):
+//! The ways into the engine, the doors users build: [`BatchSizeSearch`](crate::BatchSizeSearch)
+//! (the attribute's too) and the others:
 //! each is a policy (or a wrapper around one) plus what it does between searches, and each
 //! enters and leaves the engine through the same door, with the same error types
 //! ([`AttemptError`](crate::AttemptError)) and the same report
@@ -10,10 +11,8 @@
 //!   ([`Chunked`](crate::Chunked)).
 //! - [`tuner`]: the largest size, found in a few short trials before training
 //!   ([`Tuner`](crate::Tuner)).
-//! - [`remedies`]: when even the smallest size runs out of memory, the next remedies you allow
-//!   (checkpointing, precision, context length) ([`Remedies`](crate::remedies::Remedies)).
 
 pub mod chunked;
 pub mod effective;
-pub mod remedies;
+pub mod search;
 pub mod tuner;

@@ -8,11 +8,12 @@ use std::sync::{Mutex, PoisonError};
 use crate::attempt::AttemptError;
 use crate::engine::dispatch::LastError;
 use crate::engine::driver::Returning;
-use crate::engine::{drive_ended, drive_ended_async, BatchSizeSearch, Ended};
+use crate::engine::{drive_ended, drive_ended_async, Ended};
 use crate::engine::{settings_setters, Settings};
 use crate::error::StopReason;
 use crate::policy::{Convergence, GrowBack, Reduction, RunnerCache};
 use crate::record;
+use crate::runners::search::BatchSizeSearch;
 
 mod attempt;
 mod policy;

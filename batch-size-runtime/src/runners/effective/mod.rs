@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use crate::agree::{Agree, Collective};
 use crate::attempt::AttemptError;
-use crate::engine::BatchSizeSearch;
 use crate::engine::{settings_setters, Invalid, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
 #[allow(unused_imports)] // for the docs' links
@@ -15,7 +14,8 @@ use crate::opaque::Opaque;
 use crate::policy::{even_micro, Convergence, Probing};
 use crate::policy::{GrowBack, RunnerCache};
 use crate::record::SearchReport;
-use crate::runners::remedies::Remedies;
+use crate::remedies::Remedies;
+use crate::runners::search::BatchSizeSearch;
 
 // One concept a file: the division of a step (the plan), even micro-batches, and the shares of
 // one global batch between ranks; the runner here.

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use crate::attempt::AttemptError;
-use crate::engine::{settings_setters, BatchSizeSearch, Invalid, Settings};
+use crate::engine::{settings_setters, Invalid, Settings};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::StopReason;
 #[allow(unused_imports)] // for the docs' links
@@ -15,6 +15,7 @@ use crate::memory::Release;
 use crate::opaque::Opaque;
 use crate::policy::{Cached, CachedEntry, SizePolicy};
 use crate::record::SearchReport;
+use crate::runners::search::BatchSizeSearch;
 
 // One concept a file: the search (a size policy) and what the trials measure of speed.
 mod dry_run;

@@ -31,7 +31,7 @@ const TRIAL_FAILED: i32 = 3;
 /// process (candle on the CPU), to size the step once; then train in the process at that size.
 ///
 /// ```no_run
-/// use batch_size_runtime::memory::{ChildTrial, ChildTrialError};
+/// use batch_size_runtime::oom::{ChildTrial, ChildTrialError};
 /// use batch_size_runtime::{BatchSizeSearch, Release};
 ///
 /// /// A step on the CPU that allocates with `Vec`, as candle's CPU backend does: past the

@@ -20,6 +20,10 @@
 //! assert!(!oom::is_out_of_memory(&std::io::Error::other("checkpoint not found")));
 //! ```
 
+mod child;
+
+pub use child::{ChildTrial, ChildTrialError};
+
 use std::any::Any;
 use std::error::Error;
 use std::fmt;

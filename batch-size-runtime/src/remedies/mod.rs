@@ -55,7 +55,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::attempt::AttemptError;
-use crate::engine::BatchSizeSearch;
+use crate::engine::{dispatch::Kept, drive, Search, Settings};
 
 mod control;
 mod ladder;
@@ -346,20 +346,31 @@ impl<S> Remedied<S> {
     }
 }
 
-/// A [`BatchSizeSearch`] with remedies: each attempt gets a [`Remedied`] (see
-/// [`BatchSizeSearch::with_remedies`]).
+/// A [`BatchSizeSearch`](crate::BatchSizeSearch) with remedies: each attempt gets a
+/// [`Remedied`] (see [`BatchSizeSearch::with_remedies`](crate::BatchSizeSearch::with_remedies)).
 #[derive(Debug)]
 #[must_use = "a search does nothing until it is run"]
 pub struct RemediedSearch<'r, S: Clone + Send + 'static> {
-    search: BatchSizeSearch<'r>,
+    starting: usize,
+    settings: Settings<'r>,
     remedies: Remedies<S>,
 }
 
 impl<'r, S: Clone + Send + 'static> RemediedSearch<'r, S> {
-    /// Runs the search: as [`BatchSizeSearch::run`], with each attempt given its batch size
-    /// and settings. Returns the value of the attempt that ran with that attempt's
-    /// [`Remedied`] (its size, settings and the remedies in force). When no size fits even
-    /// with every remedy, `E::from(NoExecutableBatchSize)` with
+    /// The search from `starting` with `settings`, the remedies allowed.
+    pub(crate) fn new(starting: usize, mut settings: Settings<'r>, remedies: &Remedies<S>) -> Self {
+        settings.remedies = Some(remedies.control());
+        RemediedSearch {
+            starting,
+            settings,
+            remedies: remedies.clone(),
+        }
+    }
+
+    /// Runs the search: as [`BatchSizeSearch::run`](crate::BatchSizeSearch::run), with each
+    /// attempt given its batch size and settings. Returns the value of the attempt that ran
+    /// with that attempt's [`Remedied`] (its size, settings and the remedies in force). When no
+    /// size fits even with every remedy, `E::from(NoExecutableBatchSize)` with
     /// [`StopReason::NoRemedyLeft`](crate::StopReason::NoRemedyLeft).
     pub fn run<T, E, M, F>(self, mut attempt: F) -> Result<(T, Remedied<S>), E>
     where
@@ -367,42 +378,14 @@ impl<'r, S: Clone + Send + 'static> RemediedSearch<'r, S> {
         E: AttemptError<M>,
     {
         let remedies = &self.remedies;
-        self.search.run(|batch_size| {
-            let remedied = remedies.attempt(batch_size);
-            attempt(remedied.clone()).map(|value| (value, remedied))
-        })
-    }
-}
-
-impl<'r> BatchSizeSearch<'r> {
-    /// Allows the search the remedies declared in `remedies` when even `min` runs out of
-    /// memory: the next one is applied and the batch size searched again from `starting`.
-    /// Not with [`with_agreement`](Self::with_agreement) (the ranks do not yet agree on
-    /// remedies: the search stops before its first attempt with
-    /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
-    ///
-    /// ```
-    /// use batch_size_runtime::{BatchSizeSearch, OutOfMemory, remedies::Remedies, remedies::Remedy};
-    ///
-    /// let context = Remedy::knob("context length", |c: &usize| *c, |c: &mut usize, v| *c = v)
-    ///     .with_floor(512);
-    /// let remedies = Remedies::new(4096usize).then(context);
-    /// let (_, ran) = BatchSizeSearch::new(8).with_remedies(&remedies).run(|attempt| {
-    ///     // fits when batch × context ≤ 2048 tokens
-    ///     if attempt.batch_size() * attempt.settings() > 2048 { Err(OutOfMemory::new())? }
-    ///     Ok::<_, anyhow::Error>(())
-    /// })?;
-    /// assert_eq!((ran.batch_size(), *ran.settings()), (1, 2048));
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_remedies<S: Clone + Send + 'static>(
-        mut self,
-        remedies: &Remedies<S>,
-    ) -> RemediedSearch<'r, S> {
-        self.settings.remedies = Some(remedies.control());
-        RemediedSearch {
-            search: self,
-            remedies: remedies.clone(),
-        }
+        drive(
+            Search::start(self.starting, self.settings),
+            Kept::<E, M>::new(),
+            Kept::<E, M>::new(),
+            |batch_size| {
+                let remedied = remedies.attempt(batch_size);
+                attempt(remedied.clone()).map(|value| (value, remedied))
+            },
+        )
     }
 }
