@@ -109,7 +109,7 @@ pub struct Attempt {
     pub rationale: Option<String>,
     /// The remedies in force during this attempt ("activation checkpointing, context length
     /// 1024"), where a search applies any ([`Remedies`](crate::remedies::Remedies)); `None` otherwise.
-    pub settings: Option<String>,
+    pub remedies: Option<String>,
 }
 
 impl fmt::Display for Attempt {
@@ -119,8 +119,8 @@ impl fmt::Display for Attempt {
             "attempt {} with batch size {}",
             self.number, self.batch_size
         )?;
-        if let Some(settings) = &self.settings {
-            write!(f, " ({settings})")?;
+        if let Some(remedies) = &self.remedies {
+            write!(f, " ({remedies})")?;
         }
         f.write_str(": ")?;
         match &self.outcome {
@@ -309,17 +309,17 @@ impl SearchReport {
         self.totals.elided
     }
 
-    /// The attempts made under the settings in force at the end (the remedies in force when
-    /// the last attempt ran): what failed under other settings bounds nothing now.
-    pub(crate) fn under_final_settings(&self) -> impl Iterator<Item = &Attempt> + '_ {
-        let settings = self.last().and_then(|last| last.settings.as_ref());
+    /// The attempts made under the remedies in force at the end (those in force when the last
+    /// attempt ran): what failed under other remedies bounds nothing now.
+    pub(crate) fn under_final_remedies(&self) -> impl Iterator<Item = &Attempt> + '_ {
+        let remedies = self.last().and_then(|last| last.remedies.as_ref());
         self.attempts()
-            .filter(move |attempt| attempt.settings.as_ref() == settings)
+            .filter(move |attempt| attempt.remedies.as_ref() == remedies)
     }
 
-    /// Whether the settings changed during the search (a remedy was applied).
-    pub(crate) fn settings_changed(&self) -> bool {
-        self.under_final_settings().count() != self.attempts().count()
+    /// Whether the remedies in force changed during the search (a remedy was applied).
+    pub(crate) fn remedies_changed(&self) -> bool {
+        self.under_final_remedies().count() != self.attempts().count()
     }
 
     /// The attempts numbered after `number`, as a report of their own (what a policy sees of

@@ -78,7 +78,7 @@ fn groups(attempts: &[Attempt]) -> Vec<Vec<Attempt>> {
     let mut groups: Vec<Vec<Attempt>> = Vec::new();
     for attempt in attempts {
         match groups.last_mut() {
-            Some(group) if group[0].settings == attempt.settings => group.push(attempt.clone()),
+            Some(group) if group[0].remedies == attempt.remedies => group.push(attempt.clone()),
             _ => groups.push(vec![attempt.clone()]),
         }
     }
@@ -117,7 +117,7 @@ fn a_remedy_is_applied_only_after_min_ran_out_of_memory() {
     let attempts = attempts(&last_report().unwrap());
     let first_remedied = attempts
         .iter()
-        .position(|attempt| attempt.settings.is_some())
+        .position(|attempt| attempt.remedies.is_some())
         .expect("a remedy was applied");
     let before = &attempts[..first_remedied];
     assert_eq!(
@@ -126,10 +126,10 @@ fn a_remedy_is_applied_only_after_min_ran_out_of_memory() {
         "the batch size goes down to min before any remedy"
     );
     assert!(before.iter().all(|a| a.outcome.is_out_of_memory()));
-    assert!(before.iter().all(|a| a.settings.is_none()));
+    assert!(before.iter().all(|a| a.remedies.is_none()));
     assert!(attempts[first_remedied..]
         .iter()
-        .all(|a| a.settings.as_deref() == Some("activation checkpointing")));
+        .all(|a| a.remedies.as_deref() == Some("activation checkpointing")));
     // What the function saw agrees with the record.
     assert_eq!(
         seen,
@@ -178,7 +178,7 @@ fn remedies_are_applied_in_the_declared_order() {
     );
     let settings: Vec<Option<String>> = groups(&attempts(&last_report().unwrap()))
         .iter()
-        .map(|group| group[0].settings.clone())
+        .map(|group| group[0].remedies.clone())
         .collect();
     assert_eq!(
         settings,
@@ -327,7 +327,7 @@ fn no_size_retried_under_the_same_settings(with_figures: bool) {
     assert_eq!(
         groups
             .iter()
-            .map(|group| group[0].settings.clone())
+            .map(|group| group[0].remedies.clone())
             .collect::<Vec<_>>(),
         [
             None,
@@ -346,7 +346,7 @@ fn no_size_retried_under_the_same_settings(with_figures: bool) {
                 attempt.batch_size < smallest_failed,
                 "{} tried again under {:?} after {smallest_failed} failed",
                 attempt.batch_size,
-                attempt.settings
+                attempt.remedies
             );
             assert!(attempt.batch_size >= 4);
             if attempt.outcome.is_out_of_memory() {
@@ -404,7 +404,7 @@ fn the_result_the_report_and_the_remedies_carry_the_settings() {
     let last = report.last().unwrap();
     assert!(last.outcome.is_success());
     assert_eq!(
-        last.settings.as_deref(),
+        last.remedies.as_deref(),
         Some("activation checkpointing, context length 2048")
     );
 
@@ -418,7 +418,7 @@ fn the_result_the_report_and_the_remedies_carry_the_settings() {
         .unwrap();
     assert_eq!(rerun.settings().context, 2048);
     assert_eq!(
-        last_report().unwrap().last().unwrap().settings.as_deref(),
+        last_report().unwrap().last().unwrap().remedies.as_deref(),
         Some("activation checkpointing, context length 2048")
     );
 }
@@ -460,7 +460,7 @@ fn the_cache_restores_the_settings_with_the_size() {
     assert!(only.outcome.is_success());
     assert_eq!(only.batch_size, 8);
     assert_eq!(
-        only.settings.as_deref(),
+        only.remedies.as_deref(),
         Some("activation checkpointing, context length 1024")
     );
     assert_eq!(second.settings(), first.settings());
@@ -544,7 +544,7 @@ fn an_error_that_is_not_out_of_memory_after_a_remedy_comes_back_unchanged() {
     assert!(
         matches!(&last.outcome, batch_size_runtime::Outcome::Failed { error } if error == "corrupt shard 7")
     );
-    assert_eq!(last.settings.as_deref(), Some("activation checkpointing"));
+    assert_eq!(last.remedies.as_deref(), Some("activation checkpointing"));
     assert_eq!(remedies.applied(), ["activation checkpointing"]);
 }
 
@@ -589,7 +589,7 @@ fn with_saving(saving: f64) -> (Vec<Option<String>>, Vec<String>, Vec<String>) {
     });
     let settings = attempts(&last_report().unwrap())
         .into_iter()
-        .map(|attempt| attempt.settings)
+        .map(|attempt| attempt.remedies)
         .collect();
     (settings, ran.applied().to_vec(), warnings.all())
 }

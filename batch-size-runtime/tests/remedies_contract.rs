@@ -115,7 +115,7 @@ fn a_remedy_comes_only_after_min_failed_and_in_the_declared_order() {
     }
     // The report has the same settings on every attempt.
     let report = last_report().unwrap();
-    let recorded: Vec<Option<String>> = report.attempts().map(|a| a.settings.clone()).collect();
+    let recorded: Vec<Option<String>> = report.attempts().map(|a| a.remedies.clone()).collect();
     assert_eq!(recorded.first().unwrap(), &None);
     assert_eq!(
         recorded.last().unwrap().as_deref(),
@@ -252,7 +252,7 @@ fn a_switch_whose_estimated_saving_cannot_close_the_gap_gets_no_trial_of_its_own
         "{seen:?}"
     );
     let report = last_report().unwrap();
-    let restart = report.attempts().find(|a| a.settings.is_some()).unwrap();
+    let restart = report.attempts().find(|a| a.remedies.is_some()).unwrap();
     assert!(
         restart
             .rationale

@@ -151,7 +151,7 @@ fn print_attempts() {
         println!(
             "  {:>3}  {:<32} {:>5}  {:<13} {:>10}  {:>11}",
             attempt.number,
-            attempt.settings.as_deref().unwrap_or("as configured"),
+            attempt.remedies.as_deref().unwrap_or("as configured"),
             attempt.batch_size,
             outcome,
             Bytes(peak).to_string(),

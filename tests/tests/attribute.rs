@@ -593,7 +593,7 @@ fn the_attribute_applies_remedies_after_min_and_hands_the_settings_over() {
     let report = batch_size_runtime::last_report().unwrap();
     let first_remedied = report
         .attempts()
-        .position(|attempt| attempt.settings.is_some())
+        .position(|attempt| attempt.remedies.is_some())
         .unwrap();
     // Before the first remedy the batch size went down to `min`, which failed.
     let before: Vec<_> = report.attempts().take(first_remedied).collect();
@@ -602,7 +602,7 @@ fn the_attribute_applies_remedies_after_min_and_hands_the_settings_over() {
     // After it the search started again from `starting`.
     assert_eq!(report.attempts().nth(first_remedied).unwrap().batch_size, 8);
     assert_eq!(
-        report.last().unwrap().settings.as_deref(),
+        report.last().unwrap().remedies.as_deref(),
         Some("activation checkpointing, context length 1024")
     );
 }

@@ -77,11 +77,11 @@ impl<'r> PolicyWrapper for ActivePolicy<'r> {
         }
     }
 
-    fn settings(&self) -> Option<String> {
+    fn remedies_in_force(&self) -> Option<String> {
         match self {
             // The common search asks nothing of a built-in policy on its success path.
             ActivePolicy::Shrink(_) => None,
-            ActivePolicy::Custom(policy) => (**policy).settings(),
+            ActivePolicy::Custom(policy) => (**policy).remedies_in_force(),
         }
     }
 }

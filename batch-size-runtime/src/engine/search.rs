@@ -37,7 +37,7 @@ struct Running {
     started_by_clock: Option<Duration>,
     memory_at_start: Option<MemorySnapshot>,
     /// The remedies in force, where a policy applies any.
-    settings: Option<String>,
+    remedies: Option<String>,
     /// Out-of-memory panics on the framework's own threads since the attempt began.
     side_threads: crate::panic_filter::SideWatch,
 }
@@ -309,7 +309,7 @@ impl Search<'_> {
                     started: Instant::now(),
                     started_by_clock: self.clock_now(),
                     memory_at_start,
-                    settings: self.policy.settings(),
+                    remedies: self.policy.remedies_in_force(),
                     side_threads: crate::panic_filter::SideWatch::start(),
                 });
                 Ok(batch_size)
@@ -405,7 +405,7 @@ impl Search<'_> {
     fn finish_attempt(&mut self, outcome: Outcome) -> Attempt {
         let running = self.running.take();
         let ended_by_clock = self.clock_now();
-        let (batch_size, duration, memory_at_start, settings) = match running {
+        let (batch_size, duration, memory_at_start, remedies) = match running {
             Some(running) => (
                 running.batch_size,
                 match (running.started_by_clock, ended_by_clock) {
@@ -413,7 +413,7 @@ impl Search<'_> {
                     _ => running.started.elapsed(),
                 },
                 running.memory_at_start,
-                running.settings,
+                running.remedies,
             ),
             None => (0, Default::default(), None, None),
         };
@@ -427,7 +427,7 @@ impl Search<'_> {
             memory_after_release: None,
             requested: None,
             rationale: self.rationale.take(),
-            settings,
+            remedies,
         }
     }
 
@@ -753,11 +753,11 @@ impl Search<'_> {
         let Next::Stop(reason) = std::mem::replace(&mut self.next, Next::Ended) else {
             return;
         };
-        let settings_before = self.policy.settings();
+        let remedies_before = self.policy.remedies_in_force();
         self.next = match self.policy.no_size_left(reason, &self.report) {
             Decision::Try(size) => {
-                // Other settings: the sizes that failed under the old ones bound nothing now.
-                if self.policy.settings() != settings_before {
+                // Other remedies: the sizes that failed under the old ones bound nothing now.
+                if self.policy.remedies_in_force() != remedies_before {
                     self.smallest_failed = None;
                 }
                 self.rationale = self.policy.rationale();

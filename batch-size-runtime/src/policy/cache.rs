@@ -424,7 +424,7 @@ impl<P: SizePolicy> Cached<P> {
         // With remedies, only the failures under the settings that fit bound the size.
         let failed_now = if self.remedies.is_some() {
             history
-                .under_final_settings()
+                .under_final_remedies()
                 .filter(|a| a.outcome.is_out_of_memory())
                 .map(|a| a.batch_size)
                 .min()

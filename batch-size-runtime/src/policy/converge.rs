@@ -336,7 +336,7 @@ mod tests {
             memory_after_release: None,
             requested: None,
             rationale: None,
-            settings: None,
+            remedies: None,
         }
     }
 

@@ -480,7 +480,7 @@ mod tests {
             memory_after_release: None,
             requested: None,
             rationale: None,
-            settings: None,
+            remedies: None,
         };
         assert_eq!(
             peak_bytes(&attempt(vec![device("cuda:0")])),

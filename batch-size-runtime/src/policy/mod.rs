@@ -208,9 +208,9 @@ pub trait SizePolicy: Send + fmt::Debug {
         None
     }
 
-    /// What the next attempt runs under besides its size, kept on its record
-    /// ([`Attempt::settings`](crate::Attempt::settings)): the remedies in force. Default: `None`.
-    fn settings(&self) -> Option<String> {
+    /// The remedies the next attempt runs under, kept on its record
+    /// ([`Attempt::remedies`](crate::Attempt::remedies)). Default: `None`.
+    fn remedies_in_force(&self) -> Option<String> {
         None
     }
 }

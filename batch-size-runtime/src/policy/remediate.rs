@@ -159,7 +159,7 @@ impl<P: SizePolicy> PolicyWrapper for Remediate<P> {
         self.rationale.clone().or_else(|| self.inner.rationale())
     }
 
-    fn settings(&self) -> Option<String> {
+    fn remedies_in_force(&self) -> Option<String> {
         self.ladder.describe()
     }
 }

@@ -56,8 +56,8 @@ pub(crate) trait PolicyWrapper: Send + fmt::Debug {
         self.inner_mut().no_size_left(reason, history)
     }
 
-    fn settings(&self) -> Option<String> {
-        self.inner().settings()
+    fn remedies_in_force(&self) -> Option<String> {
+        self.inner().remedies_in_force()
     }
 
     fn agrees_with_others(&self) -> bool {
@@ -97,8 +97,8 @@ impl<W: PolicyWrapper> SizePolicy for W {
     fn no_size_left(&mut self, reason: StopReason, history: &SearchReport) -> Decision {
         PolicyWrapper::no_size_left(self, reason, history)
     }
-    fn settings(&self) -> Option<String> {
-        PolicyWrapper::settings(self)
+    fn remedies_in_force(&self) -> Option<String> {
+        PolicyWrapper::remedies_in_force(self)
     }
     fn agrees_with_others(&self) -> bool {
         PolicyWrapper::agrees_with_others(self)

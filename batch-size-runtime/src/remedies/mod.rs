@@ -12,7 +12,7 @@
 //! - Nothing you did not declare is changed: each attempt's settings are your settings with the
 //!   declared changes in force, made afresh.
 //! - Every remedy applied is logged at WARN (what, why, the failure's figures), is on each
-//!   attempt's record ([`Attempt::settings`](crate::Attempt::settings)), and comes back with
+//!   attempt's record ([`Attempt::remedies`](crate::Attempt::remedies)), and comes back with
 //!   the result ([`Remedied`], with why each was applied: [`Remedied::reasons`]).
 //! - With a cache key the settings are remembered with the size: a rerun starts from both.
 //! - When no remedy is left the search stops with [`StopReason::NoRemedyLeft`](crate::StopReason::NoRemedyLeft), naming every

@@ -475,10 +475,10 @@ impl<'r> EffectiveBatch<'r> {
     /// What the step measured, for the steps after it: every attempt's figures under the
     /// settings in force at its end (a remedy applied in the step makes the others stale).
     fn learn(&mut self, report: &SearchReport) {
-        if report.settings_changed() {
+        if report.remedies_changed() {
             self.convergence.forget();
         }
-        for attempt in report.under_final_settings() {
+        for attempt in report.under_final_remedies() {
             self.convergence.learn(attempt, attempt.batch_size);
         }
         self.convergence.advance();
@@ -495,12 +495,12 @@ impl<'r> EffectiveBatch<'r> {
                 .attempts()
                 .map(|attempt| attempt.batch_size)
                 .collect();
-            if report.settings_changed() {
+            if report.remedies_changed() {
                 // A remedy was applied in this step: the failures before it ran under other
                 // settings and bound nothing now.
                 self.grow.forget_failures();
                 for attempt in report
-                    .under_final_settings()
+                    .under_final_remedies()
                     .filter(|attempt| attempt.outcome.is_out_of_memory())
                 {
                     self.grow.failed(attempt.batch_size);

@@ -1,7 +1,7 @@
 //! A tuner that finds the largest batch size in a few short trials before training: probe two
 //! small sizes, fit memory against the size from their peaks, jump to the predicted limit, and
-//! stop once the largest success and the smallest failure are within a quarter of the margin;
-//! then keep the margin, and run that size too. It times every trial, so that it can also name
+//! stop once the largest success and the smallest failure are within a quarter of the
+//! headroom; then keep the headroom, and run that size too. It times every trial, so that it can also name
 //! the fastest size (samples per second), and return it instead of the largest.
 
 use std::time::Duration;
@@ -46,55 +46,16 @@ use throughput::{fastest, throughput};
 /// builds its batch from the size it is given and runs at least one forward and backward pass.
 ///
 /// # How it searches
-/// With memory figures (the release backend reads the device's peak), it runs `min`, then a
-/// second size (where the line through the memory in use before the first trial and its peak
-/// says, at least four times `min`), fits memory against the size through the two peaks, bent
-/// upwards to what the smallest failure above them needed (the memory in use when the failing
-/// allocation was made plus what it asked for: attention's size² shows there), and runs the
-/// size that keeps the margin below the size the fit predicts fills the device. That trial is
-/// the answer when the fit, with its own peak, still keeps the margin there (within a quarter
-/// of the margin below it); a trial that failed bends the fit, one that ran with more room or
-/// less is followed by the fit's new size. The margin is then the fit's, confirmed by one real
-/// trial: no trial ran above the size returned, and [`Tuned::largest_fit`] is that size. Where
-/// the fit does not describe the trials (a failed size it says fits, two of its sizes failed,
-/// five trials without settling) the search bisects in ratio between the largest success and
-/// the smallest failure, as without figures.
-///
-/// Without figures it grows four times a trial, then bisects in ratio, and stops once the
-/// largest size that ran and the smallest that failed are within a quarter of the margin (at
-/// least 1): finer would refine a size the margin then takes 5 % off. The margin is then taken
-/// off the largest size that ran, and that size's trial is run too.
-///
-/// Either way it never returns a size whose own trial did not succeed, never one above a size
-/// that failed, and never tries one above `with_max`. A limit that is not the memory (a kernel's
-/// grid, a data loader) is not in the figures: the fit's margin is from the memory's limit, and
-/// a size between the two fails once and then is bisected.
-///
-/// # When memory shrinks between trials
-/// A trial that runs out of memory below a size that ran (fragmentation, memory an allocator
-/// kept, another process) means less is free than when the larger one ran: that size is not
-/// kept. Whatever the phase (the margin's trial, the fastest size's), the tuner searches again
-/// below the failure, from the largest size that ran below it, and the next trial's
-/// [`rationale`](crate::Attempt::rationale) (the WARN line's reason) says which size failed
-/// after which ran. The size returned is always below every size that failed, and its trial ran
-/// last.
-///
-/// The fit is a guide, never trusted over a trial; a jump goes at most 128 times the largest
-/// size that ran. Where you know the bytes your trial allocates whatever its size (weights,
-/// gradients, an optimizer's state created inside it), [`with_fixed_memory`](Self::with_fixed_memory)
-/// gives the fit its line from the first trial.
-///
-/// # Throughput
-/// Every successful trial is timed ([`with_clock`](Self::with_clock); by default the wall
-/// clock), and [`Tuned::throughput`] gives samples per second per size. With
-/// [`Choice::Fastest`] the tuner then runs sizes of powers of two below the margin's size,
-/// downwards, until the throughput drops by more than the tolerance (Ludwig's
-/// `batch_size_tuner.py` scores sizes the same way, upwards), and returns the smallest size
-/// within the tolerance of the best. With the default [`Choice::Largest`] no trial is added:
-/// [`Tuned::fastest`] is judged over the sizes the search ran.
+/// With memory figures it fits memory against the size from its trials' peaks and runs the
+/// size the fit says leaves the headroom, confirmed by that trial; without, it grows four times
+/// a trial, then bisects. It never returns a size whose own trial did not succeed, never one
+/// above a size that failed, and never tries one above `with_max`; where memory shrinks between
+/// trials it searches again below the failure. With [`Choice::Fastest`] it also times the
+/// trials ([`with_clock`](Self::with_clock)) and returns the smallest size within the tolerance
+/// of the best throughput. The whole algorithm is in `docs/HOW_IT_WORKS.md` ("The tuner").
 ///
 /// # Default
-/// `min` 1, no `max`, `margin` 0.05 (as Lightning's), `max_trials` 25, release
+/// `min` 1, no `max`, headroom 0.05 (as Lightning's margin), `max_trials` 25, release
 /// [`Release::cuda()`], no cache, [`Choice::Largest`], tolerance 0.02, the wall clock, no fixed
 /// memory declared.
 ///
@@ -141,11 +102,11 @@ type Clock = Box<dyn FnMut() -> Duration + Send>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Choice {
-    /// The largest size that fit, less the margin (Lightning's, Accelerate's answer).
+    /// The largest size that fit, less the headroom (Lightning's, Accelerate's answer).
     #[default]
     Largest,
     /// The smallest size within the tolerance of the best samples per second measured, at or
-    /// below the largest less the margin: past a point a larger batch is no faster.
+    /// below the largest less the headroom: past a point a larger batch is no faster.
     Fastest,
 }
 
@@ -304,7 +265,7 @@ impl Tuner {
 
     /// Sizes from dry runs first ([`DryRun`]; for burn, `memory::BurnDryRun`):
     /// the trial runs under the framework's dry run at two or three sizes, increasing, a line
-    /// through their peaks gives the largest size that fits the device, the margin is taken
+    /// through their peaks gives the largest size that fits the device, the headroom is taken
     /// off, and one real trial confirms that size. Where it runs out of memory, the ordinary
     /// search runs below it; where the dry runs give no size (the trial failed under one,
     /// its memory does not grow), the ordinary search runs. Only for [`Choice::Largest`].
@@ -469,11 +430,11 @@ impl Tuner {
         E: AttemptError<M>,
     {
         let mut settings = self.settings;
-        let (margin, tolerance, min) = (self.headroom, self.tolerance, settings.min);
+        let (headroom, tolerance, min) = (self.headroom, self.tolerance, settings.min);
         // Every setting is checked before any of your code runs, the dry run's trials included.
         settings.check();
-        if !(margin.is_finite() && (0.0..1.0).contains(&margin)) {
-            settings.invalidate(Invalid::Headroom(margin));
+        if !(headroom.is_finite() && (0.0..1.0).contains(&headroom)) {
+            settings.invalidate(Invalid::Headroom(headroom));
         }
         if !(tolerance.is_finite() && (0.0..1.0).contains(&tolerance)) {
             settings.invalidate(Invalid::Tolerance(tolerance));
@@ -485,7 +446,7 @@ impl Tuner {
         let mut policy = TunerPolicy::new(
             min,
             settings.max,
-            margin,
+            headroom,
             self.max_trials,
             self.choice,
             tolerance,
@@ -500,7 +461,7 @@ impl Tuner {
         // below it if it runs out of memory.
         let sizing = match (&self.dry_run, self.choice) {
             (Some(Opaque(dry_run)), Choice::Largest) if settings.invalid.is_none() => {
-                dry_run::dry_sizing(dry_run.as_ref(), &mut trial, min, settings.max, margin)
+                dry_run::dry_sizing(dry_run.as_ref(), &mut trial, min, settings.max, headroom)
             }
             _ => None,
         };
@@ -508,7 +469,7 @@ impl Tuner {
             let below = TunerPolicy::new(
                 min,
                 Some(sizing.batch_size.saturating_sub(1).max(min)),
-                margin,
+                headroom,
                 self.max_trials,
                 self.choice,
                 tolerance,
@@ -557,7 +518,7 @@ impl Tuner {
                 let largest = entry
                     .as_ref()
                     .and_then(CachedEntry::largest)
-                    .unwrap_or_else(|| kept_size(largest_fit, margin, min));
+                    .unwrap_or_else(|| kept_size(largest_fit, headroom, min));
                 (largest_fit, largest.max(batch_size))
             }
             None => match dry_policy

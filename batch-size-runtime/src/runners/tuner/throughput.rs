@@ -63,7 +63,7 @@ mod tests {
             memory_after_release: None,
             requested: None,
             rationale: None,
-            settings: None,
+            remedies: None,
         };
         let mut history = SearchReport::default();
         history.push(trial(64, 2, Outcome::Succeeded));
