@@ -57,10 +57,8 @@ where
     C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
-    // The public edge: the report goes from the search to `last_report()` in one move.
-    let mut search = search;
-    let ended = run_loop(&mut search, &classify, give_up.last_error(), attempt);
-    search.publish_report();
+    // The public edge: the report goes from the search to `last_report()`.
+    let ended = drive_ended(search, &classify, give_up.last_error(), attempt).published();
     returned_or_given_up(ended, &give_up)
 }
 
@@ -95,9 +93,9 @@ where
     C::Error: InspectableError,
     G: GiveUp<R, Error = C::Error, Output = R>,
 {
-    let mut search = search;
-    let ended = run_loop_async(&mut search, &classify, give_up.last_error(), attempt).await;
-    search.publish_report();
+    let ended = drive_ended_async(search, &classify, give_up.last_error(), attempt)
+        .await
+        .published();
     returned_or_given_up(ended, &give_up)
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use crate::attempt::AttemptError;
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
-use crate::engine::{drive, drive_async, drive_ended, drive_reporting, settings_setters, Ended};
+use crate::engine::{drive_async, drive_ended, drive_reporting, settings_setters, Ended};
 use crate::engine::{driver, Invalid, Search, Settings};
 #[allow(unused_imports)] // for the docs' links
 use crate::error::{NoExecutableBatchSize, StopReason};
@@ -285,12 +285,9 @@ impl<'r> BatchSizeSearch<'r> {
         F: FnMut(usize) -> Result<T, E>,
         E: AttemptError<M>,
     {
-        drive(
-            self.start(),
-            Kept::<E, M>::new(),
-            Kept::<E, M>::new(),
-            attempt,
-        )
+        let (result, report) = self.run_reporting(attempt);
+        crate::record::store_last_report(report);
+        result
     }
 
     /// Runs an attempt that returns a plain value: out-of-memory can only come as a panic
