@@ -168,10 +168,7 @@ fn errors_and_panics_that_are_not_out_of_memory_come_back_unchanged() {
 
 #[test]
 fn bad_configuration_is_refused() {
-    for mut runner in [
-        EffectiveBatch::new(0),
-        EffectiveBatch::new(8).with_min_micro(0),
-    ] {
+    for mut runner in [EffectiveBatch::new(0), EffectiveBatch::new(8).with_min(0)] {
         let mut calls = 0;
         let error = runner
             .step(|_| -> anyhow::Result<()> {
@@ -187,7 +184,7 @@ fn bad_configuration_is_refused() {
         assert_eq!(calls, 0);
     }
     // Nothing fits at the smallest micro size: the step fails, saying so.
-    let mut runner = EffectiveBatch::new(8).with_min_micro(2).with_factor(0.5);
+    let mut runner = EffectiveBatch::new(8).with_min(2).with_factor(0.5);
     let error = runner
         .step(|_| -> anyhow::Result<()> { Err(OutOfMemory::new().into()) })
         .unwrap_err();

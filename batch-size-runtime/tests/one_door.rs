@@ -108,7 +108,7 @@ fn effective_batch_takes_the_users_enum() {
     assert_eq!(runner.step(|plan| step(plan, &mut calls)).unwrap(), 8);
     assert_eq!(runner.micro(), 8);
     assert_eq!(calls, 3); // 32, 16, 8
-    assert_eq!(runner.last_report().len(), 3);
+    assert_eq!(runner.last_step_report().len(), 3);
     assert_eq!(
         last_report().unwrap().len(),
         3,

@@ -203,7 +203,7 @@ fn effective_batch_reaches_min_micro_first_then_the_remedies() {
     let device = SimulatedDevice::new(1_300 << 20);
     let mut runner = EffectiveBatch::new(64)
         .with_micro(16)
-        .with_min_micro(2)
+        .with_min(2)
         .with_release(device.clone())
         .with_remedies(&remedies);
     let mut micro_sizes = Vec::new();

@@ -54,8 +54,8 @@ fn a_resumed_effective_batch_starts_at_the_micro_size_it_learned() {
     let mut resumed = first_run(&device);
     step(&mut resumed, &device).unwrap();
     assert_eq!(resumed.recoveries(), &[], "no out-of-memory on the way");
-    assert_eq!(resumed.last_report().len(), 1);
-    assert_eq!(resumed.last_report().out_of_memory_count(), 0);
+    assert_eq!(resumed.last_step_report().len(), 1);
+    assert_eq!(resumed.last_step_report().out_of_memory_count(), 0);
     assert_eq!(resumed.micro(), learned);
 
     // Another key: learns again.
@@ -65,7 +65,7 @@ fn a_resumed_effective_batch_starts_at_the_micro_size_it_learned() {
         .with_cache("another model")
         .with_cache_dir(&dir);
     step(&mut other, &device).unwrap();
-    assert!(other.last_report().out_of_memory_count() > 0);
+    assert!(other.last_step_report().out_of_memory_count() > 0);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -129,7 +129,7 @@ fn a_cache_key_without_figures_still_resumes_and_a_bad_file_is_ignored() {
     clear_process_cache();
     let mut resumed = make();
     resumed.step(body).unwrap();
-    assert_eq!(resumed.last_report().len(), 1);
+    assert_eq!(resumed.last_step_report().len(), 1);
     assert_eq!(resumed.micro(), 16);
 
     // A corrupt entry: a WARN, and the run starts from its own size.
@@ -139,7 +139,7 @@ fn a_cache_key_without_figures_still_resumes_and_a_bad_file_is_ignored() {
     clear_process_cache();
     let mut fresh = make();
     fresh.step(body).unwrap();
-    assert_eq!(fresh.last_report().len(), 3); // 64, 32, 16
+    assert_eq!(fresh.last_step_report().len(), 3); // 64, 32, 16
     let _ = std::fs::remove_dir_all(&dir);
 }
 

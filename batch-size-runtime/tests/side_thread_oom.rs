@@ -145,7 +145,7 @@ fn a_thread_of_no_search_never_turns_a_data_error_into_a_retry() {
         Err(anyhow::anyhow!(DATA_ERROR))
     });
     assert_eq!(failed.unwrap_err().to_string(), DATA_ERROR);
-    assert_eq!(runner.last_report().attempts().count(), 1);
+    assert_eq!(runner.last_step_report().attempts().count(), 1);
 
     let mut chunked = Chunked::new(100).with_starting(50);
     let failed = chunked.for_each(|_| -> anyhow::Result<()> {

@@ -20,7 +20,7 @@ use crate::policy::{CacheSettings, Guided, LadderControl, Reduction, SizePolicy}
 /// problem found is the one reported. Typed until the stop, where it becomes the reason's text.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Invalid {
-    /// `min` (or `with_min_micro`) of 0.
+    /// `min` of 0.
     MinIsZero,
     /// `max` of 0.
     MaxIsZero,

@@ -276,7 +276,7 @@ fn effective_and_chunked(model: &mut Mlp, limited: bool) -> (f64, Vec<f32>) {
         })
         .unwrap();
     if limited {
-        check_failures(runner.last_report());
+        check_failures(runner.last_step_report());
     }
     let gradient = model.grad_sum();
     let outputs = Chunked::new(SAMPLES)

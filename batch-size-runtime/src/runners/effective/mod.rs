@@ -121,6 +121,7 @@ pub struct EffectiveBatch<'r> {
 settings_setters!(
     EffectiveBatch<'r>,
     "EffectiveBatch::new(256)",
+    bounds,
     release,
     shrink,
     learning,
@@ -171,7 +172,7 @@ impl<'r> EffectiveBatch<'r> {
     }
 
     /// Allows the remedies declared in `remedies` once a step runs out of memory at the
-    /// smallest micro size (`with_min_micro`): the next remedy is applied and the step searched
+    /// smallest micro size (`with_min`): the next remedy is applied and the step searched
     /// again from the first step's micro size, the effective batch and its weights unchanged.
     /// What was applied stays in force for the steps after. The step reads the settings in
     /// force from the same `Remedies` ([`Remedies::settings`]); the step's report has them on
@@ -188,7 +189,7 @@ impl<'r> EffectiveBatch<'r> {
     /// let device = SimulatedDevice::new(100 << 20);
     /// let mut runner = EffectiveBatch::new(64)
     ///     .with_micro(16)
-    ///     .with_min_micro(4)
+    ///     .with_min(4)
     ///     .with_release(device.clone())
     ///     .with_remedies(&remedies);
     /// runner.step(|plan| -> anyhow::Result<()> {
@@ -204,19 +205,6 @@ impl<'r> EffectiveBatch<'r> {
     /// ```
     pub fn with_remedies<S: Clone + Send + 'static>(mut self, remedies: &Remedies<S>) -> Self {
         self.settings.remedies = Some(remedies.control());
-        self
-    }
-
-    /// The smallest micro size tried; below it a step fails with `NoExecutableBatchSize`.
-    ///
-    /// ```
-    /// # use batch_size_runtime::{EffectiveBatch, OutOfMemory};
-    /// let mut runner = EffectiveBatch::new(64).with_min_micro(16);
-    /// let result = runner.step(|_| -> anyhow::Result<()> { Err(OutOfMemory::new().into()) });
-    /// assert!(result.unwrap_err().is::<batch_size_runtime::NoExecutableBatchSize>());
-    /// ```
-    pub fn with_min_micro(mut self, min_micro: usize) -> Self {
-        self.settings.set_min(min_micro);
         self
     }
 
@@ -383,10 +371,10 @@ impl<'r> EffectiveBatch<'r> {
     /// # use batch_size_runtime::EffectiveBatch;
     /// let mut runner = EffectiveBatch::new(4);
     /// runner.step(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert_eq!(runner.last_report().len(), 1);
+    /// assert_eq!(runner.last_step_report().len(), 1);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
-    pub fn last_report(&self) -> &SearchReport {
+    pub fn last_step_report(&self) -> &SearchReport {
         &self.last_report
     }
 
