@@ -117,7 +117,7 @@ pub enum StopReason {
         /// The bytes free on the device for it.
         free: u64,
         /// The device's bytes.
-        capacity: u64,
+        total: u64,
     },
     /// The ranks of an uneven split ran a step, but could not agree on their shares of the
     /// next: the step's result came back to the caller, this error at the step after it.
@@ -178,13 +178,13 @@ impl fmt::Display for StopReason {
                 sizes: (earlier, latest),
                 requested,
                 free,
-                capacity,
+                total,
             } => write!(
                 f,
                 "the part of memory that does not depend on the batch size does not fit: sizes {earlier} and {latest} both failed on their first allocation, asking for {} with {} of the device's {} free",
                 Bytes(*requested),
                 Bytes(*free),
-                Bytes(*capacity),
+                Bytes(*total),
             ),
             StopReason::SharesNotAgreed { after_step, error } => write!(
                 f,

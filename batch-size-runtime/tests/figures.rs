@@ -96,7 +96,7 @@ fn pytorch_and_this_crate_give_the_whole_picture() {
     let pytorch = Evidence::from_text(examples("CUDA out of memory")[0]);
     assert_eq!(pytorch.requested, Some(2 << 30));
     let capacity = (79.15 * (1u64 << 30) as f64).round() as u64;
-    assert_eq!(pytorch.capacity, Some(capacity));
+    assert_eq!(pytorch.total, Some(capacity));
     let free = (228.38 * (1u64 << 20) as f64).round() as u64;
     assert_eq!(pytorch.used_at_failure, Some(capacity - free));
 
@@ -111,7 +111,7 @@ fn pytorch_and_this_crate_give_the_whole_picture() {
     let figures = oom::figures(&text);
     assert_eq!(figures.requested, Some(3 << 30));
     assert_eq!(
-        (figures.free, figures.capacity),
+        (figures.free, figures.total),
         (Some(1 << 30), Some(16 << 30))
     );
     assert_eq!(oom::classify_text(&text).unwrap().requested, Some(3 << 30));

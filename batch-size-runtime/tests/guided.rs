@@ -155,8 +155,8 @@ fn a_fixed_part_larger_than_the_device_stops_early_with_the_figures() {
     let none_fit = none_fit(result);
     assert_eq!(none_fit.tried().len(), 2, "{none_fit}");
     match none_fit.reason() {
-        reason @ StopReason::FixedMemoryDoesNotFit { capacity, .. } => {
-            assert_eq!(*capacity, 16 * GIB);
+        reason @ StopReason::FixedMemoryDoesNotFit { total, .. } => {
+            assert_eq!(*total, 16 * GIB);
             let why = reason.to_string();
             assert!(why.contains("does not depend on the batch size"), "{why}");
             assert!(

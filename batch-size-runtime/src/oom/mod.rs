@@ -147,7 +147,7 @@ pub enum Figure {
     /// Bytes free on the device when it failed.
     Free,
     /// The device's total bytes.
-    Capacity,
+    Total,
 }
 
 /// Where a figure is written: right after `marker` (`"Tried to allocate "` then `2.00 GiB`).
@@ -169,7 +169,7 @@ const fn at(marker: &'static str, figure: Figure) -> FigureAt {
 /// capacity of 79.15 GiB of which 228.38 MiB is free."
 const PYTORCH_FIGURES: &[FigureAt] = &[
     at("Tried to allocate ", Figure::Requested),
-    at("total capacity of ", Figure::Capacity),
+    at("total capacity of ", Figure::Total),
     at(" of which ", Figure::Free),
 ];
 
@@ -178,7 +178,7 @@ const PYTORCH_FIGURES: &[FigureAt] = &[
 const OUT_OF_DEVICE_MEMORY_FIGURES: &[FigureAt] = &[
     at("tried to allocate ", Figure::Requested),
     at(" with ", Figure::Free),
-    at(" free of ", Figure::Capacity),
+    at(" free of ", Figure::Total),
     at("allocating ", Figure::Requested),
 ];
 
@@ -839,7 +839,7 @@ fn truncate(text: &str) -> String {
 ///      80.00 GiB of which 1.00 GiB is free.",
 /// );
 /// assert_eq!(pytorch.requested, Some(2 << 30));
-/// assert_eq!((pytorch.free, pytorch.capacity), (Some(1 << 30), Some(80 << 30)));
+/// assert_eq!((pytorch.free, pytorch.total), (Some(1 << 30), Some(80 << 30)));
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -849,7 +849,7 @@ pub struct Figures {
     /// Bytes free on the device when it failed.
     pub free: Option<u64>,
     /// The device's total bytes.
-    pub capacity: Option<u64>,
+    pub total: Option<u64>,
 }
 
 /// The figures `text` states, read where the pattern it matches says ([`OomPattern::figures`]).
@@ -861,7 +861,7 @@ pub struct Figures {
 ///
 /// let ours = oom::figures("out of device memory on sim:0: tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB");
 /// assert_eq!(ours.requested, Some(4 << 30));
-/// assert_eq!((ours.free, ours.capacity), (Some(1 << 30), Some(16 << 30)));
+/// assert_eq!((ours.free, ours.total), (Some(1 << 30), Some(16 << 30)));
 /// assert_eq!(oom::figures("out of device memory allocating 4096 bytes").requested, Some(4096));
 /// // The same words in a message that is not out-of-memory are not read.
 /// assert_eq!(oom::figures("checkpoint: tried to allocate 4.00 GiB"), oom::Figures::default());
@@ -885,7 +885,7 @@ fn read_figures(markers: &[FigureAt], text: &str) -> Figures {
     Figures {
         requested: read(Figure::Requested),
         free: read(Figure::Free),
-        capacity: read(Figure::Capacity),
+        total: read(Figure::Total),
     }
 }
 

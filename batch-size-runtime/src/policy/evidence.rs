@@ -1,5 +1,5 @@
 //! What one out-of-memory attempt tells about the device: the bytes the failing allocation asked
-//! for, the bytes in use when it failed, and the device's capacity, from the figures its error
+//! for, the bytes in use when it failed, and the device's total, from the figures its error
 //! states (read by [`oom::figures`] from the one table of messages, [`oom::OOM_PATTERNS`]) and
 //! from the memory backend's readings around the attempt. Here the figures become the policy's
 //! view: in use = total - free, and figures that contradict each other are dropped.
@@ -7,11 +7,11 @@
 //! ```
 //! use batch_size_runtime::policy::Evidence;
 //!
-//! let pytorch = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of \
+//! let pytorch = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total total of \
 //!                80.00 GiB of which 1.00 GiB is free.";
 //! let figures = Evidence::from_text(pytorch);
 //! assert_eq!(figures.requested, Some(2 << 30));
-//! assert_eq!(figures.capacity, Some(80 << 30));
+//! assert_eq!(figures.total, Some(80 << 30));
 //! assert_eq!(figures.used_at_failure, Some(79 << 30));
 //! ```
 
@@ -27,7 +27,7 @@ pub struct Evidence {
     /// Bytes in use on the device when the allocation failed.
     pub used_at_failure: Option<u64>,
     /// The device's total bytes.
-    pub capacity: Option<u64>,
+    pub total: Option<u64>,
     /// Bytes in use on the device when the attempt started (what it did not allocate itself).
     pub used_at_start: Option<u64>,
     /// Bytes free when the allocation failed, as the error said: kept where the text gives no
@@ -51,12 +51,12 @@ impl Evidence {
     /// );
     /// assert_eq!(ours.used_at_failure, Some(15 << 30));
     /// let burn = Evidence::from_text("out of device memory allocating 4096 bytes");
-    /// assert_eq!((burn.requested, burn.capacity), (Some(4096), None));
+    /// assert_eq!((burn.requested, burn.total), (Some(4096), None));
     /// assert_eq!(Evidence::from_text("tried to allocate 4.00 GiB"), Evidence::default());
     /// ```
     pub fn from_text(text: &str) -> Evidence {
         let figures = oom::figures(text);
-        let used_at_failure = match (figures.free, figures.capacity) {
+        let used_at_failure = match (figures.free, figures.total) {
             (Some(free), Some(total)) if free <= total => Some(total - free),
             _ => None,
         };
@@ -64,11 +64,11 @@ impl Evidence {
             requested: figures.requested,
             used_at_failure,
             // Figures that contradict each other (free above total) are not used at all.
-            capacity: figures.capacity.filter(|_| used_at_failure.is_some()),
+            total: figures.total.filter(|_| used_at_failure.is_some()),
             used_at_start: None,
             free_at_failure: figures
                 .free
-                .filter(|free| figures.capacity.is_none_or(|total| *free <= total)),
+                .filter(|free| figures.total.is_none_or(|total| *free <= total)),
             peak: None,
         }
     }
@@ -93,7 +93,7 @@ impl Evidence {
     /// let first = Evidence::of(report.attempts().next().unwrap()).unwrap();
     /// assert_eq!(first.requested, Some(64 * 20));
     /// assert_eq!(first.used_at_failure, Some(200));
-    /// assert_eq!(first.capacity, Some(1000));
+    /// assert_eq!(first.total, Some(1000));
     /// assert_eq!(first.used_at_start, Some(0));
     /// ```
     pub fn of(attempt: &Attempt) -> Option<Evidence> {
@@ -112,8 +112,8 @@ impl Evidence {
             .memory_at_end
             .as_ref()
             .and_then(|memory| memory.devices.first());
-        if evidence.capacity.is_none() {
-            evidence.capacity = at_end.or(at_start).map(|device| device.total);
+        if evidence.total.is_none() {
+            evidence.total = at_end.or(at_start).map(|device| device.total);
         }
         evidence.used_at_start = at_start.map(|device| device.total.saturating_sub(device.free));
         // In use before the attempt outside the pool (other processes, the context), plus the
@@ -132,7 +132,7 @@ impl Evidence {
             // The text's free bytes against the backend's total say what was in use at the
             // failure itself; the peak, which may be later than the failure, only where they
             // cannot.
-            evidence.used_at_failure = match (evidence.capacity, evidence.free_at_failure) {
+            evidence.used_at_failure = match (evidence.total, evidence.free_at_failure) {
                 (Some(total), Some(free)) if free <= total => Some(total - free),
                 _ => evidence.peak,
             };
@@ -167,7 +167,7 @@ mod tests {
         let ours = Evidence::from_text(
             "out of device memory on sim:0: tried to allocate 5.34 GiB with 786.00 MiB free of 24.00 GiB",
         );
-        assert_eq!(ours.capacity, Some(24 << 30));
+        assert_eq!(ours.total, Some(24 << 30));
         assert_eq!(ours.used_at_failure, Some((24 << 30) - (786 << 20)));
     }
 
@@ -177,7 +177,7 @@ mod tests {
         let contradiction = Evidence::from_text(
             "out of device memory: tried to allocate 1.00 GiB with 9.00 GiB free of 4.00 GiB",
         );
-        assert_eq!(contradiction.capacity, None);
+        assert_eq!(contradiction.total, None);
         assert_eq!(contradiction.used_at_failure, None);
         assert_eq!(contradiction.requested, Some(1 << 30));
     }

@@ -202,7 +202,7 @@ impl Guided {
         let line = failures
             .iter()
             .rev()
-            .filter(|earlier| earlier.size > latest.size && earlier.capacity == latest.capacity)
+            .filter(|earlier| earlier.size > latest.size && earlier.total == latest.total)
             .find_map(|earlier| {
                 let earlier_reached = earlier.reached() as f64;
                 let (x0, x1) = (size.powf(exponent), (earlier.size as f64).powf(exponent));
@@ -216,7 +216,7 @@ impl Guided {
                 // Every other failure must lie on it too: a failure off the line came at another
                 // point of the step, and the line between these two is a coincidence.
                 let on_line = failures.iter().all(|other| {
-                    other.capacity != latest.capacity || {
+                    other.total != latest.total || {
                         let predicted = fixed + slope * (other.size as f64).powf(exponent);
                         (predicted - other.reached() as f64).abs() <= 0.01 * other.reached() as f64
                     }
@@ -289,7 +289,7 @@ struct Failure {
     /// Free when the allocation failed.
     free: u64,
     /// The device's total, where the text or the backend said.
-    capacity: Option<u64>,
+    total: Option<u64>,
     /// In use before the attempt, where the memory backend said.
     used_at_start: Option<u64>,
     /// The most in use during the attempt, where the backend keeps a peak.
@@ -299,7 +299,7 @@ struct Failure {
 impl Failure {
     /// In use when the allocation failed.
     fn used(&self) -> Option<u64> {
-        Some(self.capacity?.saturating_sub(self.free))
+        Some(self.total?.saturating_sub(self.free))
     }
 
     /// What the attempt itself held when it failed (all that was in use where the backend did not
@@ -321,10 +321,7 @@ impl Failure {
 
     /// The bytes the attempt could have used: the total less what was in use before it.
     fn room(&self) -> Option<u64> {
-        Some(
-            self.capacity?
-                .saturating_sub(self.used_at_start.unwrap_or(0)),
-        )
+        Some(self.total?.saturating_sub(self.used_at_start.unwrap_or(0)))
     }
 
     /// The size from which every size is proved to fail by this failure: its attempt had reached
@@ -346,10 +343,7 @@ impl Failure {
         other.size != self.size
             && close(other.requested, self.requested)
             && close(other.free, self.free)
-            && other
-                .capacity
-                .zip(self.capacity)
-                .is_none_or(|(a, b)| close(a, b))
+            && other.total.zip(self.total).is_none_or(|(a, b)| close(a, b))
     }
 }
 
@@ -370,10 +364,8 @@ fn failures(history: &SearchReport) -> Vec<Failure> {
         .filter_map(|attempt| {
             let evidence = Evidence::of(attempt)?;
             // In use at the failure against the total, or, with no total, the text's free bytes.
-            let (free, capacity) = match (evidence.used_at_failure, evidence.capacity) {
-                (Some(used), Some(capacity)) if used <= capacity => {
-                    (capacity - used, Some(capacity))
-                }
+            let (free, total) = match (evidence.used_at_failure, evidence.total) {
+                (Some(used), Some(total)) if used <= total => (total - used, Some(total)),
                 (Some(_), Some(_)) => return None,
                 _ => (evidence.free_at_failure?, None),
             };
@@ -382,14 +374,14 @@ fn failures(history: &SearchReport) -> Vec<Failure> {
                 size: attempt.batch_size,
                 requested: evidence.requested?,
                 free,
-                capacity,
+                total,
                 used_at_start: evidence.used_at_start,
                 peak: evidence.peak,
             };
             // Figures that cannot be true are no evidence.
             let plausible = failure.requested > 0
-                && failure.capacity.is_none_or(|capacity| {
-                    capacity > 0 && failure.used_at_start.is_none_or(|start| start <= capacity)
+                && failure.total.is_none_or(|total| {
+                    total > 0 && failure.used_at_start.is_none_or(|start| start <= total)
                 })
                 && failure.size > 0;
             plausible.then_some(failure)
@@ -409,10 +401,10 @@ fn fixed_part_does_not_fit(failures: &[Failure]) -> Option<(&Failure, &Failure)>
     let first_allocation = |failure: &&Failure| {
         failure
             .used_at_start
-            .zip(failure.capacity)
-            .is_some_and(|(start, capacity)| {
+            .zip(failure.total)
+            .is_some_and(|(start, total)| {
                 failure.own().saturating_mul(100) <= failure.requested
-                    && failure.requested > capacity.saturating_sub(start)
+                    && failure.requested > total.saturating_sub(start)
             })
     };
     let latest = failures.last().filter(first_allocation)?;
@@ -470,7 +462,7 @@ impl SizePolicy for Guided {
                 sizes: (earlier.size, latest.size),
                 requested: latest.requested,
                 free: latest.room().unwrap_or(latest.free),
-                capacity: latest.capacity.unwrap_or(0),
+                total: latest.total.unwrap_or(0),
             });
         }
 

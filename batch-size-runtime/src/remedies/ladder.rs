@@ -186,7 +186,7 @@ impl<S: Clone> Ladder<S> {
                     why.push_str(&format!(
                         ", needing at least {} of {}",
                         Bytes(gap.needed),
-                        Bytes(gap.capacity)
+                        Bytes(gap.total)
                     ));
                 }
                 why
@@ -270,7 +270,7 @@ impl<S: Clone> Ladder<S> {
 struct Gap {
     /// Bytes it needed at least (in use when it failed plus what it asked for).
     needed: u64,
-    capacity: u64,
+    total: u64,
     /// `needed` over the device.
     over: u64,
     /// What of `needed` the attempt itself held (without what was in use before it started).
@@ -281,11 +281,11 @@ impl Gap {
     fn of(attempt: &Attempt) -> Option<Gap> {
         let figures = Evidence::of(attempt)?;
         let needed = figures.needed_at_least()?;
-        let capacity = figures.capacity?;
+        let total = figures.total?;
         Some(Gap {
             needed,
-            capacity,
-            over: needed.saturating_sub(capacity),
+            total,
+            over: needed.saturating_sub(total),
             own: needed.saturating_sub(figures.used_at_start.unwrap_or(0)),
         })
     }
