@@ -606,6 +606,29 @@ mod tests {
     }
 
     #[test]
+    fn owned_borrowed_and_mut_parameters_expand_to_at_most_20_lines_naming_at_most_6_items() {
+        // A 6-line function with one parameter of each kind: owned (cloned per attempt),
+        // borrowed and `&mut` (re-borrowed per attempt).
+        let expansion = find_executable_batch_size(
+            quote! { starting = 128 },
+            quote! {
+                fn train(batch_size: usize, limit: usize, data: &[f32], model: &mut Model) -> anyhow::Result<usize> {
+                    model.step(&data[..batch_size.min(data.len())])?;
+                    if batch_size > limit {
+                        return Err(OutOfMemory::new().into());
+                    }
+                    Ok(batch_size)
+                }
+            },
+        );
+        let formatted = rustfmt(&expansion);
+        let lines = formatted.lines().count();
+        assert!(lines <= 20, "{lines} lines:\n{formatted}");
+        let found = private_items(&expansion);
+        assert!(found.len() <= 6, "{found:?}");
+    }
+
+    #[test]
     fn a_body_that_does_not_parse_keeps_the_rewritten_signature() {
         let expansion = find_executable_batch_size(
             quote! { starting = 8 },
@@ -619,14 +642,17 @@ mod tests {
     #[test]
     fn a_parameter_used_by_the_arguments_may_go_unused_in_the_body() {
         let expansion = find_executable_batch_size(
-            quote! { starting = cfg.batch_size },
-            quote! { fn train(batch_size: usize, cfg: &Config, epochs: usize) -> usize { batch_size } },
+            quote! { starting = cfg.batch_size.min(budget) },
+            quote! { fn train(batch_size: usize, cfg: &Config, budget: usize, epochs: usize) -> usize { batch_size } },
         );
         let text = expansion.to_string();
+        // An owned one is cloned for each attempt, and its clone may go unused.
         assert!(
-            text.contains("# [allow (unused_variables)] let cfg = cfg ;"),
+            text.contains("# [allow (unused_variables)] let budget = "),
             "{text}"
         );
+        // A shared reference is used as it is: nothing to allow.
+        assert!(!text.contains("let cfg"), "{text}");
         assert!(text.contains("let epochs = "), "{text}");
         assert!(
             !text.contains("# [allow (unused_variables)] let epochs"),

@@ -350,8 +350,13 @@ fn rebinding(
         }
         Type::Reference(_) => {
             let copy = quote! { #allow let #pat = #name; };
+            // A shared reference named as the parameter is already what each attempt needs:
+            // the synchronous closure uses it as it is (its copy would be one more line).
+            let as_is = matches!(&**pat, Pat::Ident(ident)
+                if ident.ident == *name && ident.by_ref.is_none() && ident.mutability.is_none()
+                    && ident.subpat.is_none());
             Rebinding {
-                sync: copy.clone(),
+                sync: if as_is { none() } else { copy.clone() },
                 before: none(),
                 in_closure: copy,
                 in_future: none(),

@@ -11,11 +11,14 @@ pub use crate::attribute::{
     batch_size_as, plan, remedies_handle, search, starting_of, with_effective, with_max_attempts,
     with_min, with_remedies, BatchSizeInt, ClonePerAttempt, RemediesArgument,
 };
-pub use crate::engine::dispatch::{ladder, tag_of, PanicOnly, PanicWithError};
-pub use crate::engine::driver::{drive, drive_async, AsyncAttempt, Lending, Returning};
+// What generated code and `drive_attempts!` name in the user's crate; what only the functions
+// here use stays private.
+pub use crate::engine::dispatch::{ladder, tag_of};
+use crate::engine::dispatch::{PanicOnly, PanicWithError};
+use crate::engine::driver::AsyncAttempt;
+pub use crate::engine::driver::{drive, drive_async, Lending, Returning};
 pub use crate::runners::search::BatchSizeSearch;
 pub use crate::{drive_attempts, drive_attempts_async};
-pub use core;
 
 /// Runs the search over the attempts of a function whose return type is `$ret` (written as
 /// `PhantomData::<R>`, an expression, so that the call stays an ordinary expression): both
