@@ -90,6 +90,8 @@ pub struct Search<'r> {
     retrying_below: bool,
     rationale: Option<String>,
     first_fit_at_debug: bool,
+    /// The cached size the search starts from and what its entry says, where it does.
+    cache_offer: Option<(usize, CacheHit)>,
 }
 
 impl<'r> Search<'r> {
@@ -118,7 +120,7 @@ impl<'r> Search<'r> {
         if let Some(cache) = settings.cache.take().filter(|cache| !cache.key.is_empty()) {
             // Without a key the cache's settings hold only a folder: nothing is cached.
             let release = settings.release.take().unwrap_or_default();
-            policy = ActivePolicy::Custom(Box::new(Cached::new(
+            let cached = Cached::new(
                 policy,
                 cache,
                 settings.label,
@@ -126,7 +128,10 @@ impl<'r> Search<'r> {
                 settings.min,
                 &release,
                 ladder,
-            )));
+            );
+            // Read from the wrapper before it is lent to the loop: no hook asks it later.
+            settings.cache_offer = cached.offer();
+            policy = ActivePolicy::Custom(Box::new(cached));
             settings.release = Some(release);
         }
         if let Some(collective) = settings.agreement.take() {
@@ -151,6 +156,7 @@ impl<'r> Search<'r> {
             invalid,
             hooks,
             first_fit_at_debug,
+            cache_offer,
             ..
         } = settings;
         // No size above `with_max` or above what the batch-size parameter's type holds.
@@ -195,6 +201,7 @@ impl<'r> Search<'r> {
             succeeded_once: false,
             retrying_below: false,
             first_fit_at_debug,
+            cache_offer,
         }
     }
 }
@@ -365,8 +372,16 @@ impl Search<'_> {
     /// The search is over: the report goes to `on_report` and waits for the caller, moved, not
     /// cloned (the success path copies as little as it can).
     fn finish(&mut self) {
-        if let Some(largest_fit) = self.policy.served_from_cache() {
-            self.report.cache_hit = Some(CacheHit { largest_fit });
+        // Served from the cache: its size ran first, alone, and was accepted.
+        if let Some((fits, hit)) = self.cache_offer.take() {
+            let ran_alone = self.report.len() == 1
+                && self
+                    .report
+                    .last()
+                    .is_some_and(|only| only.batch_size == fits && only.outcome.is_success());
+            if ran_alone && matches!(self.next, Next::Accepted) {
+                self.report.cache_hit = Some(hit);
+            }
         }
         if let Some(on_report) = self.hooks.as_mut().and_then(|hooks| hooks.on_report.take()) {
             on_report(&self.report);

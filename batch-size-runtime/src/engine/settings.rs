@@ -13,6 +13,7 @@ use crate::agree::Collective;
 use crate::engine::Hooks;
 use crate::memory::Release;
 use crate::policy::{CacheSettings, Guided, LadderControl, Reduction, SizePolicy};
+use crate::record::CacheHit;
 
 /// A setting that cannot produce a size, found when it was set and reported when the runner
 /// first runs, before any of your code
@@ -125,6 +126,10 @@ pub(crate) struct Settings<'r> {
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) first_fit_at_debug: bool,
+    /// The size a cache wrapper (`policy::Cached`) starts the search from and what its entry
+    /// says: read from the wrapper where it is made, before it is lent to the loop, so that the
+    /// report can say it was served from the cache.
+    pub(crate) cache_offer: Option<(usize, CacheHit)>,
     /// The first setting found unusable.
     pub(crate) invalid: Option<Invalid>,
 }
@@ -148,6 +153,7 @@ impl Default for Settings<'_> {
             label: "batch_size_search",
             hooks: None,
             first_fit_at_debug: false,
+            cache_offer: None,
             invalid: None,
         }
     }

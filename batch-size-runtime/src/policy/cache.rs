@@ -396,7 +396,7 @@ impl<P: SizePolicy> Cached<P> {
                 }
             }
         }
-        Cached {
+        let mut cached = Cached {
             inner,
             key,
             file,
@@ -407,7 +407,25 @@ impl<P: SizePolicy> Cached<P> {
             from_cache: false,
             warned,
             remedies,
+        };
+        // Decided here, once, with the remedies restored: the search's first size is the
+        // cached one, and the engine knows it before the first attempt (`offer`).
+        if let Some(entry) = cached.entry.clone() {
+            cached.from_cache = !cached.more_room(&entry) && cached.restore_remedies(&entry);
         }
+        cached
+    }
+
+    /// The cached size the search starts from, and what its entry says, where it does: the
+    /// search was served from the cache if that size ran, first and alone.
+    pub(crate) fn offer(&self) -> Option<(usize, CacheHit)> {
+        let entry = self.entry.as_ref().filter(|_| self.from_cache)?;
+        Some((
+            entry.fits,
+            CacheHit {
+                largest_fit: entry.largest_fit,
+            },
+        ))
     }
 
     /// Whether the device has clearly more room than when the entry was written.
@@ -545,28 +563,22 @@ impl<P> Cached<P> {
 impl<P: SizePolicy> PolicyWrapper for Cached<P> {
     holds_inner!(P);
 
-    fn served_from_cache(&self) -> Option<Option<usize>> {
-        self.hit.map(|hit| hit.largest_fit)
-    }
-
     /// A success is remembered here before it is accepted: the engine must ask.
     fn accepts_every_success(&self) -> bool {
         false
     }
 
     fn first(&mut self, starting: usize) -> Decision {
-        // Cloned (once a search): restoring the remedies writes to `self`.
-        match &self.entry.clone() {
-            Some(entry) if !self.more_room(entry) && self.restore_remedies(entry) => {
+        match self.entry.as_ref().filter(|_| self.from_cache) {
+            Some(entry) => {
                 tracing::info!(
                     function = self.label,
                     batch_size = entry.fits,
                     "starting from the cached size"
                 );
-                self.from_cache = true;
                 Decision::Try(entry.fits)
             }
-            _ => self.inner.first(starting),
+            None => self.inner.first(starting),
         }
     }
 

@@ -198,16 +198,6 @@ pub trait SizePolicy: Send + fmt::Debug {
         false
     }
 
-    /// For the cache of sizes that fit, which wraps the policy: `Some` when the search ran the
-    /// size its entry kept and returned it, with the largest size that ran when the entry was
-    /// written (a tuner's, before its margin). The engine reads it into the report as the
-    /// search ends ([`SearchReport::from_cache`]): a value of the search, not a cell shared
-    /// with it. Not for other policies.
-    #[doc(hidden)]
-    fn served_from_cache(&self) -> Option<Option<usize>> {
-        None
-    }
-
     /// The remedies the next attempt runs under, kept on its record
     /// ([`Attempt::remedies`](crate::Attempt::remedies)). Default: `None`.
     fn remedies_in_force(&self) -> Option<String> {

@@ -63,10 +63,6 @@ pub(crate) trait PolicyWrapper: Send + fmt::Debug {
     fn agrees_with_others(&self) -> bool {
         self.inner().agrees_with_others()
     }
-
-    fn served_from_cache(&self) -> Option<Option<usize>> {
-        self.inner().served_from_cache()
-    }
 }
 
 impl<W: PolicyWrapper> SizePolicy for W {
@@ -102,9 +98,6 @@ impl<W: PolicyWrapper> SizePolicy for W {
     }
     fn agrees_with_others(&self) -> bool {
         PolicyWrapper::agrees_with_others(self)
-    }
-    fn served_from_cache(&self) -> Option<Option<usize>> {
-        PolicyWrapper::served_from_cache(self)
     }
 }
 

@@ -496,6 +496,7 @@ impl Tuner {
         let (result, report, mut entry) = match cache {
             Some(cache) => {
                 let mut cached = Cached::new(sizes, cache, "tuner", min, min, &release, None);
+                search.settings.cache_offer = cached.offer();
                 let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
                 (result, report, Some(cached.into_entry()))
             }
