@@ -101,29 +101,24 @@ pub(crate) struct CacheSettings {
     pub(crate) dir: Option<PathBuf>,
 }
 
-/// One search's view of the cache: its key, its entry, the device's free memory now.
+/// One search's view of the cache, as a policy around the search's own: the cached size first,
+/// accepted once it ran, and what fit remembered in its [`CacheSlot`].
 pub(crate) struct Cached<P> {
     inner: P,
-    key: String,
-    file: Option<PathBuf>,
-    entry: Option<CacheEntry>,
-    free_now: u64,
+    slot: CacheSlot,
     label: &'static str,
     /// The first attempt is the cached size.
     from_cache: bool,
-    /// This search gave its WARN about the cache already: one is enough, whatever else fails.
-    warned: bool,
     /// The remedies the search may apply, whose levels are kept with the size.
     remedies: Option<Arc<dyn LadderControl>>,
-    /// Set when the search ran the cached size and returned it: read into its report.
+    /// Set when the search ran the cached size and returned it.
     hit: Option<CacheHit>,
 }
 
 impl<P: fmt::Debug> fmt::Debug for Cached<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Cached")
-            .field("key", &self.key)
-            .field("entry", &self.entry)
+            .field("slot", &self.slot)
             .finish_non_exhaustive()
     }
 }
@@ -182,26 +177,31 @@ fn store(file: Option<&Path>, entry: &CacheEntry, warned: &mut bool) {
     }
 }
 
-/// The cache of a runner of many searches ([`EffectiveBatch`](crate::EffectiveBatch)'s steps,
-/// [`Chunked`](crate::Chunked)'s chunks): the size its searches settled on, read when it
-/// starts and written whenever it changes, so that a run resumed from its checkpoint starts
-/// at the size it had learned. It is the runner's own value: nothing is shared with a policy.
+/// One entry of the cache, the one mechanism every runner uses: its key (the user's key, the
+/// runner, what it runs, the device), its file, what it holds, and the device's free memory
+/// when it was opened. [`Cached`] holds one for a search (`BatchSizeSearch`, the tuner);
+/// [`EffectiveBatch`](crate::EffectiveBatch) and [`Chunked`](crate::Chunked) hold one for the
+/// size their searches settled on, so that a run resumed from its checkpoint starts there. It
+/// is its holder's own value: nothing is shared with a policy.
 #[derive(Debug)]
-pub(crate) struct RunnerCache {
+pub(crate) struct CacheSlot {
     key: String,
     file: Option<PathBuf>,
     entry: Option<CacheEntry>,
     free_now: u64,
+    /// This holder gave its WARN about the cache already: one is enough, whatever else fails.
     warned: bool,
 }
 
-impl RunnerCache {
-    /// The entry of `label` running `what` (its work's size) on the device `release` reads.
+impl CacheSlot {
+    /// The entry of `label` running `what` on the device `release` reads; an entry `unusable`
+    /// refuses (saying why) is ignored, with a WARN that the holder `starts_at` its own size.
     pub(crate) fn open(
         settings: &CacheSettings,
         label: &str,
         what: &str,
         release: &Release,
+        unusable: impl Fn(&CacheEntry) -> Option<String>,
     ) -> Self {
         let memory = release.memory_backend().memory();
         let key = entry_key(&settings.key, label, what, &memory);
@@ -209,24 +209,46 @@ impl RunnerCache {
         let mut warned = false;
         let mut warn = |file: &Path, why: &str| {
             if !std::mem::replace(&mut warned, true) {
-                tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the run starts at its starting size");
+                tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the search starts at its starting size");
             }
         };
-        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| entry.fits > 0);
-        if let Some(entry) = &entry {
-            tracing::info!(
-                function = label,
-                batch_size = entry.fits,
-                "starting from the cached size"
-            );
-        }
-        RunnerCache {
+        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| match unusable(entry) {
+            Some(why) => {
+                warn(
+                    file.as_deref().unwrap_or(Path::new("(in this process)")),
+                    &why,
+                );
+                false
+            }
+            None => true,
+        });
+        CacheSlot {
             key,
             file,
             entry,
             free_now: memory.free(),
             warned,
         }
+    }
+
+    /// The entry of a runner of many searches (`label` running `what`, its work's size).
+    pub(crate) fn for_runner(
+        settings: &CacheSettings,
+        label: &str,
+        what: &str,
+        release: &Release,
+    ) -> Self {
+        let slot = CacheSlot::open(settings, label, what, release, |entry| {
+            (entry.fits == 0).then(|| "its size is 0".to_owned())
+        });
+        if let Some(fits) = slot.fits() {
+            tracing::info!(
+                function = label,
+                batch_size = fits,
+                "starting from the cached size"
+            );
+        }
+        slot
     }
 
     /// The size the last run settled on, if one was remembered.
@@ -240,17 +262,24 @@ impl RunnerCache {
         self.entry.as_ref().and_then(|entry| entry.failed_at)
     }
 
-    /// Remembers `fits` (and the smallest size above it that failed), where it changed.
-    pub(crate) fn remember(&mut self, fits: usize, failed_at: Option<usize>) {
-        let failed_at = failed_at.filter(|&failed| failed > fits);
-        if self
-            .entry
-            .as_ref()
-            .is_some_and(|entry| entry.fits == fits && entry.failed_at == failed_at)
-        {
+    /// The entry's [`largest`](CacheEntry::largest), where one was written.
+    pub(crate) fn largest(&self) -> Option<usize> {
+        self.entry.as_ref().and_then(|entry| entry.largest)
+    }
+
+    /// Writes `entry` where it differs from what the slot holds.
+    fn write(&mut self, entry: CacheEntry) {
+        if self.entry.as_ref() == Some(&entry) {
             return;
         }
-        let entry = CacheEntry {
+        store(self.file.as_deref(), &entry, &mut self.warned);
+        self.entry = Some(entry);
+    }
+
+    /// A runner's result: `fits` (and the smallest size above it that failed), where it changed.
+    pub(crate) fn remember(&mut self, fits: usize, failed_at: Option<usize>) {
+        let failed_at = failed_at.filter(|&failed| failed > fits);
+        self.write(CacheEntry {
             key: self.key.clone(),
             fits,
             largest_fit: None,
@@ -258,9 +287,17 @@ impl RunnerCache {
             failed_at,
             free_when_written: self.free_now,
             remedies: None,
-        };
-        store(self.file.as_deref(), &entry, &mut self.warned);
-        self.entry = Some(entry);
+        });
+    }
+
+    /// Keeps a tuner's kept size with the entry its search wrote.
+    pub(crate) fn set_largest(&mut self, largest: usize) {
+        if let Some(entry) = self.entry.clone() {
+            self.write(CacheEntry {
+                largest: Some(largest),
+                ..entry
+            });
+        }
     }
 }
 
@@ -354,43 +391,21 @@ impl<P: SizePolicy> Cached<P> {
         release: &Release,
         remedies: Option<Arc<dyn LadderControl>>,
     ) -> Self {
-        let memory = release.memory_backend().memory();
-        let mut key = entry_key(
-            &settings.key,
-            label,
-            &format!("starting {starting}"),
-            &memory,
-        );
+        let mut what = format!("starting {starting}");
         if let Some(remedies) = &remedies {
             // Another list of remedies is another search: its levels would mean other things.
-            key.push_str(&format!(" | remedies {}", remedies.names()));
+            what.push_str(&format!(" | remedies {}", remedies.names()));
         }
-        let file = entry_file(settings.dir, &key);
-        let mut warned = false;
-        let mut warn = |file: &Path, why: &str| {
-            if !std::mem::replace(&mut warned, true) {
-                tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the search starts at its starting size");
-            }
-        };
-        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| {
-            match unusable(entry, starting, min, inner.accepts_every_success()) {
-                Some(why) => {
-                    warn(
-                        file.as_deref().unwrap_or(Path::new("(in this process)")),
-                        &why,
-                    );
-                    false
-                }
-                None => true,
-            }
+        let shrinking = inner.accepts_every_success();
+        let mut slot = CacheSlot::open(&settings, label, &what, release, |entry| {
+            unusable(entry, starting, min, shrinking)
         });
-        let mut free_now = memory.free();
-        if entry.is_some() {
+        if slot.entry.is_some() {
             // The cached size was measured on a device with nothing held for this search: give
             // back what a pool kept from the last search (a tuning just before, say) so that the
             // size that ran then runs now.
             match release.release() {
-                Ok(()) => free_now = release.memory_backend().memory().free(),
+                Ok(()) => slot.free_now = release.memory_backend().memory().free(),
                 Err(error) => {
                     tracing::warn!(%error, "could not release device memory before the cached size")
                 }
@@ -398,19 +413,15 @@ impl<P: SizePolicy> Cached<P> {
         }
         let mut cached = Cached {
             inner,
-            key,
-            file,
-            entry,
-            free_now,
+            slot,
             label,
             hit: None,
             from_cache: false,
-            warned,
             remedies,
         };
         // Decided here, once, with the remedies restored: the search's first size is the
         // cached one, and the engine knows it before the first attempt (`offer`).
-        if let Some(entry) = cached.entry.clone() {
+        if let Some(entry) = cached.slot.entry.clone() {
             cached.from_cache = !cached.more_room(&entry) && cached.restore_remedies(&entry);
         }
         cached
@@ -419,7 +430,7 @@ impl<P: SizePolicy> Cached<P> {
     /// The cached size the search starts from, and what its entry says, where it does: the
     /// search was served from the cache if that size ran, first and alone.
     pub(crate) fn offer(&self) -> Option<(usize, CacheHit)> {
-        let entry = self.entry.as_ref().filter(|_| self.from_cache)?;
+        let entry = self.slot.entry.as_ref().filter(|_| self.from_cache)?;
         Some((
             entry.fits,
             CacheHit {
@@ -430,14 +441,19 @@ impl<P: SizePolicy> Cached<P> {
 
     /// Whether the device has clearly more room than when the entry was written.
     fn more_room(&self, entry: &CacheEntry) -> bool {
-        entry.free_when_written > 0 && self.free_now as f64 >= entry.free_when_written as f64 * 1.1
+        entry.free_when_written > 0
+            && self.slot.free_now as f64 >= entry.free_when_written as f64 * 1.1
     }
 
     fn remember(&mut self, history: &SearchReport) {
         let Some(fits) = history.batch_size() else {
             return;
         };
-        let earlier = self.entry.as_ref().filter(|entry| !self.more_room(entry));
+        let earlier = self
+            .slot
+            .entry
+            .as_ref()
+            .filter(|entry| !self.more_room(entry));
         let earlier_failure = earlier.and_then(|entry| entry.failed_at);
         // With remedies, only the failures under the settings that fit bound the size.
         let failed_now = if self.remedies.is_some() {
@@ -468,66 +484,22 @@ impl<P: SizePolicy> Cached<P> {
             .filter(|entry| entry.fits == fits && entry.largest_fit == largest_fit)
             .and_then(|entry| entry.largest);
         let entry = CacheEntry {
-            key: self.key.clone(),
+            key: self.slot.key.clone(),
             fits,
             largest_fit,
             largest,
             failed_at,
-            free_when_written: self.free_now,
+            free_when_written: self.slot.free_now,
             remedies: self.remedies.as_ref().map(|remedies| remedies.levels()),
         };
-        if self.entry.as_ref() == Some(&entry) {
-            return;
-        }
-        store(self.file.as_deref(), &entry, &mut self.warned);
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
-        self.entry = Some(entry);
+        self.slot.write(entry);
     }
 
     /// What the search made of the cache, for the runner that lent this wrapper: whether it
-    /// ran the cached size and returned it, and the entry, to add what only the runner knows.
-    pub(crate) fn into_entry(self) -> CachedEntry {
-        CachedEntry {
-            file: self.file,
-            entry: self.entry,
-            hit: self.hit,
-            warned: self.warned,
-        }
-    }
-}
-
-/// A search's cache entry after the search, in its runner's hands
-/// ([`Cached::into_entry`]).
-#[derive(Debug)]
-pub(crate) struct CachedEntry {
-    file: Option<PathBuf>,
-    entry: Option<CacheEntry>,
-    hit: Option<CacheHit>,
-    warned: bool,
-}
-
-impl CachedEntry {
-    /// Set when the search ran the cached size and returned it: what the entry said.
-    pub(crate) fn hit(&self) -> Option<CacheHit> {
-        self.hit
-    }
-
-    /// The entry's [`largest`](CacheEntry::largest), where the search wrote or read one.
-    pub(crate) fn largest(&self) -> Option<usize> {
-        self.entry.as_ref().and_then(|entry| entry.largest)
-    }
-
-    /// Keeps a tuner's kept size with the entry its search wrote.
-    pub(crate) fn set_largest(&mut self, largest: usize) {
-        let Some(entry) = self
-            .entry
-            .as_mut()
-            .filter(|entry| entry.largest != Some(largest))
-        else {
-            return;
-        };
-        entry.largest = Some(largest);
-        store(self.file.as_deref(), entry, &mut self.warned);
+    /// ran the cached size and returned it, and the slot, to add what only the runner knows.
+    pub(crate) fn into_slot(self) -> (CacheSlot, Option<CacheHit>) {
+        (self.slot, self.hit)
     }
 }
 
@@ -540,7 +512,7 @@ impl<P> Cached<P> {
             return true;
         };
         if !remedies.restore(levels) {
-            if !std::mem::replace(&mut self.warned, true) {
+            if !std::mem::replace(&mut self.slot.warned, true) {
                 tracing::warn!(
                     function = self.label,
                     "the batch size cache is ignored: its remedies do not fit the ones declared"
@@ -569,7 +541,7 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
     }
 
     fn first(&mut self, starting: usize) -> Decision {
-        match self.entry.as_ref().filter(|_| self.from_cache) {
+        match self.slot.entry.as_ref().filter(|_| self.from_cache) {
             Some(entry) => {
                 tracing::info!(
                     function = self.label,
@@ -595,7 +567,7 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
         if decision == Decision::Accept {
             self.remember(history);
             if cached_and_ran {
-                let largest_fit = self.entry.as_ref().and_then(|entry| entry.largest_fit);
+                let largest_fit = self.slot.entry.as_ref().and_then(|entry| entry.largest_fit);
                 self.hit = Some(CacheHit { largest_fit });
             }
         }

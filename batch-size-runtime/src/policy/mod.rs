@@ -100,7 +100,7 @@ mod shrink;
 mod wrapper;
 
 pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
-pub(crate) use cache::{CacheSettings, Cached, CachedEntry, RunnerCache};
+pub(crate) use cache::{CacheSettings, CacheSlot, Cached};
 pub(crate) use converge::{even_micro, larger_budget, Convergence, Probing};
 pub use evidence::Evidence;
 pub(crate) use grow_back::GrowBack;

@@ -11,7 +11,7 @@ use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, Ended};
 use crate::engine::{settings_setters, Settings};
 use crate::error::StopReason;
-use crate::policy::{Convergence, GrowBack, Reduction, RunnerCache};
+use crate::policy::{CacheSlot, Convergence, GrowBack, Reduction};
 use crate::record;
 use crate::runners::search::BatchSizeSearch;
 
@@ -127,7 +127,7 @@ pub struct Chunked<'r> {
     starting: Option<usize>,
     settings: Settings<'r>,
     /// With `with_cache`: the budget the runs settled on, for a resumed run.
-    cache: Option<RunnerCache>,
+    cache: Option<CacheSlot>,
     cost: Option<Cost<'r>>,
     on_chunk: Option<OnChunk<'r>>,
     chunks: Vec<ChunkRecord>,
@@ -431,10 +431,10 @@ impl<'r> Chunked<'r> {
                 } else {
                     "items"
                 };
-                self.cache = Some(RunnerCache::open(settings, "chunked", what, &release));
+                self.cache = Some(CacheSlot::for_runner(settings, "chunked", what, &release));
             }
         }
-        let cached = self.cache.as_ref().and_then(RunnerCache::fits);
+        let cached = self.cache.as_ref().and_then(CacheSlot::fits);
         let starting = cached
             .or(self.starting)
             .unwrap_or(whole)
@@ -444,7 +444,7 @@ impl<'r> Chunked<'r> {
             self.settings.max.unwrap_or(usize::MAX),
         );
         // The failure that held an earlier run's growth back holds this one's back too.
-        if let Some(failed) = self.cache.as_ref().and_then(RunnerCache::failed_at) {
+        if let Some(failed) = self.cache.as_ref().and_then(CacheSlot::failed_at) {
             grow.failed(failed);
         }
         let policy = ChunkPolicy {

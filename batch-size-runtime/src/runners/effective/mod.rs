@@ -12,7 +12,7 @@ use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::Release;
 use crate::opaque::Opaque;
 use crate::policy::{even_micro, Convergence, Probing};
-use crate::policy::{GrowBack, RunnerCache};
+use crate::policy::{CacheSlot, GrowBack};
 use crate::record::SearchReport;
 use crate::remedies::Remedies;
 use crate::runners::search::BatchSizeSearch;
@@ -95,7 +95,7 @@ pub struct EffectiveBatch<'r> {
     /// The shared settings: `min` is the smallest micro size.
     settings: Settings<'r>,
     /// With `with_cache`: the micro size the steps settled on, for a resumed run.
-    cache: Option<RunnerCache>,
+    cache: Option<CacheSlot>,
     /// The first step has set up what the settings ask for (learning, growing, the cache).
     started: bool,
     grow: GrowBack,
@@ -387,7 +387,7 @@ impl<'r> EffectiveBatch<'r> {
         if let Some(settings) = self.settings.cache() {
             let release = self.settings.release.clone().unwrap_or_default();
             let what = format!("effective {}", self.effective);
-            let cache = RunnerCache::open(settings, "effective_batch", &what, &release);
+            let cache = CacheSlot::for_runner(settings, "effective_batch", &what, &release);
             if let Some(fits) = cache.fits() {
                 let fits = fits.clamp(self.settings.min, self.effective.max(1));
                 self.micro = fits;

@@ -13,7 +13,7 @@ use crate::error::StopReason;
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::opaque::Opaque;
-use crate::policy::{Cached, CachedEntry, SizePolicy};
+use crate::policy::{CacheSlot, Cached, SizePolicy};
 use crate::record::SearchReport;
 use crate::runners::search::BatchSizeSearch;
 
@@ -493,16 +493,17 @@ impl Tuner {
             Some(dry_policy) => dry_policy,
             None => &mut policy,
         };
-        let (result, report, mut entry) = match cache {
+        let (result, report, mut slot, hit) = match cache {
             Some(cache) => {
                 let mut cached = Cached::new(sizes, cache, "tuner", min, min, &release, None);
                 search.settings.cache_offer = cached.offer();
                 let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
-                (result, report, Some(cached.into_entry()))
+                let (slot, hit) = cached.into_slot();
+                (result, report, Some(slot), hit)
             }
             None => {
                 let (result, report) = search.with_policy(sizes).run_with_report(trial);
-                (result, report, None)
+                (result, report, None, None)
             }
         };
         result?;
@@ -510,15 +511,14 @@ impl Tuner {
         let batch_size = report.batch_size().unwrap_or(ran_largest);
         // A rerun from the cache ran one size: what was measured is in the entry, and what the
         // first run reported with it.
-        let hit = entry.as_ref().and_then(CachedEntry::hit);
         let (largest_fit, largest) = match hit {
             Some(hit) => {
                 let largest_fit = hit.largest_fit.unwrap_or(ran_largest).max(ran_largest);
                 // Never below the size cached: where nothing ran above it, it was kept with the
                 // headroom already.
-                let largest = entry
+                let largest = slot
                     .as_ref()
-                    .and_then(CachedEntry::largest)
+                    .and_then(CacheSlot::largest)
                     .unwrap_or_else(|| kept_size(largest_fit, headroom, min));
                 (largest_fit, largest.max(batch_size))
             }
@@ -530,8 +530,8 @@ impl Tuner {
                 kept => (ran_largest, kept),
             },
         };
-        if let Some(entry) = entry.as_mut().filter(|_| hit.is_none()) {
-            entry.set_largest(largest);
+        if let Some(slot) = slot.as_mut().filter(|_| hit.is_none()) {
+            slot.set_largest(largest);
         }
         let throughput = throughput(&report);
         let fastest = fastest(&throughput, largest, tolerance).unwrap_or(largest);
