@@ -73,6 +73,7 @@ pub struct Search<'r> {
     hooks: Option<Box<Hooks<'r>>>,
     min: usize,
     max_attempts: Option<usize>,
+    /// No size above it runs: `with_max`, or the batch-size parameter's type's largest.
     max_size: usize,
     label: &'static str,
     release: Release,
