@@ -829,7 +829,10 @@ fn truncate(text: &str) -> String {
     format!("{}...", &text[..end])
 }
 
-/// The figures an out-of-memory message states, each `None` where it says nothing.
+/// The figures `text` states, as an [`OutOfMemory`] (the one type for one failure's figures:
+/// the bytes asked for, free, total), read where the pattern it matches says
+/// ([`OomPattern::figures`]). A message that the table does not recognise as out-of-memory
+/// states none: classification and figures come from the same table.
 ///
 /// ```
 /// use batch_size_runtime::oom;
@@ -840,39 +843,20 @@ fn truncate(text: &str) -> String {
 /// );
 /// assert_eq!(pytorch.requested, Some(2 << 30));
 /// assert_eq!((pytorch.free, pytorch.total), (Some(1 << 30), Some(80 << 30)));
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Figures {
-    /// Bytes the failed allocation asked for.
-    pub requested: Option<u64>,
-    /// Bytes free on the device when it failed.
-    pub free: Option<u64>,
-    /// The device's total bytes.
-    pub total: Option<u64>,
-}
-
-/// The figures `text` states, read where the pattern it matches says ([`OomPattern::figures`]).
-/// A message that the table does not recognise as out-of-memory states none: classification
-/// and figures come from the same table.
-///
-/// ```
-/// use batch_size_runtime::oom;
-///
 /// let ours = oom::figures("out of device memory on sim:0: tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB");
 /// assert_eq!(ours.requested, Some(4 << 30));
 /// assert_eq!((ours.free, ours.total), (Some(1 << 30), Some(16 << 30)));
 /// assert_eq!(oom::figures("out of device memory allocating 4096 bytes").requested, Some(4096));
 /// // The same words in a message that is not out-of-memory are not read.
-/// assert_eq!(oom::figures("checkpoint: tried to allocate 4.00 GiB"), oom::Figures::default());
+/// assert_eq!(oom::figures("checkpoint: tried to allocate 4.00 GiB"), batch_size_runtime::OutOfMemory::new());
 /// ```
-pub fn figures(text: &str) -> Figures {
+pub fn figures(text: &str) -> OutOfMemory {
     matched_pattern(text)
         .map(|pattern| read_figures(pattern.figures, text))
         .unwrap_or_default()
 }
 
-fn read_figures(markers: &[FigureAt], text: &str) -> Figures {
+fn read_figures(markers: &[FigureAt], text: &str) -> OutOfMemory {
     let read = |figure: Figure| {
         markers
             .iter()
@@ -882,10 +866,11 @@ fn read_figures(markers: &[FigureAt], text: &str) -> Figures {
                     .and_then(|(_, rest)| bytes_at_start(rest))
             })
     };
-    Figures {
+    OutOfMemory {
         requested: read(Figure::Requested),
         free: read(Figure::Free),
         total: read(Figure::Total),
+        device: None,
     }
 }
 
