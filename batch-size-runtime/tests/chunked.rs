@@ -283,24 +283,26 @@ fn the_async_form_keeps_progress_and_order_and_is_send() {
     assert!(matches!(error, ChunkError::WrongOutputCount { got: 4, .. }));
 }
 
+/// The size of every chunk a run of `chunked` ran, over work that always fits.
+fn chunk_sizes(mut chunked: Chunked<'_>) -> Vec<usize> {
+    let mut sizes = Vec::new();
+    chunked
+        .for_each(|items| -> anyhow::Result<()> {
+            sizes.push(items.len());
+            Ok(())
+        })
+        .unwrap();
+    sizes
+}
+
 #[test]
 fn with_max_caps_the_first_chunk_whatever_the_start() {
-    let sizes = |mut chunked: Chunked<'_>| {
-        let mut sizes = Vec::new();
-        chunked
-            .for_each(|items| -> anyhow::Result<()> {
-                sizes.push(items.len());
-                Ok(())
-            })
-            .unwrap();
-        sizes
-    };
     // No start given (the whole work), a start above `max`: never a chunk above 8.
     for chunked in [
         Chunked::new(100).with_max(8),
         Chunked::new(100).with_starting(50).with_max(8),
     ] {
-        let ran = sizes(chunked);
+        let ran = chunk_sizes(chunked);
         assert_eq!(ran.iter().sum::<usize>(), 100);
         assert!(ran.iter().all(|&size| size <= 8), "{ran:?}");
     }
@@ -312,18 +314,12 @@ fn with_max_caps_a_cached_chunk_size() {
     let _ = std::fs::remove_dir_all(&dir);
     let device = SimulatedDevice::new(1 << 30);
     let run = |chunked: Chunked<'_>| {
-        let mut chunked = chunked
-            .with_release(device.clone())
-            .with_cache("chunked max")
-            .with_cache_dir(&dir);
-        let mut sizes = Vec::new();
-        chunked
-            .for_each(|items| -> anyhow::Result<()> {
-                sizes.push(items.len());
-                Ok(())
-            })
-            .unwrap();
-        sizes
+        chunk_sizes(
+            chunked
+                .with_release(device.clone())
+                .with_cache("chunked max")
+                .with_cache_dir(&dir),
+        )
     };
     // The first run settles on chunks of 100 and caches that.
     assert_eq!(run(Chunked::new(300).with_starting(100)), [100, 100, 100]);
