@@ -42,9 +42,16 @@ pub(crate) const HELD_RESOLUTION: u64 = 64;
 /// How much an attempt's peak rose above the bytes in use (live or held) when it started:
 /// the step's own growth, with one size alone.
 pub(crate) fn growth_in_attempt(attempt: &Attempt) -> Option<u64> {
-    let start = only_device(attempt.memory_at_start.as_ref()?)?;
     let (peak, _) = peak_bytes(attempt)?;
-    Some(peak.saturating_sub(start.total.saturating_sub(start.free)))
+    Some(peak.saturating_sub(held_at_start(attempt)?))
+}
+
+/// Bytes in use on the device when the attempt started, whatever holds them (live or held in
+/// a pool or a process's heap): where the backend has no live count (the host's), the part
+/// of the peak the attempt did not add.
+pub(crate) fn held_at_start(attempt: &Attempt) -> Option<u64> {
+    let start = only_device(attempt.memory_at_start.as_ref()?)?;
+    Some(start.total.saturating_sub(start.free))
 }
 
 /// Bytes in use when the attempt started (outside the pool, plus what the pool held live),
