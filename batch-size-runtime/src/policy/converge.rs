@@ -23,7 +23,9 @@
 //! attempt would be a blind guess paid for with an out-of-memory pass, so the runners keep the
 //! size that fitted unless asked to grow back ([`GrowBack`](super::GrowBack)).
 
-use super::fit::{needed_at_least, peak_bytes, used_at_end, used_at_start, MemoryFit, Point};
+use super::fit::{
+    held_at_start, needed_at_least, peak_bytes, used_at_end, used_at_start, MemoryFit, Point,
+};
 use super::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
@@ -144,8 +146,11 @@ impl Convergence {
                         self.points.remove(index);
                     }
                 }
-                // The next step starts with what this one left in use.
-                self.used_at_start = after.or(before);
+                // The next step starts with what this one left in use; where the figures
+                // count only what the process holds (the host's), what it held when this one
+                // started: a line from there counts every byte the step allocated as growing
+                // with its size, which is the truth for a chunk that keeps nothing.
+                self.used_at_start = after.or(before).or_else(|| held_at_start(attempt));
             }
         } else if attempt.outcome.is_out_of_memory() {
             if self.fitted.is_some_and(|fitted| size <= fitted) {

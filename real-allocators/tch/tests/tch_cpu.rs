@@ -10,7 +10,7 @@ use std::process::Command;
 use batch_size_runtime::policy::Reduction;
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, BatchSizeSearch, Chunked};
-use batch_size_runtime::{EffectiveBatch, SearchReport};
+use batch_size_runtime::{EffectiveBatch, SearchReport, Tuner};
 use real_allocators_tch::address_space;
 use real_allocators_tch::{samples, Mlp};
 
@@ -34,7 +34,13 @@ fn limited_model() -> Mlp {
 fn child_status(scenario: &str, extra: &[(&str, String)]) -> bool {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            scenario,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, "1");
     for (key, value) in extra {
         command.env(key, value);
@@ -46,7 +52,13 @@ fn child_status(scenario: &str, extra: &[(&str, String)]) -> bool {
 fn child(scenario: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["--exact", scenario, "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            scenario,
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, "1");
     for (key, value) in extra {
         command.env(key, value);
@@ -160,25 +172,8 @@ fn fallible_api_near_the_largest() {
     if std::env::var_os(CHILD).is_some() {
         return;
     }
-    let fits = |size: usize| {
-        child_status(
-            "one_size",
-            &[
-                ("REAL_ALLOCATORS_SIZE", size.to_string()),
-                ("REAL_ALLOCATORS_MODE", "train".to_owned()),
-            ],
-        )
-    };
-    let (mut ran, mut failed) = (0, STARTING + 1);
-    while failed - ran > 1 {
-        let size = ran + (failed - ran) / 2;
-        if fits(size) {
-            ran = size;
-        } else {
-            failed = size;
-        }
-    }
-    let largest = ran;
+    let fits = |size: usize| fits_fresh(size, "train");
+    let largest = largest_that_fits("train");
     let run = |extra: &[(&str, String)]| {
         let lines = child("fallible_api", extra);
         let found: usize = value(&lines, "found").parse().unwrap();
@@ -197,6 +192,198 @@ fn fallible_api_near_the_largest() {
     assert!(fits(found), "{found} does not run in a fresh process");
     assert!(share >= 0.80, "{found} of {largest} ({share:.3})");
     assert!(found >= halving, "{found} below halving's {halving}");
+}
+
+/// Whether `size` runs in a fresh process under the same room (`mode`: "train" or "infer").
+fn fits_fresh(size: usize, mode: &str) -> bool {
+    child_status(
+        "one_size",
+        &[
+            ("REAL_ALLOCATORS_SIZE", size.to_string()),
+            ("REAL_ALLOCATORS_MODE", mode.to_owned()),
+        ],
+    )
+}
+
+/// The largest size that runs in a fresh process under the same room, by bisection below
+/// twice `STARTING` (each size in a child of its own).
+fn largest_that_fits(mode: &str) -> usize {
+    let (mut ran, mut failed) = (0, 2 * STARTING + 1);
+    while failed - ran > 1 {
+        let size = ran + (failed - ran) / 2;
+        if fits_fresh(size, mode) {
+            ran = size;
+        } else {
+            failed = size;
+        }
+    }
+    ran
+}
+
+/// The tuner as `docs/GUIDE.md` teaches it, with tch's release and no bounds: each trial one
+/// training step at its size. Prints the size found, the largest that ran, the trials and how
+/// many ran out of memory.
+#[test]
+#[ignore = "a child of tuner_as_taught_near_the_largest, run by it with --ignored"]
+fn tuner_as_taught() {
+    assert!(
+        std::env::var_os(CHILD).is_some(),
+        "a scenario: tuner_as_taught_near_the_largest runs it in a child process"
+    );
+    let model = limited_model();
+    let tuned = Tuner::new()
+        .with_release(Release::tch())
+        .run(|batch_size| train_fallible_step(&model, batch_size));
+    let tuned = match tuned {
+        Ok(tuned) => tuned,
+        Err(error) => {
+            if let Some(none) = error.downcast_ref::<batch_size_runtime::NoExecutableBatchSize>() {
+                for attempt in none.report().attempts() {
+                    eprintln!(
+                        "{attempt} | {:?} -> {:?}",
+                        attempt.memory_at_start, attempt.memory_at_end
+                    );
+                }
+            }
+            panic!("{error}");
+        }
+    };
+    let report = tuned.report();
+    let failed = report
+        .attempts()
+        .filter(|attempt| attempt.outcome.is_out_of_memory())
+        .count();
+    if std::env::var_os("REAL_ALLOCATORS_VERBOSE").is_some() {
+        for attempt in report.attempts() {
+            eprintln!(
+                "{attempt} | {:?} | {:?} -> {:?}",
+                attempt.rationale, attempt.memory_at_start, attempt.memory_at_end
+            );
+        }
+    }
+    let sizes: Vec<String> = report
+        .attempts()
+        .map(|attempt| attempt.batch_size.to_string())
+        .collect();
+    println!(
+        "\nfound={}\nlargest_fit={}\ntrials={}\nout_of_memory={failed}\nsizes={}",
+        tuned.batch_size(),
+        tuned.largest_fit(),
+        report.len(),
+        sizes.join(",")
+    );
+}
+
+/// The tuner as taught (`Release::tch()`, from `min` 1) on a training step whose growth at
+/// the first sizes is below what the host's figures resolve (a few MiB in a 620 MiB process):
+/// it grows the trial until the growth shows instead of stopping with "memory does not grow"
+/// (it did, after 1, 4 and 16), and lands at least 0.85 of the largest size that trains in a
+/// fresh process, at most one trial out of memory, in at most 10 trials; the size found
+/// trains in a fresh process. Not 0.93: the address space is full at about 850 samples by the
+/// process's virtual size (the figures' line says so, and a fresh process's peak at 850 is
+/// within 1 MiB of the limit); glibc, refused an mmap, serves the rest from its arenas' free
+/// space, and 939 runs. No figure shows that grace before it is used, and the margin is taken
+/// off the line's limit.
+#[test]
+fn tuner_as_taught_near_the_largest() {
+    if std::env::var_os(CHILD).is_some() {
+        return;
+    }
+    let largest = largest_that_fits("train");
+    let lines = child("tuner_as_taught", &[]);
+    let found: usize = value(&lines, "found").parse().unwrap();
+    let trials: usize = value(&lines, "trials").parse().unwrap();
+    let out_of_memory: usize = value(&lines, "out_of_memory").parse().unwrap();
+    let share = found as f64 / largest as f64;
+    println!(
+        "tch tuner (Release::tch(), as taught): found {found} of {largest} ({share:.3}) in {trials} trials, {out_of_memory} out of memory; sizes {}",
+        value(&lines, "sizes")
+    );
+    assert!(
+        fits_fresh(found, "train"),
+        "{found} does not run in a fresh process"
+    );
+    assert!(share >= 0.85, "{found} of {largest} ({share:.3})");
+    assert!(trials <= 10, "{trials} trials");
+    assert!(out_of_memory <= 1, "{out_of_memory} trials out of memory");
+}
+
+/// Items of the chunked inference: about twenty chunks of the largest that fits.
+const CHUNKED_ITEMS: usize = 20_000;
+
+/// The outputs of items `range`, without gradients, through the fallible API: one chunk.
+// tch's `From<Tensor> for Vec` panics on failure; `try_from` returns the error to the runner.
+#[allow(clippy::unnecessary_fallible_conversions)]
+fn infer_chunk(model: &Mlp, range: std::ops::Range<usize>) -> anyhow::Result<Vec<f32>> {
+    let (x, _) = samples(range.start as i64, range.len() as i64)?;
+    let out = tch::no_grad(|| model.f_forward(&x))?;
+    Ok(Vec::<f32>::try_from(out.f_flatten(0, -1)?)?)
+}
+
+/// `Chunked` over [`CHUNKED_ITEMS`] from [`STARTING`], with tch's release: prints the largest
+/// chunk that ran, the chunks that ran out of memory, and the chunks.
+#[test]
+#[ignore = "a child of chunked_near_the_largest, run by it with --ignored"]
+fn chunked_inference() {
+    assert!(
+        std::env::var_os(CHILD).is_some(),
+        "a scenario: chunked_near_the_largest runs it in a child process"
+    );
+    let model = limited_model();
+    let mut chunked = Chunked::new(CHUNKED_ITEMS)
+        .with_starting(STARTING)
+        .with_release(Release::tch());
+    let outputs = chunked.run(|range| infer_chunk(&model, range)).unwrap();
+    assert_eq!(outputs.len(), CHUNKED_ITEMS);
+    let largest = chunked
+        .chunks()
+        .iter()
+        .filter(|chunk| chunk.done)
+        .map(|chunk| chunk.range.len())
+        .max()
+        .unwrap();
+    let failed = chunked.chunks().iter().filter(|chunk| !chunk.done).count();
+    let sizes: Vec<String> = chunked
+        .chunks()
+        .iter()
+        .map(|chunk| format!("{}{}", chunk.range.len(), if chunk.done { "" } else { "x" }))
+        .collect();
+    println!(
+        "\nlargest={largest}\nfailed={failed}\nchunks={}\nsizes={}",
+        chunked.chunk_count(),
+        sizes.join(",")
+    );
+}
+
+/// Chunked inference under the limit: its largest chunk at least 0.90 of the largest chunk
+/// that runs in a fresh process, and that chunk runs in a fresh process too.
+#[test]
+fn chunked_near_the_largest() {
+    if std::env::var_os(CHILD).is_some() {
+        return;
+    }
+    let largest = largest_that_fits("chunk");
+    let lines = child("chunked_inference", &[]);
+    let found: usize = value(&lines, "largest").parse().unwrap();
+    let failed: usize = value(&lines, "failed").parse().unwrap();
+    let share = found as f64 / largest as f64;
+    println!(
+        "tch Chunked ({CHUNKED_ITEMS} items, Release::tch()): largest chunk {found} of {largest} ({share:.3}), {failed} out of memory in {} chunks; {}",
+        value(&lines, "chunks"),
+        value(&lines, "sizes")
+    );
+    assert!(
+        fits_fresh(found, "chunk"),
+        "{found} does not run in a fresh process"
+    );
+    assert!(share >= 0.90, "{found} of {largest} ({share:.3})");
+}
+
+/// One training step at `batch_size` through the fallible API.
+fn train_fallible_step(model: &Mlp, batch_size: usize) -> anyhow::Result<()> {
+    let (x, y) = samples(0, batch_size as i64)?;
+    model.f_loss_sum(&x, &y)?.f_backward()?;
+    Ok(())
 }
 
 fn train_fallible_at(model: &Mlp, batch_size: usize) -> (usize, f64) {
@@ -244,8 +431,11 @@ fn one_size() {
     };
     let size: usize = size.to_str().unwrap().parse().unwrap();
     let model = limited_model();
-    if std::env::var("REAL_ALLOCATORS_MODE").unwrap() == "train" {
+    let mode = std::env::var("REAL_ALLOCATORS_MODE").unwrap();
+    if mode == "train" {
         train_fallible_at(&model, size);
+    } else if mode == "chunk" {
+        infer_chunk(&model, 0..size).unwrap();
     } else {
         let (x, _) = samples(0, size as i64).unwrap();
         let _outputs = model.forward(&x);

@@ -6,7 +6,8 @@ use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
 use crate::policy::fit::{
-    failure_above, peak_bytes, points_up_to, used_at_start, MemoryFit, Point, GENTLER,
+    failure_above, growth_in_attempt, peak_bytes, peak_resolution, points_up_to, used_at_start,
+    MemoryFit, Point, GENTLER,
 };
 use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
@@ -95,15 +96,25 @@ const MOST_AIMS: u32 = 5;
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
 /// apart that a small model's growth is not lost in an allocator's rounding (2 MiB blocks hide
-/// under 140 KiB a sample at 16×).
+/// under 140 KiB a sample at 16×). Also how much larger each trial is while the figures have
+/// not resolved any growth (see [`growth_unresolved`]).
 const FLAT_MEMORY_SPAN: usize = 16;
 
+/// The least a sample of a trial that runs at its size allocates: its batch holds at least a
+/// byte of it. Where the figures cannot resolve a growth under some bytes (see
+/// [`peak_resolution`]), memory is flat only over a span of sizes at least that many bytes
+/// wide: a trial with a small model in a large process is grown until its growth shows.
+const LEAST_BYTES_A_SAMPLE: u64 = 1;
+
 /// The last trial's peak is no higher than that of a size at most 1/16 of it (or the other way
-/// round): the trial's memory does not depend on its size. Only trials since the memory last
-/// changed count: a small size run after another process took memory shows its memory too.
+/// round), by more than the figures resolve, over a span of sizes wide enough that a trial
+/// that runs at its size would have shown its growth: the trial's memory does not depend on
+/// its size. Only trials since the memory last changed count: a small size run after another
+/// process took memory shows its memory too.
 fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
     let last = history.last().filter(|last| last.outcome.is_success())?;
     let (peak, _) = peak_bytes(last)?;
+    let resolution = peak_resolution(last);
     history
         .attempts()
         .skip(since_memory_changed(history))
@@ -115,13 +126,41 @@ fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
             } else {
                 (last.batch_size, size, peak, other_peak)
             };
-            (larger >= smaller.saturating_mul(FLAT_MEMORY_SPAN) && large_peak <= small_peak)
+            let span = (larger - smaller) as u64;
+            (larger >= smaller.saturating_mul(FLAT_MEMORY_SPAN)
+                && large_peak <= small_peak.saturating_add(resolution)
+                && span.saturating_mul(LEAST_BYTES_A_SAMPLE) >= resolution)
                 .then_some(StopReason::MemoryDoesNotGrow {
                     smaller,
                     larger,
                     peak: large_peak,
                 })
         })
+}
+
+/// Whether the trials since the memory last changed all ran, and neither any trial's own
+/// growth (its peak above what was in use when it started) nor the spread of their peaks is
+/// above what the figures resolve (see [`peak_resolution`]): a line through them would be
+/// noise.
+fn growth_unresolved(history: &SearchReport) -> bool {
+    let attempts = || history.attempts().skip(since_memory_changed(history));
+    if attempts().any(|attempt| !attempt.outcome.is_success()) {
+        return false;
+    }
+    let Some(resolution) = history.last().map(peak_resolution).filter(|&r| r > 0) else {
+        return false;
+    };
+    let mut peaks = Vec::new();
+    for attempt in attempts() {
+        match (peak_bytes(attempt), growth_in_attempt(attempt)) {
+            (Some((peak, _)), Some(growth)) if growth <= resolution => peaks.push(peak),
+            _ => return false,
+        }
+    }
+    match (peaks.iter().min(), peaks.iter().max()) {
+        (Some(least), Some(most)) => most - least <= resolution,
+        _ => false,
+    }
 }
 
 /// The largest power of two below `size` (0 for 1 and 0).
@@ -215,7 +254,10 @@ impl TunerPolicy {
             points.retain(|point| point.size == top || local(point.size));
         }
         if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
-            return Some((fit, true));
+            return Some((
+                self.steeper_from_noise(history, fit, &points, failure),
+                true,
+            ));
         }
         let (attempt, point) = attempts()
             .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size == low)
@@ -238,6 +280,45 @@ impl TunerPolicy {
         declared
             .or_else(|| MemoryFit::through_start(point, start, failure))
             .map(|fit| (fit, false))
+    }
+
+    /// Where the figures resolve growth only above some bytes (the host's, see
+    /// [`peak_resolution`]) and the fit's smaller size grew no more than that: the line drawn
+    /// as steep as that size's error allows (the largest point counted that much higher), so
+    /// that the first aim errs below the limit. The next fit, from a size that grew past the
+    /// resolution, is drawn as measured.
+    fn steeper_from_noise(
+        &self,
+        history: &SearchReport,
+        fit: MemoryFit,
+        points: &[Point],
+        failure: Option<(usize, u64)>,
+    ) -> MemoryFit {
+        let Some(resolution) = history.last().map(peak_resolution).filter(|&r| r > 0) else {
+            return fit;
+        };
+        let smaller_is_noise = history
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_success())
+            .filter(|attempt| attempt.batch_size as f64 == fit.smaller())
+            .filter_map(growth_in_attempt)
+            .any(|growth| growth <= resolution);
+        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
+        if !smaller_is_noise {
+            return fit;
+        }
+        let raised: Vec<Point> = points
+            .iter()
+            .map(|&point| Point {
+                peak: if point.size == top {
+                    point.peak.saturating_add(resolution)
+                } else {
+                    point.peak
+                },
+                ..point
+            })
+            .collect();
+        MemoryFit::bent_by_points(&raised, failure).unwrap_or(fit)
     }
 
     /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more, and no
@@ -623,6 +704,15 @@ impl SizePolicy for TunerPolicy {
         };
         // One trial is kept for the margin's size.
         if history.len() + 1 >= self.max_trials {
+            return self.finish(history);
+        }
+        if high.is_none() && growth_unresolved(history) {
+            // A small step in a large process: grown until its growth shows, never fitted
+            // from the noise (a line through it would jump by its whims, or not at all).
+            let next = self.cap(low.saturating_mul(FLAT_MEMORY_SPAN));
+            if next > low {
+                return Decision::Try(next);
+            }
             return self.finish(history);
         }
         if let Some(decision) = self.aim(history, last, low, high) {
