@@ -90,10 +90,7 @@ use crate::error::StopReason;
 use crate::record::SearchReport;
 
 mod cache;
-mod converge;
 mod evidence;
-pub(crate) mod fit;
-mod grow_back;
 mod guided;
 mod remediate;
 mod shrink;
@@ -101,9 +98,7 @@ mod wrapper;
 
 pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
 pub(crate) use cache::{CacheSettings, CacheSlot, Cached};
-pub(crate) use converge::{even_micro, larger_budget, Convergence, Probing};
 pub use evidence::Evidence;
-pub(crate) use grow_back::GrowBack;
 pub use guided::Guided;
 pub(crate) use remediate::{Applied, LadderControl, Remediate};
 pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};

@@ -14,5 +14,6 @@
 
 pub mod chunked;
 pub mod effective;
+pub(crate) mod learn;
 pub mod search;
 pub mod tuner;

@@ -11,8 +11,9 @@ use crate::engine::driver::Returning;
 use crate::engine::{drive_ended, drive_ended_async, Ended};
 use crate::engine::{settings_setters, Settings};
 use crate::error::StopReason;
-use crate::policy::{CacheSlot, Convergence, GrowBack, Reduction};
+use crate::policy::{CacheSlot, Reduction};
 use crate::record;
+use crate::runners::learn::{Convergence, GrowBack};
 use crate::runners::search::BatchSizeSearch;
 
 mod attempt;

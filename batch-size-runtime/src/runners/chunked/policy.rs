@@ -6,10 +6,9 @@ use std::sync::{Arc, Mutex};
 use super::progress::{lock, Run};
 use crate::agree::{self, Collective, Proposal, RankOutcome, Said};
 use crate::error::StopReason;
-use crate::policy::{
-    holds_inner, larger_budget, Convergence, Decision, GrowBack, PolicyWrapper, SizePolicy,
-};
+use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Outcome, SearchReport};
+use crate::runners::learn::{larger_budget, Convergence, GrowBack};
 
 /// The policy of one chunked run: the next chunk after each success, a smaller one after an
 /// out-of-memory chunk (from the inner policy), growing back after clean chunks.

@@ -8,9 +8,9 @@
 //! about the size that really runs: after a failure at 128 (the even split of 212), the next
 //! proposal is judged against 128, and no proposal that splits to 128 again is wasted.
 
-pub(crate) use crate::policy::even_micro;
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
+pub(crate) use crate::runners::learn::even_micro;
 
 /// A size policy whose every proposal is the even split of what `inner` proposed, for a share
 /// of `length` samples (see the [module docs](self)).

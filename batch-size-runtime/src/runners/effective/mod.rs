@@ -11,10 +11,11 @@ use crate::error::{NoExecutableBatchSize, StopReason};
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::opaque::Opaque;
-use crate::policy::{even_micro, Convergence, Probing};
-use crate::policy::{CacheSlot, GrowBack};
+use crate::policy::CacheSlot;
 use crate::record::SearchReport;
 use crate::remedies::Remedies;
+use crate::runners::learn::GrowBack;
+use crate::runners::learn::{even_micro, Convergence, Probing};
 use crate::runners::search::BatchSizeSearch;
 
 // One concept a file: the division of a step (the plan), even micro-batches, and the shares of
@@ -553,7 +554,7 @@ impl<'r> EffectiveBatch<'r> {
     /// optimizer before failing: step it last). Takes the error types every runner takes
     /// ([`AttemptError`]): your own enum, `anyhow::Error`,
     /// `Box<dyn Error + Send + Sync>`; an error that is not out-of-memory comes back unchanged.
-    /// The step's report is [`last_report`](Self::last_report), and in
+    /// The step's report is [`last_step_report`](Self::last_step_report), and in
     /// [`crate::last_report()`] as for every runner.
     ///
     /// ```

@@ -5,12 +5,12 @@
 use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
-use crate::policy::fit::{
+use crate::policy::{Decision, SizePolicy};
+use crate::record::{Attempt, Outcome, SearchReport};
+use crate::runners::learn::fit::{
     failure_above, growth_in_attempt, peak_bytes, peak_resolution, points_up_to, used_at_start,
     MemoryFit, Point, GENTLER,
 };
-use crate::policy::{Decision, SizePolicy};
-use crate::record::{Attempt, Outcome, SearchReport};
 
 /// The size kept with the margin below `largest`.
 pub(super) fn kept_size(largest: usize, margin: f64, min: usize) -> usize {

@@ -5,8 +5,8 @@
 //! pool before it, and the pool's peak during it (CUDA's `USED_MEM_HIGH`, the simulated
 //! device's peak). No synchronize is needed to read them.
 
-use super::Evidence;
 use crate::memory::{DeviceMemory, MemorySnapshot};
+use crate::policy::Evidence;
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Bytes in use during a successful attempt (what was in use outside the pool before it, plus

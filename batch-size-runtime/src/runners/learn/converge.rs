@@ -26,7 +26,7 @@
 use super::fit::{
     held_at_start, needed_at_least, peak_bytes, used_at_end, used_at_start, MemoryFit, Point,
 };
-use super::{holds_inner, Decision, PolicyWrapper, SizePolicy};
+use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Attempt, SearchReport};
 
 /// Steps (or chunks) a failed size first waits before it is tried again; doubled each time it
