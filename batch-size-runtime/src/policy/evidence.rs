@@ -7,7 +7,7 @@
 //! ```
 //! use batch_size_runtime::policy::Evidence;
 //!
-//! let pytorch = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total total of \
+//! let pytorch = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of \
 //!                80.00 GiB of which 1.00 GiB is free.";
 //! let figures = Evidence::from_text(pytorch);
 //! assert_eq!(figures.requested, Some(2 << 30));
