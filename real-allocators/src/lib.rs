@@ -265,9 +265,10 @@ pub fn print_search(label: &str, found: usize, report: &SearchReport) {
     if std::env::var_os("REAL_ALLOCATORS_VERBOSE").is_some() {
         for attempt in report.attempts() {
             eprintln!(
-                "{label}: {} {:?} start {:?} end {:?} after {:?}",
+                "{label}: {} {:?} ({:?}) start {:?} end {:?} after {:?}",
                 attempt.batch_size,
                 attempt.outcome,
+                attempt.rationale,
                 attempt.memory_at_start,
                 attempt.memory_at_end,
                 attempt.memory_after_release

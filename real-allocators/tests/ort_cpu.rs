@@ -27,9 +27,20 @@ use real_allocators::{
 const CAP: usize = 64 << 20;
 const STARTING: usize = 4096;
 const MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/mlp.onnx");
+/// The same model with its weights an input of fixed shape, fed by the caller.
+const FIXED_WEIGHTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/mlp_fixed_weights.onnx");
+/// Set by the parent for the shared-arena scenario: the size of the work that runs before the
+/// search, leaving the environment's arena holding its regions.
+const EARLIER: &str = "REAL_ALLOCATORS_EARLIER";
 
 /// A session of `models/mlp.onnx` on an environment whose CPU arena is capped at `CAP`.
 fn session() -> Arc<Mutex<Session>> {
+    session_of(MODEL)
+}
+
+/// A session of `model` that uses the environment's shared arena (`CreateAndRegisterAllocator`,
+/// `session.use_env_allocators`), capped at `CAP`.
+fn session_of(model: &str) -> Arc<Mutex<Session>> {
     let environment = ort::init().with_name("real-allocators").build().unwrap();
     let api = ort::api();
     // Regions of the size asked for (`kSameAsRequested`), not the next power of two: with the
@@ -60,7 +71,7 @@ fn session() -> Arc<Mutex<Session>> {
         .unwrap_or_else(|e| panic!("{e}"))
         .with_config_entry("session.use_env_allocators", "1")
         .unwrap_or_else(|e| panic!("{e}"))
-        .commit_from_file(MODEL)
+        .commit_from_file(model)
         .unwrap();
     std::mem::forget(environment); // one per process, for its whole life
     Arc::new(Mutex::new(session))
@@ -71,6 +82,16 @@ fn infer(session: &Mutex<Session>, batch_size: usize) -> ort::Result<f32> {
     let x = Tensor::from_array(([batch_size, 64], vec![1.0f32; batch_size * 64]))?;
     let mut session = session.lock().unwrap();
     let outputs = session.run(ort::inputs!["x" => x])?;
+    let (_, y) = outputs["y"].try_extract_tensor::<f32>()?;
+    Ok(y.iter().sum())
+}
+
+/// The fixed-weights model on `batch_size` samples of ones, its weights fed as an input.
+fn infer_fixed_weights(session: &Mutex<Session>, batch_size: usize) -> ort::Result<f32> {
+    let x = Tensor::from_array(([batch_size, 64], vec![1.0f32; batch_size * 64]))?;
+    let w = Tensor::from_array(([64usize, 16384], vec![0.001f32; 64 * 16384]))?;
+    let mut session = session.lock().unwrap();
+    let outputs = session.run(ort::inputs!["x" => x, "W" => w])?;
     let (_, y) = outputs["y"].try_extract_tensor::<f32>()?;
     Ok(y.iter().sum())
 }
@@ -109,6 +130,11 @@ fn memory_back(failed: &Attempt) {
 #[find_executable_batch_size(starting = STARTING, release = release(session), policy = real_allocators::policy())]
 fn train_result(batch_size: usize, session: &Arc<Mutex<Session>>) -> ort::Result<(usize, f32)> {
     Ok((batch_size, infer(session, batch_size)?))
+}
+
+#[find_executable_batch_size(starting = STARTING, release = release(session), policy = real_allocators::policy())]
+fn train_fixed_weights(batch_size: usize, session: &Arc<Mutex<Session>>) -> ort::Result<usize> {
+    infer_fixed_weights(session, batch_size).map(|_| batch_size)
 }
 
 fn scenario(name: &str) -> Arc<Mutex<Session>> {
@@ -168,6 +194,32 @@ fn one_size() {
     infer(&session, size).unwrap();
 }
 
+/// One size of the fixed-weights model, in a fresh process.
+#[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
+fn one_size_fixed_weights() {
+    real_allocators::expect_child("one_size_fixed_weights");
+    let session = session_of(FIXED_WEIGHTS);
+    infer_fixed_weights(&session, one_size_requested()).unwrap();
+}
+
+/// Earlier work leaves the environment's shared arena holding its regions (sized for that
+/// work), then the attribute searches from `STARTING` on a model with an input of fixed shape.
+#[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
+fn attribute_after_earlier_work() {
+    real_allocators::expect_child("attribute_after_earlier_work");
+    let session = session_of(FIXED_WEIGHTS);
+    let earlier: usize = std::env::var(EARLIER).unwrap().parse().unwrap();
+    infer_fixed_weights(&session, earlier).unwrap();
+    let found = train_fixed_weights(&session).unwrap();
+    let report = last_report().unwrap();
+    if std::env::var("REAL_ALLOCATORS_FIGURES").is_err() {
+        check_failures(&report, memory_back);
+    }
+    print_search("after_earlier_work", found, &report);
+}
+
 /// The capped arena's message, as ONNX Runtime writes it, recognised by the table.
 #[test]
 #[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
@@ -218,5 +270,43 @@ fn onnx_runtime_capped_arena() {
             ("chunked", 0.90),
             ("tuner", 0.90),
         ],
+    );
+}
+
+/// The environment's shared arena after earlier work, on a model with an input of fixed shape:
+/// the release shrinks it (zeros of the fixed input's shape), and the search lands near the
+/// largest size that fits a fresh process, beside halving's.
+#[test]
+fn onnx_runtime_shared_arena_after_earlier_work() {
+    if !real_allocators::available(
+        "onnx_runtime_shared_arena_after_earlier_work",
+        std::env::var_os("ORT_DYLIB_PATH").is_some(),
+        "ORT_DYLIB_PATH is not set (pip install onnxruntime)",
+    ) {
+        return;
+    }
+    let fits = |size: usize| {
+        real_allocators::child_status(
+            "one_size_fixed_weights",
+            &[("REAL_ALLOCATORS_SIZE", size.to_string())],
+        )
+        .1
+    };
+    let largest = largest_that_fits(STARTING, fits);
+    println!("ort fixed weights: the largest size that fits in a fresh process: {largest}");
+    assert!(largest > 8 && largest < STARTING, "{largest}");
+    // Six sevenths of the limit: the arena's regions are then too small for the limit and too
+    // large to leave room beside them.
+    let earlier = largest * 6 / 7;
+    println!("ort fixed weights: earlier work at {earlier}");
+    // The children inherit it: the scenario runs that size before its search.
+    std::env::set_var(EARLIER, earlier.to_string());
+    compare_with_the_largest(
+        "ort",
+        &[("attribute_after_earlier_work", "after_earlier_work")],
+        largest,
+        fits,
+        false,
+        &[("attribute_after_earlier_work", 0.90)],
     );
 }

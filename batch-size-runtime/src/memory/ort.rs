@@ -126,7 +126,10 @@ impl OrtArena {
         Some(stats)
     }
 
-    /// Zero samples for every input: free dimensions set to 0.
+    /// Zero samples for every input: free dimensions set to 0, an input of fixed shape (weights
+    /// the caller feeds, say) as zeros of its shape. That input is allocated by the caller's
+    /// side (`ort`'s default allocator), not by the arena: the run still allocates no
+    /// intermediate of a free dimension's size, and the arena is shrunk at its end.
     fn zero_samples(session: &Session) -> Result<Vec<(String, DynTensor)>, ReleaseError> {
         let allocator = Allocator::default();
         session
@@ -139,13 +142,8 @@ impl OrtArena {
                         input.name()
                     )));
                 };
-                if !shape.iter().any(|dim| *dim < 0) {
-                    return Err(ReleaseError::new(format!(
-                        "ONNX Runtime's arena: input '{}' has no free dimension, no zero-sample run to shrink it",
-                        input.name()
-                    )));
-                }
                 let dims: Vec<i64> = shape.iter().map(|dim| (*dim).max(0)).collect();
+                // `DynTensor::new` fills the tensor with zeros.
                 let tensor = DynTensor::new(&allocator, *ty, dims)
                     .map_err(|error| ReleaseError::new(format!("ONNX Runtime: {error}")))?;
                 Ok((input.name().to_owned(), tensor))

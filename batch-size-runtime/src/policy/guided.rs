@@ -292,6 +292,9 @@ struct Failure {
     total: Option<u64>,
     /// In use before the attempt, where the memory backend said.
     used_at_start: Option<u64>,
+    /// In use once the release after the attempt ran, where the backend said: less than at the
+    /// start where the release gave back what a pool kept from earlier work.
+    used_after_release: Option<u64>,
     /// The most in use during the attempt, where the backend keeps a peak.
     peak: Option<u64>,
 }
@@ -319,9 +322,17 @@ impl Failure {
         self.own().saturating_add(self.requested).max(peak)
     }
 
-    /// The bytes the attempt could have used: the total less what was in use before it.
+    /// The bytes the next attempt can use: the total less what was in use before this one, or
+    /// less what is in use after the release where that is less (a pool's leftovers from
+    /// earlier work given back: ONNX Runtime's arena keeps the regions an earlier run grew, and
+    /// counts them as taken until its release). Never more room than the release left, so a
+    /// size proved to fail in it fails in the next attempt too.
     fn room(&self) -> Option<u64> {
-        Some(self.total?.saturating_sub(self.used_at_start.unwrap_or(0)))
+        let used = self.used_at_start.map_or(0, |start| {
+            self.used_after_release
+                .map_or(start, |after| start.min(after))
+        });
+        Some(self.total?.saturating_sub(used))
     }
 
     /// The size from which every size is proved to fail by this failure: its attempt had reached
@@ -376,6 +387,12 @@ fn failures(history: &SearchReport) -> Vec<Failure> {
                 free,
                 total,
                 used_at_start: evidence.used_at_start,
+                used_after_release: attempt
+                    .memory_after_release
+                    .as_ref()
+                    .and_then(|memory| memory.devices.first())
+                    .filter(|after| total.is_none_or(|total| after.total == total))
+                    .map(|after| after.total.saturating_sub(after.free)),
                 peak: evidence.peak,
             };
             // Figures that cannot be true are no evidence.
