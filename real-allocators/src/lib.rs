@@ -137,6 +137,8 @@ pub fn compare_with_the_largest(
         );
         let found: usize = value(&lines, &format!("{label}.found")).parse().unwrap();
         let attempts = value(&lines, &format!("{label}.attempts"));
+        let out_of_memory = value_if_any(&lines, &format!("{label}.out_of_memory"))
+            .map_or_else(String::new, |count| format!(", {count} out of memory"));
         assert_fits(scenario, found, largest, &fits);
         let share = |size: usize| size as f64 / largest as f64;
         let mut beside = String::new();
@@ -162,7 +164,7 @@ pub fn compare_with_the_largest(
             ));
         }
         println!(
-            "{framework} {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{beside}; error: {}",
+            "{framework} {scenario}: found {found} of {largest} ({:.3}) in {attempts} attempts{out_of_memory}{beside}; error: {}",
             share(found),
             value_if_any(&lines, &format!("{label}.error"))
                 .unwrap_or_else(|| "none: no trial ran out of memory".to_owned())
@@ -277,6 +279,7 @@ pub fn print_search(label: &str, found: usize, report: &SearchReport) {
     }
     println!("\n{label}.found={found}");
     println!("{label}.attempts={}", report.attempts().count());
+    println!("{label}.out_of_memory={}", report.out_of_memory_count());
     if let Some(Outcome::OutOfMemory { error }) = report
         .attempts()
         .map(|a| &a.outcome)
