@@ -14,6 +14,9 @@ use crate::record::SearchReport;
 const FIRST_PROBE: usize = 16;
 /// The second dry run, this many times the first.
 const PROBE_RATIO: usize = 4;
+/// How many dry runs may measure the same peak before the sizing gives up: from 16, up to
+/// 16 × 4⁵ = 16384.
+const MAX_PROBES_FLAT: usize = 6;
 /// How far past the second dry run the line may send the third, without a `max`.
 const MAX_JUMP: usize = 1024;
 /// The third dry run aims this far below the line's size, so that it likely fits and a fourth,
@@ -56,9 +59,21 @@ pub(super) fn size_from_dry_runs(
     if second > first {
         probes.push((second, measure(second)?));
     }
+    // Where the pools already hold pages larger than the step needs at these sizes (a warm-up
+    // or an earlier step at a larger size: cubecl's pages only grow), the dry runs fit in them
+    // and measure the same peak: no line. The next size, four times larger, until the step
+    // outgrows those pages (on burn's autodiff MLP, 16 to 1024 read the same 41 MiB, held by a
+    // warm-up at 2048, and 4096 rose above them).
+    while let [.., a, b] = probes[..] {
+        let next = cap(b.0.saturating_mul(PROBE_RATIO));
+        if b.1 > a.1 || b.1 > budget || next <= b.0 || probes.len() >= MAX_PROBES_FLAT {
+            break;
+        }
+        probes.push((next, measure(next)?));
+    }
     let fit = match probes[..] {
         [only] if only.1 <= budget => only.0, // `max` reached at the first dry run
-        [a, b] => {
+        [.., a, b] => {
             let predicted = on_line(a, b, budget)?;
             let aimed = ((predicted as f64) * UNDER_AIM) as usize;
             let third = cap(aimed.min(b.0.saturating_mul(MAX_JUMP)));
@@ -238,6 +253,16 @@ mod tests {
         let fits = |size: usize| square(size).unwrap() <= 1 << 30;
         assert!(fits(sizing.fit), "{sizing:?}");
         assert!(sizing.fit >= 100, "{sizing:?}"); // 126 fit
+    }
+
+    #[test]
+    fn pages_held_from_a_larger_step_are_probed_past() {
+        // A 300 MiB page held from a warm-up: every size up to 300 reads the same peak; above
+        // it, the paged line. The dry runs grow until the peak rises.
+        let mut held = |size: usize| Some(paged(size)?.max(400 << 20));
+        let sizing = size_from_dry_runs(&mut held, 1 << 30, 1, None, 0.0).unwrap();
+        assert!((920..=924).contains(&sizing.fit), "{sizing:?}");
+        assert!(sizing.probes.len() <= 6, "{sizing:?}");
     }
 
     #[test]
