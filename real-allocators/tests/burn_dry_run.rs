@@ -1,9 +1,8 @@
 //! The tuner sized from cubecl's dry run (`Tuner::with_dry_run(BurnDryRun::new(&device))`) on
 //! burn 0.22.1's wgpu backend on Mesa's llvmpipe, under an address-space limit: no trial runs
 //! out of memory, and the size found runs again in a fresh process, not above the largest that
-//! fits there (found by bisection, each size in a fresh process) and within 15 % below it
-//! (10 % is the aim: on llvmpipe the dry run lands 13.7 % below with the default margin,
-//! docs/BENCHMARKS.md). The step
+//! fits there (found by bisection, each size in a fresh process) and within 10 % below it
+//! (measured 0.952 with the default margin, docs/BENCHMARKS.md). The step
 //! allocates in several pools: its weights, the arena's pages (which grow with the batch) and
 //! the small-allocation pool (a bias, per-sample sums).
 //!
@@ -181,11 +180,12 @@ fn dry_run_sizing_on_llvmpipe() {
                 found <= largest + largest / 50,
                 "{found} above the largest that fits, {largest}"
             );
-            // 10 % is the aim; on llvmpipe the dry runs land 13-14 % below (the weights'
-            // page counted at the dry run's page size, and the margin): 15 % is what holds.
+            // Measured 236 of 248 (0.952): the dry runs' 249 less the 5 % margin. (Before the
+            // weights were counted in the page they held before the sizing, rather than the
+            // larger one a dry run's cleanup moved them to: 214, 0.863.)
             assert!(
-                found * 20 >= largest * 17,
-                "{found} more than 15 % below {largest}"
+                found * 10 >= largest * 9,
+                "{found} more than 10 % below {largest}"
             );
         }
     }

@@ -1,9 +1,8 @@
 //! cubecl 0.11's dry run under burn 0.22 (feature `burn`): a tuner's trial measured with no
 //! device memory spent and no out-of-memory ([`Tuner::with_dry_run`](crate::Tuner::with_dry_run)).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use burn_tensor::Device;
 use cubecl_runtime::dry_run::DryRun as CubeclDryRun;
@@ -19,14 +18,15 @@ use crate::memory::DryRun;
 /// # What the peak counts
 /// cubecl keeps each pool's page peak for the process, with no reset, and its pages only grow
 /// (a pool per page size, sized to the largest allocation served). A dry run's peak is
-/// therefore counted pool by pool: a pool that is new, or whose peak rose, counts its peak; one
-/// whose peak did not rise counts the pages it held (before or after, the larger): a size run
-/// after a larger one would read the larger one's pages, which is why the tuner dry-runs sizes
-/// increasing. The cleanup after each dry run moves live allocations (the weights) into the
-/// newest, largest pages, which a fresh process at that size would not: the peak counts their
-/// page at that size, an overestimate (see docs/BENCHMARKS.md). The pages the pools hold at the end, before the cleanup, are a floor. Only the
-/// pools that carve pages are reported by burn: the zero-sized allocations' pool, the
-/// persistent and dedicated ones are not counted (the margin covers them).
+/// therefore counted pool by pool: a pool that is new, or whose peak rose, counts its peak; a
+/// pool held before the sizing's first dry run whose peak did not rise counts the pages it held
+/// then; a size run after a larger one would read the larger one's pages, which is why the
+/// tuner dry-runs sizes increasing. The cleanup after each dry run moves live allocations (the
+/// weights) into the newest, largest pages, which a fresh process would not: a pool an earlier
+/// dry run left, whose peak did not rise, counts nothing (its allocations are counted where
+/// they were before the sizing). Only the pools that carve pages are reported by burn: the
+/// zero-sized allocations' pool, the persistent and dedicated ones are not counted (the margin
+/// covers them).
 ///
 /// # The budget
 /// burn reads no device total: as for [`BurnMemory`], the host's memory (Mesa's llvmpipe, burn's
@@ -45,7 +45,13 @@ pub struct BurnDryRun {
     device: Device,
     memory: Arc<BurnMemory>,
     dry_runs: Arc<AtomicUsize>,
+    /// The pools before the sizing's first dry run (cleared by [`DryRun::finish`]): what a
+    /// fresh process at any size holds besides what the step adds.
+    start: Arc<Mutex<Option<Pools>>>,
 }
+
+/// Each pool's page size, pages held and page peak.
+type Pools = Vec<(u64, u64, u64)>;
 
 impl BurnDryRun {
     /// Dry runs on `device`, on the host's memory.
@@ -54,6 +60,7 @@ impl BurnDryRun {
             device: device.clone(),
             memory: Arc::new(BurnMemory::new(device)),
             dry_runs: Arc::default(),
+            start: Arc::default(),
         }
     }
 
@@ -71,7 +78,7 @@ impl BurnDryRun {
     }
 
     /// Each pool's page size, pages held and page peak.
-    fn pools(&self) -> Option<Vec<(u64, u64, u64)>> {
+    fn pools(&self) -> Option<Pools> {
         let pools = self.device.memory_pool_report()?;
         Some(
             pools
@@ -82,27 +89,42 @@ impl BurnDryRun {
     }
 }
 
-/// The bytes a dry run's pools held at their peak, from the pools before and after it.
-fn dry_peak(before: &[(u64, u64, u64)], after: &[(u64, u64, u64)]) -> u64 {
-    let before: HashMap<u64, (u64, u64)> = before
-        .iter()
-        .map(|&(size, pages, peak)| (size, (pages, peak)))
-        .collect();
-    let mut seen = Vec::new();
+/// The bytes a dry run's pools held at their peak, from the pools before the sizing's first
+/// dry run (`start`), before this one and after it.
+///
+/// - a pool this dry run created, or whose page peak it raised: its peak;
+/// - a pool held before the sizing, whose peak this dry run did not raise: the pages it held
+///   then (what a fresh process holds too), drained or not;
+/// - a pool an earlier dry run created, whose peak this one did not raise: nothing. What it
+///   holds is what the cleanup after that dry run moved there (the weights, relocated into the
+///   newest, largest pages), which the pools held before the sizing already count: counted at
+///   the larger page, the weights of burn's autodiff MLP read 68 MiB where a fresh process
+///   holds them in a 33 MiB page, and the sizing landed 21 % below the largest that fits.
+fn dry_peak(
+    start: &[(u64, u64, u64)],
+    before: &[(u64, u64, u64)],
+    after: &[(u64, u64, u64)],
+) -> u64 {
+    let find = |pools: &[(u64, u64, u64)], size: u64| {
+        pools
+            .iter()
+            .find(|pool| pool.0 == size)
+            .map(|&(_, pages, peak)| (pages, peak))
+    };
     let mut bytes = 0u64;
-    for &(size, pages, peak) in after {
-        seen.push(size);
-        let counted = match before.get(&size) {
-            Some(&(_, old_peak)) if peak > old_peak => peak,
-            Some(&(old_pages, _)) => old_pages.max(pages),
-            None => peak,
+    for &(size, _, peak) in after {
+        let raised = find(before, size).is_none_or(|(_, old_peak)| peak > old_peak);
+        let counted = match find(start, size) {
+            _ if raised => peak,
+            Some((pages, _)) => pages,
+            None => 0,
         };
         bytes = bytes.saturating_add(counted.saturating_mul(size));
     }
-    // Pools a growth left behind that drained during the step held their pages at its start.
-    for (size, (pages, _)) in &before {
-        if !seen.contains(size) {
-            bytes = bytes.saturating_add(pages.saturating_mul(*size));
+    // Pools held before the sizing that a growth drained: their pages at the start.
+    for &(size, pages, _) in start {
+        if find(after, size).is_none() {
+            bytes = bytes.saturating_add(pages.saturating_mul(size));
         }
     }
     bytes
@@ -112,25 +134,31 @@ impl DryRun for BurnDryRun {
     fn measure(&self, step: &mut dyn FnMut()) -> Option<u64> {
         self.dry_runs.fetch_add(1, Ordering::Relaxed);
         let before = self.pools()?;
-        let held_at_end = {
+        let start = self
+            .start
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert_with(|| before.clone())
+            .clone();
+        {
             let _dry_run = CubeclDryRun::new();
             step();
             // The launches reach the device thread's memory manager before the report is read.
             if let Err(error) = self.device.sync() {
                 tracing::debug!(%error, "burn's Device::sync after a dry run");
             }
-            self.device
-                .memory_pool_usage()
-                .map(|usage| usage.bytes_reserved)
-        };
+        }
         let after = self.pools();
         // The dry run's pages go back (unmapped: nothing to free but the bookkeeping). Without
         // it, the next dry run counts them, held in the pools a growth left behind. (Leaving
         // the last dry run's pages for the real trial to map made that trial run out of memory
         // on llvmpipe, a size that ran after this cleanup.)
         self.device.memory_cleanup();
-        let peak = dry_peak(&before, &after?);
-        Some(peak.max(held_at_end.unwrap_or(0)))
+        Some(dry_peak(&start, &before, &after?))
+    }
+
+    fn finish(&self) {
+        *self.start.lock().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     fn budget(&self) -> Option<u64> {
@@ -156,10 +184,21 @@ mod tests {
         // peak of 2. The step grows a 101 MiB pool to 2 pages.
         let before = [(8 * MIB, 1, 1), (65 * MIB, 1, 2)];
         let after = [(8 * MIB, 1, 1), (101 * MIB, 2, 2), (65 * MIB, 1, 2)];
-        assert_eq!(dry_peak(&before, &after), (8 + 202 + 65) * MIB);
+        assert_eq!(dry_peak(&before, &before, &after), (8 + 202 + 65) * MIB);
 
         // A pool whose peak rose counts it; a drained one, the pages it held.
         let after = [(8 * MIB, 1, 3)];
-        assert_eq!(dry_peak(&before, &after), (24 + 65) * MIB);
+        assert_eq!(dry_peak(&before, &before, &after), (24 + 65) * MIB);
+    }
+
+    #[test]
+    fn the_pages_an_earlier_dry_run_left_the_weights_in_are_not_counted() {
+        // Before the sizing: the small pool and the weights in a 33 MiB page. The first dry run
+        // grew 68 MiB pages, and its cleanup moved the weights there; the second grows 83 MiB
+        // pages. The weights count at 33 MiB, as in a fresh process, not at 68.
+        let start = [(8 * MIB, 1, 1), (33 * MIB, 1, 2)];
+        let before = [(8 * MIB, 1, 1), (68 * MIB, 1, 2)];
+        let after = [(8 * MIB, 1, 1), (68 * MIB, 1, 2), (83 * MIB, 2, 2)];
+        assert_eq!(dry_peak(&start, &before, &after), (8 + 33 + 166) * MIB);
     }
 }
