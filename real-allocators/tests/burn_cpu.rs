@@ -245,7 +245,10 @@ fn burn_memory_back_after_a_failure() {
         println!(
             "burn {memory}: largest in a fresh process {largest}; after an out-of-memory {runs} ({share:.3})"
         );
-        assert!(fits(runs), "{memory}: {runs} does not run in a fresh process");
+        assert!(
+            fits(runs),
+            "{memory}: {runs} does not run in a fresh process"
+        );
         // Measured 0.903 (default) and 0.902 to 0.906 (exclusive pages), in 1 % steps: the bound
         // leaves a step's room for the variation of a fresh process's limit.
         assert!(

@@ -22,6 +22,16 @@ use super::{DeviceMemory, HostMemory, MemoryBackend, MemorySnapshot, Release, Re
 ///   with [`with_total`](Self::with_total) (a GPU).
 ///
 /// The release is `memory_cleanup()`, which gives back the pages no live allocation holds.
+///
+/// # After an out-of-memory
+/// cubecl's default memory configuration (`Adaptive`) carves pages sized to the largest
+/// allocation served, and nothing shrinks them: an attempt that failed at a large size leaves
+/// pages of its size (on wgpu even where the device refused them: wgpu reports the failure
+/// later), and the cleanup moves the weights into one. Smaller sizes that fit a fresh process
+/// may then not fit: a two-layer MLP's training step on llvmpipe ran 0.61 of its fresh
+/// largest after a failure at 8192. With `MemoryConfiguration::ExclusivePages` set at device
+/// setup (one page per allocation, none kept after the cleanup) 0.90 ran again
+/// (`real-allocators/tests/burn_autodiff.rs`). A dry run (`BurnDryRun`) sizes without failing.
 #[derive(Debug)]
 pub struct BurnMemory {
     device: Device,
