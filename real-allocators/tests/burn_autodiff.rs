@@ -17,8 +17,7 @@
 
 use batch_size_runtime::memory::BurnDryRun;
 use batch_size_runtime::{find_executable_batch_size, last_report, Release, SearchReport, Tuner};
-use burn::tensor::wgpu::MemoryConfiguration;
-use burn::tensor::{Device, DeviceKind, Tensor};
+use burn::tensor::{Device, Tensor};
 use real_allocators::{child, child_status, leave_room, value};
 
 /// Input features: 16 KiB a sample, so that a tensor at 8192 (128 MiB) stays within llvmpipe's
@@ -33,8 +32,6 @@ const ROOM: u64 = 200 << 20;
 /// Where the attribute starts, and the tuner's cap.
 const STARTING: usize = 8192;
 
-/// Set by the parent: `exclusive` sets the device up with `MemoryConfiguration::ExclusivePages`.
-const MEMORY: &str = "REAL_ALLOCATORS_BURN_MEMORY";
 /// Set by the parent: `forward` runs the step without its backward pass.
 const PASS: &str = "REAL_ALLOCATORS_PASS";
 
@@ -46,14 +43,7 @@ struct Mlp {
 }
 
 fn device() -> Device {
-    let device = if std::env::var(MEMORY).as_deref() == Ok("exclusive") {
-        Device::wgpu_options()
-            .memory_config(MemoryConfiguration::ExclusivePages)
-            .init()
-            .unwrap()
-    } else {
-        Device::wgpu(DeviceKind::DefaultDevice)
-    };
+    let device = real_allocators::burn_device();
     // Forward only: an inference step, no autodiff. (On an autodiff device, forward steps with
     // no backward left their saved activations live: the pools held a page more after each.)
     if backward() {
@@ -134,7 +124,7 @@ fn scenario(name: &str) -> (Device, Mlp) {
     // memory!", the process aborted; compiling under cubecl's dry run did not avoid it): the
     // step runs at 8192 before the limit, whose pages the cleanup gives back (the exclusive
     // pools keep none). Not with `Adaptive`, whose arena would keep 128 MiB pages for good.
-    if std::env::var(MEMORY).as_deref() == Ok("exclusive") {
+    if real_allocators::burn_exclusive_pages() {
         step(&device, &mlp, STARTING).unwrap();
     }
     device.memory_cleanup();
@@ -275,7 +265,10 @@ fn after_a_failure() {
 
 /// A child's environment: the memory configuration, the pass, and the size where one is asked.
 fn with(memory: &str, pass: &str, size: Option<usize>) -> Vec<(&'static str, String)> {
-    let mut all = vec![(MEMORY, memory.to_owned()), (PASS, pass.to_owned())];
+    let mut all = vec![
+        (real_allocators::BURN_MEMORY, memory.to_owned()),
+        (PASS, pass.to_owned()),
+    ];
     all.extend(size.map(|size| ("REAL_ALLOCATORS_SIZE", size.to_string())));
     all
 }

@@ -10,8 +10,7 @@
 
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, Attempt, Chunked, Tuner};
-use burn::tensor::wgpu::MemoryConfiguration;
-use burn::tensor::{Device, DeviceKind, Tensor};
+use burn::tensor::{Device, Tensor};
 use real_allocators::{
     check_failures, check_tuner_failures, compare_with_the_largest, fits_in_a_fresh_process,
     largest_that_fits, leave_room, one_size_requested, print_search, reserved_unallocated,
@@ -26,20 +25,8 @@ const ROOM: u64 = 128 << 20;
 /// a sample or two of the limit is decided by the process's history, not by the search.
 const STARTING: usize = 448;
 
-/// Set by the parent: `exclusive` sets burn's wgpu runtime up with
-/// `MemoryConfiguration::ExclusivePages` (one page per allocation) instead of the default
-/// (`Adaptive`: pages sized to the largest allocation served, which a failed request grows).
-const MEMORY: &str = "REAL_ALLOCATORS_BURN_MEMORY";
-
 fn device() -> Device {
-    if std::env::var(MEMORY).as_deref() == Ok("exclusive") {
-        Device::wgpu_options()
-            .memory_config(MemoryConfiguration::ExclusivePages)
-            .init()
-            .unwrap()
-    } else {
-        Device::wgpu(DeviceKind::DefaultDevice)
-    }
+    real_allocators::burn_device()
 }
 
 /// One step at `batch_size`, its result read back (`try_into_data`: errors returned).
@@ -231,7 +218,7 @@ fn burn_memory_back_after_a_failure() {
     for memory in ["adaptive", "exclusive"] {
         let with = |size: usize| {
             vec![
-                (MEMORY, memory.to_owned()),
+                (real_allocators::BURN_MEMORY, memory.to_owned()),
                 ("REAL_ALLOCATORS_SIZE", size.to_string()),
             ]
         };
