@@ -346,12 +346,18 @@ impl Tuner {
         self
     }
 
-    /// At most this many trials (default 25, as Lightning).
+    /// At most this many trials (default 25, as Lightning). Every trial is spent: the last
+    /// is kept back only to confirm the headroom's size below the largest that ran, where that
+    /// size has not run; otherwise it searches too, aimed at a size kept with the headroom, so
+    /// that its success is the answer (and its failure leaves the size that ran before it).
+    /// The size returned always ran, below every size that failed.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
-    /// let tuned = Tuner::new().with_max_trials(3).run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert!(tuned.report().len() <= 3);
+    /// // From 4, two trials that fit: the second grows past the first.
+    /// let tuned = Tuner::new().with_min(4).with_max_trials(2).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(tuned.report().len(), 2);
+    /// assert!(tuned.batch_size() > 4);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_max_trials(mut self, max_trials: usize) -> Self {
@@ -529,6 +535,12 @@ impl Tuner {
                 0 => (ran_largest, batch_size),
                 kept => (ran_largest, kept),
             },
+        };
+        // Where the budget's last trial failed above the largest kept (the search then ended
+        // on a failure), the largest is the answer: it ran, below that failure.
+        let batch_size = match (report.batch_size(), self.choice) {
+            (None, Choice::Largest) if hit.is_none() && largest > 0 => largest,
+            _ => batch_size,
         };
         if let Some(slot) = slot.as_mut().filter(|_| hit.is_none()) {
             slot.set_largest(largest);

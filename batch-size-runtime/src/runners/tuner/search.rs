@@ -557,7 +557,10 @@ impl TunerPolicy {
         ((low as f64 * self.margin / 4.0).floor() as usize).max(1)
     }
 
-    /// The end of the search for the largest: the margin's size if it has not run yet.
+    /// The end of the search for the largest: the margin's size if it has not run yet. With
+    /// no trial left to run it, the largest size that ran where it ran last (the margin is
+    /// lost, not the size's trial), else the largest that ran at or below the margin's size
+    /// (or, where none did, the largest that ran): the answer always ran.
     fn finish(&mut self, history: &SearchReport) -> Decision {
         let largest = largest_below_failures(history).unwrap_or(0);
         let target = kept_size(largest, self.margin, self.min);
@@ -567,8 +570,67 @@ impl TunerPolicy {
         if ran_last(history, target) {
             return self.kept(history, target);
         }
+        if history.len() >= self.max_trials {
+            return self.out_of_trials(history, largest, target);
+        }
         self.phase = Phase::Confirming;
         Decision::Try(target)
+    }
+
+    /// No trial left to confirm the margin's size `target` below `largest`: the answer is a
+    /// size that ran since the memory last changed, below every failure: `largest` where it
+    /// ran last (the margin is lost, not the size's trial), else the largest at or below
+    /// `target`, else the largest. Where none ran since, nothing is kept: the engine runs
+    /// below the failure, and its size is the answer.
+    fn out_of_trials(&mut self, history: &SearchReport, largest: usize, target: usize) -> Decision {
+        if ran_last(history, largest) {
+            return self.kept(history, largest);
+        }
+        let since = since_memory_changed(history);
+        let smallest_failure = smallest_failure(history);
+        let ran: Vec<usize> = history
+            .attempts()
+            .skip(since)
+            .filter(|attempt| attempt.outcome.is_success())
+            .map(|attempt| attempt.batch_size)
+            .filter(|&size| size < smallest_failure)
+            .collect();
+        let below_target = ran.iter().copied().filter(|&size| size <= target).max();
+        match below_target.or_else(|| ran.iter().copied().max()) {
+            Some(size) => self.kept(history, size),
+            None => {
+                self.kept = 0;
+                Decision::Accept
+            }
+        }
+    }
+
+    /// The budget's last trial, where the margin's size below the largest that ran has run
+    /// already: the search's next size, less the margin where the fit did not aim it with the
+    /// margin taken, so that its success is the answer; its failure leaves the margin's size
+    /// that ran. Nothing larger to try: the search ends.
+    fn last_trial(&mut self, history: &SearchReport, decision: Decision, low: usize) -> Decision {
+        let Decision::Try(next) = decision else {
+            return decision;
+        };
+        if self.phase != Phase::Searching {
+            return decision;
+        }
+        let aimed_with_margin = self
+            .aimed
+            .is_some_and(|(size, judged)| size == next && judged);
+        let answer = if aimed_with_margin {
+            next
+        } else {
+            kept_size(next, self.margin, self.min)
+        };
+        if answer <= kept_size(low, self.margin, self.min) {
+            return self.finish(history);
+        }
+        self.aimed = None;
+        self.guess = None;
+        self.phase = Phase::Confirming;
+        Decision::Try(answer)
     }
 
     /// The margin's size ran: the answer, or the start of the search for the fastest.
@@ -695,6 +757,9 @@ impl SizePolicy for TunerPolicy {
             // as a shrinking search would.
             let failed = high.unwrap_or(last.batch_size);
             return match last.outcome {
+                _ if history.len() >= self.max_trials => {
+                    Decision::Stop(StopReason::MaxAttempts(history.len()))
+                }
                 Outcome::OutOfMemory { .. } if failed / 2 >= self.min => Decision::Try(failed / 2),
                 _ => Decision::Stop(StopReason::BelowMinimum {
                     next: failed / 2,
@@ -702,10 +767,31 @@ impl SizePolicy for TunerPolicy {
                 }),
             };
         };
-        // One trial is kept for the margin's size.
-        if history.len() + 1 >= self.max_trials {
+        // One trial is kept back for the margin's size, unless that size has run already:
+        // then the last trial is the search's too, aimed where its success is the answer.
+        let left = self.max_trials.saturating_sub(history.len());
+        let margin_ran = ran_below_failures(history, kept_size(low, self.margin, self.min));
+        if left == 0 || (left == 1 && !margin_ran) {
             return self.finish(history);
         }
+        let decision = self.search(history, last, low, high);
+        if left == 1 {
+            return self.last_trial(history, decision, low);
+        }
+        decision
+    }
+}
+
+impl TunerPolicy {
+    /// The next trial while bracketing the largest size that fits, between `low` (the largest
+    /// that ran below every failure) and `high` (the smallest failure).
+    fn search(
+        &mut self,
+        history: &SearchReport,
+        last: &Attempt,
+        low: usize,
+        high: Option<usize>,
+    ) -> Decision {
         if high.is_none() && growth_unresolved(history) {
             // A small step in a large process: grown until its growth shows, never fitted
             // from the noise (a line through it would jump by its whims, or not at all).
@@ -802,15 +888,30 @@ fn ran_last(history: &SearchReport, size: usize) -> bool {
         .is_some_and(|last| last.outcome.is_success() && last.batch_size == size)
 }
 
-/// The largest size that ran below every size that failed: what the tuner counts as fitting.
-/// A size that ran before a smaller one failed does not count (the memory it had is gone).
-pub(super) fn largest_below_failures(history: &SearchReport) -> Option<usize> {
-    let smallest_failure = history
+/// Whether `size` ran below every size that failed, since the memory last changed.
+fn ran_below_failures(history: &SearchReport, size: usize) -> bool {
+    let smallest_failure = smallest_failure(history);
+    size < smallest_failure
+        && history
+            .attempts()
+            .skip(since_memory_changed(history))
+            .any(|attempt| attempt.outcome.is_success() && attempt.batch_size == size)
+}
+
+/// The smallest size that ran out of memory (`usize::MAX` where none did).
+fn smallest_failure(history: &SearchReport) -> usize {
+    history
         .attempts()
         .filter(|attempt| attempt.outcome.is_out_of_memory())
         .map(|attempt| attempt.batch_size)
         .min()
-        .unwrap_or(usize::MAX);
+        .unwrap_or(usize::MAX)
+}
+
+/// The largest size that ran below every size that failed: what the tuner counts as fitting.
+/// A size that ran before a smaller one failed does not count (the memory it had is gone).
+pub(super) fn largest_below_failures(history: &SearchReport) -> Option<usize> {
+    let smallest_failure = smallest_failure(history);
     history
         .attempts()
         .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size < smallest_failure)
