@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use batch_size_runtime::{memory::SimulatedDevice, OutOfMemory, Release, Tuner};
 
+// Shared with the search benchmark and the tests, which use what this file does not.
+#[allow(dead_code)]
 #[path = "../tests/common/workloads.rs"]
 mod workloads;
 use workloads::{noise, Workload, DEVICE, MIB};
