@@ -123,6 +123,7 @@ settings_setters!(
     EffectiveBatch<'r>,
     "EffectiveBatch::new(256)",
     bounds,
+    label,
     release,
     shrink,
     learning,
@@ -385,12 +386,12 @@ impl<'r> EffectiveBatch<'r> {
         self.started = true;
         self.grow = GrowBack::new(self.settings.grow_after, self.effective);
         self.convergence = Convergence::new(self.settings.learn);
-        if let Some(settings) = self.settings.cache() {
-            let release = self.settings.release.clone().unwrap_or_default();
-            let what = format!("effective {}", self.effective);
-            let cache = CacheSlot::for_runner(settings, "effective_batch", &what, &release);
+        let what = format!("effective {}", self.effective);
+        if let Some(cache) = self.settings.open_cache("effective_batch", &what) {
             if let Some(fits) = cache.fits() {
-                let fits = fits.clamp(self.settings.min, self.effective.max(1));
+                // Never above the batch; below `min` only where the batch is: the step's
+                // search then says `min` is out of reach, as it does without an entry.
+                let fits = fits.max(self.settings.min).min(self.effective.max(1));
                 self.micro = fits;
                 self.next_micro = fits;
             }
@@ -421,7 +422,9 @@ impl<'r> EffectiveBatch<'r> {
         let (start, fallback) = self.convergence.start(length, kept);
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
-        let mut search = BatchSizeSearch::new(start).with_label("effective_batch");
+        // A first micro size of 0 is refused as every runner refuses a first size of 0.
+        let start = if self.first_micro == 0 { 0 } else { start };
+        let mut search = BatchSizeSearch::new(start);
         self.settings.lend_to_search(&mut search.settings);
         if self.effective == 0 {
             search.invalidate(Invalid::EffectiveIsZero);
@@ -437,7 +440,8 @@ impl<'r> EffectiveBatch<'r> {
                 ranks: world,
             });
         }
-        // The step's search applies the remedies (and refuses them with an agreement).
+        // The step's search applies the remedies (and refuses them beside an agreement, in its
+        // settings or in its policy).
         if let Some(remedies) = &self.settings.remedies {
             search.settings.remedies = Some(Arc::clone(remedies));
             search.settings.restart_after_remedy = Some(self.first_micro.min(length).max(1));
@@ -595,6 +599,7 @@ impl<'r> EffectiveBatch<'r> {
         F: FnMut(&BatchPlan) -> Result<T, E>,
         E: AttemptError<M>,
     {
+        self.settings.name_the_work(&body);
         let effective = self.effective;
         if self.uneven && self.shares.is_none() {
             let (rank, world) = self
