@@ -5,7 +5,7 @@
 use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
-use crate::policy::{Decision, SizePolicy};
+use crate::policy::{Decision, Evidence, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 use crate::runners::learn::fit::{
     failure_above, growth_in_attempt, peak_bytes, peak_resolution, points_up_to, used_at_start,
@@ -85,6 +85,9 @@ pub(super) struct TunerPolicy {
     /// size of the line across the jump). From then on the fit's line is drawn through the
     /// sizes above it only (see [`fit`](Self::fit)).
     jump_above: Option<f64>,
+    /// The size the fit kept from a line drawn far below it, while the size just above it runs
+    /// to measure the slope there (see [`aim`](Self::aim)).
+    far_check: Option<usize>,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
     /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
     aiming_over: bool,
@@ -206,6 +209,7 @@ impl TunerPolicy {
             ran_past_far_line: false,
             gentler_aim: None,
             jump_above: None,
+            far_check: None,
             aiming_over: false,
         }
     }
@@ -392,6 +396,7 @@ impl TunerPolicy {
             self.overshoots += 1;
         }
         let predicted = self.predicted.take().filter(|_| aimed.is_some());
+        let far_check = self.far_check.take();
         if let Some((size, edge)) = self.gentler_aim.take() {
             if last.batch_size == size && last.outcome.is_success() {
                 self.jump_above = Some(edge);
@@ -404,7 +409,12 @@ impl TunerPolicy {
             (None, _) => true,
             _ => false,
         };
-        if contradicted || self.overshoots >= 2 || self.bend_refuted(last, predicted, &fit) {
+        let jumped = high.is_some_and(|high| self.failure_jumped(history, &fit, low, high));
+        if contradicted
+            || jumped
+            || self.overshoots >= 2
+            || self.bend_refuted(last, predicted, &fit)
+        {
             // What fails is not what the fit explains (a limit that is not the memory, an
             // allocator that cannot use all of it, a part that appears above some size), or it
             // does not settle: bisect.
@@ -417,13 +427,53 @@ impl TunerPolicy {
                 _ => self.finish(history),
             });
         }
-        let filling = filling.unwrap_or(low as f64);
-        let mut target = ((filling * (1.0 - self.margin)).floor() as usize).max(self.min);
-        if let Some(max) = self.max {
-            target = target.min(kept_size(max, self.margin, self.min));
+        let target = self.kept_below(filling.unwrap_or(low as f64), high);
+        if let Some(kept_before) = far_check.filter(|_| !last.outcome.is_success()) {
+            // The size just above the one kept failed: the limit is between (a part that
+            // appears above some size, a cliff the far line did not see). Bisected, and the
+            // margin taken below the largest that runs, as without figures.
+            self.aiming_over = true;
+            if last.batch_size - kept_before > 1 {
+                return Some(Decision::Try(geometric_middle(
+                    kept_before,
+                    last.batch_size,
+                )));
+            }
+            return Some(self.finish(history));
         }
-        if let Some(high) = high {
-            target = target.min(high.saturating_sub(1)).max(self.min);
+        if let Some(kept_before) = far_check {
+            // The line through the size kept and the one just above it: the slope where the
+            // answer is, whatever the far line saw between.
+            let near: Vec<Point> = points_up_to(history.attempts(), last.batch_size)
+                .into_iter()
+                .filter(|point| point.size >= kept_before)
+                .collect();
+            let near_target = MemoryFit::from_points(&near, None)
+                .and_then(|near| near.size_filling_device())
+                .map(|filling| self.kept_below(filling, high));
+            match near_target {
+                // The size just above is the answer: it ran last.
+                Some(near_target) if near_target == last.batch_size => {
+                    return Some(self.kept(history, near_target));
+                }
+                Some(near_target) if near_target > last.batch_size => {
+                    // A part appeared below the size kept: from now on the line is drawn past
+                    // it, through the sizes from the one kept up.
+                    self.jump_above = Some(kept_before as f64 - 0.5);
+                    self.aims += 1;
+                    self.aimed = Some((near_target, true));
+                    return Some(Decision::Try(near_target));
+                }
+                // The slope next to the size kept keeps less than the size just above: that
+                // size is the answer, run last.
+                near_target => {
+                    self.aiming_over = true;
+                    self.phase = Phase::Confirming;
+                    return Some(Decision::Try(
+                        near_target.unwrap_or(target.min(kept_before)),
+                    ));
+                }
+            }
         }
         let ran = last.outcome.is_success() && last.batch_size <= low;
         let judged = measured || self.fixed_memory.is_some();
@@ -498,14 +548,108 @@ impl TunerPolicy {
             .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
             .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
             .max(self.min);
+        let nothing_ran_near = !history
+            .attempts()
+            .skip(since_memory_changed(history))
+            .filter(|attempt| attempt.outcome.is_success())
+            .any(|attempt| {
+                attempt.batch_size < last.batch_size
+                    && attempt.batch_size.saturating_mul(2) >= last.batch_size
+            });
+        let far = fit.smaller() * 2.0 < last.batch_size as f64 && nothing_ran_near;
+        if next <= last.batch_size && last.outcome.is_success() && judged && far {
+            // The fit keeps the size that just ran, from a line drawn from a size under half
+            // of it, and no size ran between: that line cannot tell a steep slope from a part that appeared between
+            // (a workspace chosen by size). One size just above measures the slope where the
+            // answer is, before the answer is kept; its failure confirms the line.
+            // A margin's width above: wide enough that an allocator's rounding moves the
+            // slope little; a failure there brackets the limit within a margin.
+            let span = ((last.batch_size as f64 * self.margin).ceil() as usize).max(resolution);
+            let above = last.batch_size.saturating_add(span.max(1));
+            let room = high.is_none_or(|high| above < high) && self.max.is_none_or(|m| above <= m);
+            if room && !self.ran_past_far_line {
+                self.ran_past_far_line = true;
+                self.far_check = Some(last.batch_size);
+                self.aims += 1;
+                self.aimed = Some((above, judged));
+                return Some(Decision::Try(above));
+            }
+        }
         if next == last.batch_size && last.outcome.is_success() && judged {
             // The fit's size is the one that just ran: nothing else to try.
             return Some(self.kept(history, next));
+        }
+        if next < last.batch_size
+            && last.outcome.is_success()
+            && judged
+            && ran_below_failures(history, next)
+        {
+            // Back to a size that ran, below the one that just did: the fit has settled on
+            // it. It runs last, as the answer; nothing else is explored after it.
+            self.aiming_over = true;
+            self.phase = Phase::Confirming;
+            return Some(Decision::Try(next));
         }
         self.aims += 1;
         self.aimed = Some((next, judged));
         self.predicted = high.map(|_| fit.bytes(next as f64));
         Some(Decision::Try(next))
+    }
+
+    /// Whether the smallest failure, at `high`, failed on one allocation larger than twice the
+    /// growth the line predicts between `low` and `high`: a part that appears above some size
+    /// (a workspace an algorithm chooses, a buffer past a threshold), not a steeper slope.
+    /// Bending the line to reach it would keep the margin below a cliff as if it were a slope;
+    /// the bracket is bisected instead.
+    fn failure_jumped(
+        &self,
+        history: &SearchReport,
+        fit: &MemoryFit,
+        low: usize,
+        high: usize,
+    ) -> bool {
+        let Some(failed) = history
+            .attempts()
+            .find(|attempt| attempt.batch_size == high && attempt.outcome.is_out_of_memory())
+        else {
+            return false;
+        };
+        let requested = match &failed.outcome {
+            Outcome::OutOfMemory { error } => Evidence::from_text(error).requested,
+            _ => None,
+        }
+        .or(failed.requested);
+        let growth = fit.per_sample() * (high - low) as f64;
+        if !requested.is_some_and(|requested| requested as f64 > 2.0 * growth) {
+            return false;
+        }
+        // A size² term also fails on one large allocation: it shows as a slope that steepens
+        // between the sizes that ran. Only a straight run of successes (the slope between the
+        // two largest no more than twice that between the two before: allocators' rounding
+        // bends a short span that much) makes the failure a part that appeared.
+        let mut points = points_up_to(history.attempts().skip(since_memory_changed(history)), low);
+        points.sort_by_key(|point| point.size);
+        points.dedup_by_key(|point| point.size);
+        let slope = |a: &Point, b: &Point| {
+            (b.peak as f64 - a.peak as f64) / (b.size as f64 - a.size as f64)
+        };
+        match points.as_slice() {
+            [.., a, b, c] => slope(b, c) <= 2.0 * slope(a, b).max(0.0),
+            _ => false,
+        }
+    }
+
+    /// The size that keeps the margin below `filling` (a size that fills the device), within
+    /// the bounds and below the smallest failure `high`.
+    fn kept_below(&self, filling: f64, high: Option<usize>) -> usize {
+        let mut target = ((filling * (1.0 - self.margin)).floor() as usize).max(self.min);
+        if let Some(max) = self.max {
+            target = target.min(kept_size(max, self.margin, self.min));
+        }
+        if let Some(high) = high {
+            target = target.min(high.saturating_sub(1)).max(self.min);
+        }
+        target
     }
 
     /// Whether the last aim ran with a peak well below what the fit that chose it predicted
