@@ -1,5 +1,5 @@
 //! The tuner's search, as a size policy: bracket the largest size that fits (grow, jump to
-//! the fitted limit, bisect), confirm the margin's size, and for the fastest size descend by
+//! the fitted limit, bisect), confirm the headroom's size, and for the fastest size descend by
 //! powers of two; never keep a size above one that failed.
 
 use super::throughput::{fastest, throughput};
@@ -12,89 +12,101 @@ use crate::runners::learn::fit::{
     MemoryFit, Point, GENTLER,
 };
 
-/// The size kept with the margin below `largest`.
-pub(super) fn kept_size(largest: usize, margin: f64, min: usize) -> usize {
-    let target = ((largest as f64) * (1.0 - margin)).floor() as usize;
+mod aim;
+
+/// The size kept with the headroom below `largest`.
+pub(super) fn kept_size(largest: usize, headroom: f64, min: usize) -> usize {
+    let target = ((largest as f64) * (1.0 - headroom)).floor() as usize;
     target.max(min).min(largest)
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 enum Phase {
     /// Bracketing the largest size that fits: growing, jumping to the fitted limit, bisecting.
+    #[default]
     Searching,
-    /// The margin's size is being confirmed.
+    /// The headroom's size is being confirmed.
     Confirming,
-    /// For the fastest size: powers of two below the margin's size, downwards.
+    /// For the fastest size: powers of two below the headroom's size, downwards.
     Descending,
     /// The fastest size runs last, so that it is the search's answer (and the cache's).
     Final,
+}
+
+/// What the search knows of the bracket it is in: started afresh (its default) where a trial
+/// failed below a size that ran, since what ran before had other memory free.
+#[derive(Debug, Default)]
+struct Bracket {
+    phase: Phase,
+    /// The headroom's size, once it ran.
+    kept: usize,
+    /// The last size the memory fit chose, and whether it expected that trial to fit.
+    guess: Option<(usize, bool)>,
+    /// Once bracketed: the bracket's width in ratio (ln(high / low)) when the fit chose the
+    /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
+    /// Brent's method: two trials at least halve the bracket, whatever the fit says.
+    guessed_in: Option<f64>,
+    /// The size of the last aim, until its outcome is scored, and whether a fit through two
+    /// sizes chose it (only such a trial confirms the fit's headroom).
+    aimed: Option<(usize, bool)>,
+    /// The bytes the fit that chose the last aim predicted at its size, where a failure above
+    /// bent that fit.
+    predicted: Option<f64>,
+    /// The gentler slope's size (see [`gentler`](TunerPolicy::gentler)), until it has run,
+    /// and the smaller size of the line across the jump that chose it.
+    gentler_aim: Option<(usize, f64)>,
+    /// Where the gentler slope's size ran: the size below which a part appeared (the smaller
+    /// size of the line across the jump). From then on the fit's line is drawn through the
+    /// sizes above it only (see [`fit`](TunerPolicy::fit)).
+    jump_above: Option<f64>,
+    /// The size the fit kept from a line drawn far below it, while the size a headroom above
+    /// it runs to measure the slope there (see [`near_check`](TunerPolicy::near_check)).
+    far_check: Option<usize>,
 }
 
 #[derive(Debug)]
 pub(super) struct TunerPolicy {
     min: usize,
     max: Option<usize>,
-    margin: f64,
+    headroom: f64,
     max_trials: usize,
-    phase: Phase,
     choice: Choice,
     tolerance: f64,
-    /// The margin's size, once it ran.
-    kept: usize,
+    /// The bracket's state: the phase, the size kept, the fit's last guess and aim.
+    bracket: Bracket,
     /// While descending: the last size measured.
     below: usize,
-    /// The last size the memory fit chose, and whether it expected that trial to fit.
-    guess: Option<(usize, bool)>,
     /// Before any failure: trials the fit got wrong the costly way (expected to fail, they
-    /// fit, or they fit with more than the margin to spare). Each doubles the least step above
-    /// the largest success, so that a fit that does not describe the trial costs a few trials,
-    /// not a crawl.
+    /// fit, or they fit with more than the headroom to spare). Each doubles the least step
+    /// above the largest success, so that a fit that does not describe the trial costs a few
+    /// trials, not a crawl.
     misses: u32,
     /// Trials the fit expected to fit that failed. At two the fit is dropped for bisection:
     /// what fails is not explained by the memory the trials use (a limit that is not the
     /// device's memory, an allocator that cannot use all of it).
     overshoots: u32,
-    /// Once bracketed: the bracket's width in ratio (ln(high / low)) when the fit chose the
-    /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
-    /// Brent's method: two trials at least halve the bracket, whatever the fit says.
-    guessed_in: Option<f64>,
     /// Why the last decision went below a size that had run, when it did.
     rationale: Option<String>,
     /// Bytes the user declared the trial allocates whatever its size (weights, gradients, an
     /// optimizer's state allocated inside it): with one size run, the line's part at size 0.
     fixed_memory: Option<u64>,
-    /// Trials the memory fit chose directly (probes and aims at its margin's size).
+    /// Trials the memory fit chose directly (probes and aims at its headroom's size).
     aims: u32,
-    /// The size of the last aim, until its outcome is scored, and whether a fit through two
-    /// sizes chose it (only such a trial confirms the fit's margin).
-    aimed: Option<(usize, bool)>,
-    /// The bytes the fit that chose the last aim predicted at its size, where a failure above
-    /// bent that fit.
-    predicted: Option<f64>,
     /// Aims that ran with more room than the resolution: each doubles the least step above
     /// them, so that a fit that misses (a part that appears above some size) costs a few
     /// trials, not a crawl.
     aim_misses: u32,
-    /// An aim judged by a line from far below it was followed by that line's size: from then
-    /// on an aim within the resolution of the fit's size is the answer.
+    /// An aim judged by a line from far below it was followed by that line's size (or the
+    /// size a headroom above it ran): from then on an aim within the resolution of the fit's
+    /// size is the answer.
     ran_past_far_line: bool,
-    /// The gentler slope's size (see [`gentler`](Self::gentler)), until it has run, and the
-    /// smaller size of the line across the jump that chose it.
-    gentler_aim: Option<(usize, f64)>,
-    /// Where the gentler slope's size ran: the size below which a part appeared (the smaller
-    /// size of the line across the jump). From then on the fit's line is drawn through the
-    /// sizes above it only (see [`fit`](Self::fit)).
-    jump_above: Option<f64>,
-    /// The size the fit kept from a line drawn far below it, while the size just above it runs
-    /// to measure the slope there (see [`aim`](Self::aim)).
-    far_check: Option<usize>,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
-    /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
+    /// [`MOST_AIMS`] trials. Bisection (or the headroom below the largest that ran) follows.
     aiming_over: bool,
 }
 
 /// At most this many trials chosen by the fit's aim (the second probe, the aim, corrections);
-/// then the search bisects, or keeps the margin below the largest size that ran.
+/// then the search bisects, or keeps the headroom below the largest size that ran.
 const MOST_AIMS: u32 = 5;
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
@@ -175,13 +187,13 @@ fn power_of_two_below(size: usize) -> usize {
 }
 
 impl TunerPolicy {
-    /// The search from `min` (never above `max`), keeping `margin` below the largest size
+    /// The search from `min` (never above `max`), keeping `headroom` below the largest size
     /// that ran, in at most `max_trials` trials; for `choice`, within `tolerance` of the best
     /// speed, which the search's report gives (each trial's duration).
     pub(super) fn new(
         min: usize,
         max: Option<usize>,
-        margin: f64,
+        headroom: f64,
         max_trials: usize,
         choice: Choice,
         tolerance: f64,
@@ -189,35 +201,27 @@ impl TunerPolicy {
         TunerPolicy {
             min,
             max,
-            margin,
+            headroom,
             max_trials,
-            phase: Phase::Searching,
             choice,
             tolerance,
-            kept: 0,
+            bracket: Bracket::default(),
             below: 0,
-            guess: None,
             misses: 0,
             overshoots: 0,
-            guessed_in: None,
             rationale: None,
             fixed_memory: None,
             aims: 0,
-            aimed: None,
-            predicted: None,
             aim_misses: 0,
             ran_past_far_line: false,
-            gentler_aim: None,
-            jump_above: None,
-            far_check: None,
             aiming_over: false,
         }
     }
 
-    /// The margin's size, once its trial ran (0 before, and after a failure below it): read by
+    /// The headroom's size, once its trial ran (0 before, and after a failure below it): read by
     /// the tuner when the search, to which it lent this policy, has returned.
     pub(super) fn kept_size(&self) -> usize {
-        self.kept
+        self.bracket.kept
     }
 
     /// Bytes the trial allocates whatever its size, as the user declared them.
@@ -226,458 +230,15 @@ impl TunerPolicy {
         self
     }
 
-    /// Memory against the size, from the trials since the memory last changed: the line
-    /// through two sizes that ran (bent by a third below them and by the smallest failure
-    /// above), or through one size and what was in use before it (plus the fixed bytes the user
-    /// declared). `true` with two sizes: only then does the fit judge a trial's margin.
-    ///
-    /// Where a jump was detected and the gentler slope's size ran past it, the line is drawn
-    /// through the sizes past the jump only, however close they are: a line from below the
-    /// jump is steeper than the memory on the aim's side, and would keep the size below the
-    /// one that just ran (the search would swing between the two).
-    fn fit(&self, history: &SearchReport, low: usize) -> Option<(MemoryFit, bool)> {
-        let since = since_memory_changed(history);
-        let attempts = || history.attempts().skip(since);
-        let failure = failure_above(attempts(), low);
-        if let Some(edge) = self.jump_above {
-            let points = points_up_to(attempts(), low);
-            if let Some(fit) = MemoryFit::past_an_edge(&points, edge, failure) {
-                return Some((fit, true));
-            }
-        }
-        let mut points = points_up_to(attempts(), low);
-        // Where a size between half and seven eighths of the largest ran, the line is drawn
-        // over that span only: probes far below show mostly what does not grow, and may be of
-        // another regime (a workspace chosen by size); the span is still wide enough that an
-        // allocator's rounding and noise move its slope little.
-        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
-        let local = |size: usize| {
-            size.saturating_mul(2) >= top && size.saturating_mul(8) <= top.saturating_mul(7)
-        };
-        if points.iter().any(|point| local(point.size)) {
-            points.retain(|point| point.size == top || local(point.size));
-        }
-        if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
-            return Some((
-                self.steeper_from_noise(history, fit, &points, failure),
-                true,
-            ));
-        }
-        let (attempt, point) = attempts()
-            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size == low)
-            .filter_map(|attempt| {
-                let (peak, total) = peak_bytes(attempt)?;
-                Some((
-                    attempt,
-                    Point {
-                        size: low,
-                        peak,
-                        total,
-                    },
-                ))
-            })
-            .last()?;
-        let start = used_at_start(attempt)?;
-        let declared = self.fixed_memory.and_then(|fixed| {
-            MemoryFit::through_start(point, start.saturating_add(fixed), failure)
-        });
-        declared
-            .or_else(|| MemoryFit::through_start(point, start, failure))
-            .map(|fit| (fit, false))
-    }
-
-    /// Where the figures resolve growth only above some bytes (the host's, see
-    /// [`peak_resolution`]) and the fit's smaller size grew no more than that: the line drawn
-    /// as steep as that size's error allows (the largest point counted that much higher), so
-    /// that the first aim errs below the limit. The next fit, from a size that grew past the
-    /// resolution, is drawn as measured.
-    fn steeper_from_noise(
-        &self,
-        history: &SearchReport,
-        fit: MemoryFit,
-        points: &[Point],
-        failure: Option<(usize, u64)>,
-    ) -> MemoryFit {
-        let Some(resolution) = history.last().map(peak_resolution).filter(|&r| r > 0) else {
-            return fit;
-        };
-        let smaller_is_noise = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_success())
-            .filter(|attempt| attempt.batch_size as f64 == fit.smaller())
-            .filter_map(growth_in_attempt)
-            .any(|growth| growth <= resolution);
-        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
-        if !smaller_is_noise {
-            return fit;
-        }
-        let raised: Vec<Point> = points
-            .iter()
-            .map(|&point| Point {
-                peak: if point.size == top {
-                    point.peak.saturating_add(resolution)
-                } else {
-                    point.peak
-                },
-                ..point
-            })
-            .collect();
-        MemoryFit::bent_by_points(&raised, failure).unwrap_or(fit)
-    }
-
-    /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more, and no
-    /// size failed: the margin's size with the gentler slope from the largest. Two sizes far
-    /// apart cannot tell a bend (a `size²` term) from a part that appears above some size and
-    /// does not grow (a workspace chosen by size): the bend would be right, the jump leaves
-    /// room the steep line never shows. The gentler size is tried; a failure there bends the
-    /// fit, a success puts a size on the same side of the jump.
-    fn gentler(
-        &self,
-        history: &SearchReport,
-        low: usize,
-        fit: &MemoryFit,
-        high: Option<usize>,
-    ) -> Option<usize> {
-        if high.is_some() {
-            return None;
-        }
-        let slope = gentler_slope_below(history, low, fit)?;
-        let filling = fit.with_slope(slope, None)?.size_filling_device()?;
-        let mut size = (filling * (1.0 - self.margin)).floor() as usize;
-        if let Some(max) = self.max {
-            size = size.min(kept_size(max, self.margin, self.min));
-        }
-        // A size at or below the largest that ran has had its trial: its peak is in the fit.
-        Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP)))).filter(|&size| size > low)
-    }
-
-    /// Where the fit's line is drawn from a size under half the largest and the sizes up to
-    /// that one grew [`GENTLER`] times more gently (a part appeared between: a workspace chosen
-    /// by size), and the gentler slope's size is too close to try: three quarters of the
-    /// largest, so that the line is drawn on the aim's side of the jump (see
-    /// [`fit`](Self::fit)). The line across the jump is steeper than the memory above it by an
-    /// amount no two sizes near the aim have measured.
-    fn beside_the_aim(
-        &self,
-        history: &SearchReport,
-        low: usize,
-        fit: &MemoryFit,
-        high: Option<usize>,
-    ) -> Option<usize> {
-        if high.is_some() || fit.smaller() * 2.0 >= low as f64 {
-            return None;
-        }
-        gentler_slope_below(history, low, fit)?;
-        let size = low.saturating_mul(3) / 4;
-        (size as f64 > fit.smaller()).then_some(size)
-    }
-
-    /// The fit's own choice: the size that keeps the margin below the size it predicts fills
-    /// the device, run to confirm it. A trial that ran there (within the resolution below it)
-    /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
-    /// one that failed bends the fit. `None` where the figures give no fit (the search grows
-    /// and bisects as without figures), or once the fit stops choosing (see
-    /// [`aiming_over`](Self::aiming_over)).
-    fn aim(
-        &mut self,
-        history: &SearchReport,
-        last: &Attempt,
-        low: usize,
-        high: Option<usize>,
-    ) -> Option<Decision> {
-        if self.aiming_over {
-            return None;
-        }
-        let aimed = self
-            .aimed
-            .take()
-            .filter(|&(size, _)| size == last.batch_size);
-        if aimed.is_some() && !last.outcome.is_success() {
-            self.overshoots += 1;
-        }
-        let predicted = self.predicted.take().filter(|_| aimed.is_some());
-        let far_check = self.far_check.take();
-        if let Some((size, edge)) = self.gentler_aim.take() {
-            if last.batch_size == size && last.outcome.is_success() {
-                self.jump_above = Some(edge);
-            }
-        }
-        let (fit, measured) = self.fit(history, low)?;
-        let filling = fit.size_filling_device().filter(|&size| size >= 1.0);
-        let contradicted = match (filling, high) {
-            (Some(filling), Some(high)) => filling >= high as f64,
-            (None, _) => true,
-            _ => false,
-        };
-        let jumped = high.is_some_and(|high| self.failure_jumped(history, &fit, low, high));
-        if contradicted
-            || jumped
-            || self.overshoots >= 2
-            || self.bend_refuted(last, predicted, &fit)
-        {
-            // What fails is not what the fit explains (a limit that is not the memory, an
-            // allocator that cannot use all of it, a part that appears above some size), or it
-            // does not settle: bisect.
-            self.aiming_over = true;
-            self.overshoots = self.overshoots.max(2);
-            return Some(match high {
-                Some(high) if high - low > self.resolution(low) => {
-                    Decision::Try(geometric_middle(low, high))
-                }
-                _ => self.finish(history),
-            });
-        }
-        let target = self.kept_below(filling.unwrap_or(low as f64), high);
-        if let Some(kept_before) = far_check.filter(|_| !last.outcome.is_success()) {
-            // The size just above the one kept failed: the limit is between (a part that
-            // appears above some size, a cliff the far line did not see). Bisected, and the
-            // margin taken below the largest that runs, as without figures.
-            self.aiming_over = true;
-            if last.batch_size - kept_before > 1 {
-                return Some(Decision::Try(geometric_middle(
-                    kept_before,
-                    last.batch_size,
-                )));
-            }
-            return Some(self.finish(history));
-        }
-        if let Some(kept_before) = far_check {
-            // The line through the size kept and the one just above it: the slope where the
-            // answer is, whatever the far line saw between.
-            let near: Vec<Point> = points_up_to(history.attempts(), last.batch_size)
-                .into_iter()
-                .filter(|point| point.size >= kept_before)
-                .collect();
-            let near_target = MemoryFit::from_points(&near, None)
-                .and_then(|near| near.size_filling_device())
-                .map(|filling| self.kept_below(filling, high));
-            match near_target {
-                // The size just above is the answer: it ran last.
-                Some(near_target) if near_target == last.batch_size => {
-                    return Some(self.kept(history, near_target));
-                }
-                Some(near_target) if near_target > last.batch_size => {
-                    // A part appeared below the size kept: from now on the line is drawn past
-                    // it, through the sizes from the one kept up.
-                    self.jump_above = Some(kept_before as f64 - 0.5);
-                    self.aims += 1;
-                    self.aimed = Some((near_target, true));
-                    return Some(Decision::Try(near_target));
-                }
-                // The slope next to the size kept keeps less than the size just above: that
-                // size is the answer, run last.
-                near_target => {
-                    self.aiming_over = true;
-                    self.phase = Phase::Confirming;
-                    return Some(Decision::Try(
-                        near_target.unwrap_or(target.min(kept_before)),
-                    ));
-                }
-            }
-        }
-        let ran = last.outcome.is_success() && last.batch_size <= low;
-        let judged = measured || self.fixed_memory.is_some();
-        let confirms = ran && aimed.is_some_and(|(_, judged)| judged);
-        let resolution = self.resolution(last.batch_size);
-        if confirms && last.batch_size <= target {
-            // A line drawn from a size under half the aim measured its slope far from it:
-            // whatever appears between (a workspace chosen by size, small tensors rounded up
-            // to whole blocks) counts as growth, and the refit predicts less room than there
-            // is, by an amount no trial has measured. Its size, when above the aim, runs once
-            // before the resolution's slack is taken as well.
-            let far = fit.smaller() * 2.0 < last.batch_size as f64;
-            let slack = if far && !self.ran_past_far_line {
-                0
-            } else {
-                resolution
-            };
-            if last.batch_size.saturating_add(slack) >= target {
-                // The fit's size ran, and the fit with its own peak keeps the margin there:
-                // the answer, unless the sizes below it grew far more gently (see
-                // [`gentler`](Self::gentler)): then that slope's size is tried first.
-                let gentler = self
-                    .gentler(history, low, &fit, high)
-                    .filter(|&size| size > last.batch_size.saturating_add(resolution));
-                if let Some(size) = gentler {
-                    self.aims += 1;
-                    self.aimed = Some((size, true));
-                    self.gentler_aim = Some((size, fit.smaller()));
-                    return Some(Decision::Try(size));
-                }
-                // A measurement below a size that ran, not an aim: it counts as none.
-                if let Some(size) = self.beside_the_aim(history, low, &fit, high) {
-                    self.aimed = Some((size, true));
-                    return Some(Decision::Try(size));
-                }
-                return Some(self.kept(history, last.batch_size));
-            }
-            if last.batch_size.saturating_add(resolution) >= target {
-                self.ran_past_far_line = true;
-            } else {
-                self.aim_misses += 1;
-            }
-        }
-        if self.aims >= MOST_AIMS {
-            // As many aims and not settled. Where the fit's size is below a size that ran, it
-            // runs, and its trial is the answer; else the estimate keeps moving up (a part
-            // that appears above some size, an allocator's rounding): the search brackets the
-            // limit with trials, as before the fit aimed.
-            self.aiming_over = true;
-            if judged && target < low {
-                self.phase = Phase::Confirming;
-                return Some(Decision::Try(target));
-            }
-            return None;
-        }
-        let next = if judged {
-            // After a miss, at least a step above it that doubles with each miss.
-            let step = resolution
-                .saturating_mul(1usize.checked_shl(self.aim_misses).unwrap_or(usize::MAX));
-            if target > last.batch_size && self.aim_misses > 0 {
-                target.max(last.batch_size.saturating_add(step))
-            } else {
-                target
-            }
-        } else {
-            // One size ran: the line through the memory before it counts every byte the trial
-            // allocated as growing with its size; it is a probe of at least `GROWTH` times, so
-            // that the second point is on a wide span.
-            target.max(low.saturating_mul(GROWTH))
-        };
-        let next = self
-            .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
-            .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
-            .max(self.min);
-        let nothing_ran_near = !history
-            .attempts()
-            .skip(since_memory_changed(history))
-            .filter(|attempt| attempt.outcome.is_success())
-            .any(|attempt| {
-                attempt.batch_size < last.batch_size
-                    && attempt.batch_size.saturating_mul(2) >= last.batch_size
-            });
-        let far = fit.smaller() * 2.0 < last.batch_size as f64 && nothing_ran_near;
-        if next <= last.batch_size && last.outcome.is_success() && judged && far {
-            // The fit keeps the size that just ran, from a line drawn from a size under half
-            // of it, and no size ran between: that line cannot tell a steep slope from a part that appeared between
-            // (a workspace chosen by size). One size just above measures the slope where the
-            // answer is, before the answer is kept; its failure confirms the line.
-            // A margin's width above: wide enough that an allocator's rounding moves the
-            // slope little; a failure there brackets the limit within a margin.
-            let span = ((last.batch_size as f64 * self.margin).ceil() as usize).max(resolution);
-            let above = last.batch_size.saturating_add(span.max(1));
-            let room = high.is_none_or(|high| above < high) && self.max.is_none_or(|m| above <= m);
-            if room && !self.ran_past_far_line {
-                self.ran_past_far_line = true;
-                self.far_check = Some(last.batch_size);
-                self.aims += 1;
-                self.aimed = Some((above, judged));
-                return Some(Decision::Try(above));
-            }
-        }
-        if next == last.batch_size && last.outcome.is_success() && judged {
-            // The fit's size is the one that just ran: nothing else to try.
-            return Some(self.kept(history, next));
-        }
-        if next < last.batch_size
-            && last.outcome.is_success()
-            && judged
-            && ran_below_failures(history, next)
-        {
-            // Back to a size that ran, below the one that just did: the fit has settled on
-            // it. It runs last, as the answer; nothing else is explored after it.
-            self.aiming_over = true;
-            self.phase = Phase::Confirming;
-            return Some(Decision::Try(next));
-        }
-        self.aims += 1;
-        self.aimed = Some((next, judged));
-        self.predicted = high.map(|_| fit.bytes(next as f64));
-        Some(Decision::Try(next))
-    }
-
-    /// Whether the smallest failure, at `high`, failed on one allocation larger than twice the
-    /// growth the line predicts between `low` and `high`: a part that appears above some size
-    /// (a workspace an algorithm chooses, a buffer past a threshold), not a steeper slope.
-    /// Bending the line to reach it would keep the margin below a cliff as if it were a slope;
-    /// the bracket is bisected instead.
-    fn failure_jumped(
-        &self,
-        history: &SearchReport,
-        fit: &MemoryFit,
-        low: usize,
-        high: usize,
-    ) -> bool {
-        let Some(failed) = history
-            .attempts()
-            .find(|attempt| attempt.batch_size == high && attempt.outcome.is_out_of_memory())
-        else {
-            return false;
-        };
-        let requested = match &failed.outcome {
-            Outcome::OutOfMemory { error } => Evidence::from_text(error).requested,
-            _ => None,
-        }
-        .or(failed.requested);
-        let growth = fit.per_sample() * (high - low) as f64;
-        if !requested.is_some_and(|requested| requested as f64 > 2.0 * growth) {
-            return false;
-        }
-        // A size² term also fails on one large allocation: it shows as a slope that steepens
-        // between the sizes that ran. Only a straight run of successes (the slope between the
-        // two largest no more than twice that between the two before: allocators' rounding
-        // bends a short span that much) makes the failure a part that appeared.
-        let mut points = points_up_to(history.attempts().skip(since_memory_changed(history)), low);
-        points.sort_by_key(|point| point.size);
-        points.dedup_by_key(|point| point.size);
-        let slope = |a: &Point, b: &Point| {
-            (b.peak as f64 - a.peak as f64) / (b.size as f64 - a.size as f64)
-        };
-        match points.as_slice() {
-            [.., a, b, c] => slope(b, c) <= 2.0 * slope(a, b).max(0.0),
-            _ => false,
-        }
-    }
-
-    /// The size that keeps the margin below `filling` (a size that fills the device), within
-    /// the bounds and below the smallest failure `high`.
-    fn kept_below(&self, filling: f64, high: Option<usize>) -> usize {
-        let mut target = ((filling * (1.0 - self.margin)).floor() as usize).max(self.min);
-        if let Some(max) = self.max {
-            target = target.min(kept_size(max, self.margin, self.min));
-        }
-        if let Some(high) = high {
-            target = target.min(high.saturating_sub(1)).max(self.min);
-        }
-        target
-    }
-
-    /// Whether the last aim ran with a peak well below what the fit that chose it predicted
-    /// (by more than a quarter of the margin's bytes there), that fit being bent by a failure
-    /// above. A `size²` term shows in the sizes below the failure as the bend predicts; a part
-    /// that appears only above some size (a workspace chosen by size, a buffer allocated late)
-    /// bends the fit through the failure as if it were one, and the fit then predicts far less
-    /// room than there is below the failure: bisecting between the two finds it.
-    fn bend_refuted(&self, last: &Attempt, predicted: Option<f64>, fit: &MemoryFit) -> bool {
-        let Some(predicted) = predicted else {
-            return false;
-        };
-        let Some((peak, _)) = peak_bytes(last).filter(|_| last.outcome.is_success()) else {
-            return false;
-        };
-        let tolerance = self.margin / 4.0 * last.batch_size as f64 * fit.per_sample();
-        (peak as f64) < predicted - tolerance
-    }
-
     fn cap(&self, size: usize) -> usize {
         self.max.map_or(size, |max| size.min(max))
     }
 
     /// Whether the fit's last guess held: a failure where it expected a fit is an overshoot; a
-    /// fit where it expected a failure, or a fit with more than the margin to spare by the
+    /// fit where it expected a failure, or a fit with more than the headroom to spare by the
     /// fit's own new reckoning, is a miss.
     fn score_guess(&mut self, last: &Attempt, limit: Option<usize>) {
-        let Some((size, expected_to_fit)) = self.guess.take() else {
+        let Some((size, expected_to_fit)) = self.bracket.guess.take() else {
             return;
         };
         if last.batch_size != size {
@@ -687,27 +248,27 @@ impl TunerPolicy {
             self.overshoots += u32::from(expected_to_fit);
             return;
         }
-        let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.margin));
+        let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.headroom));
         if !expected_to_fit || spare {
             self.misses += 1;
         }
     }
 
     /// How close the largest success and the smallest failure must be for the search to stop:
-    /// a quarter of the margin (at least 1), so that the margin's size stays within about 1 %
-    /// of the largest that fits less the margin. Bisecting further would refine a size the
-    /// margin then takes 5 % off.
+    /// a quarter of the headroom (at least 1), so that the headroom's size stays within about 1 %
+    /// of the largest that fits less the headroom. Bisecting further would refine a size the
+    /// headroom then takes 5 % off.
     fn resolution(&self, low: usize) -> usize {
-        ((low as f64 * self.margin / 4.0).floor() as usize).max(1)
+        ((low as f64 * self.headroom / 4.0).floor() as usize).max(1)
     }
 
-    /// The end of the search for the largest: the margin's size if it has not run yet. With
-    /// no trial left to run it, the largest size that ran where it ran last (the margin is
-    /// lost, not the size's trial), else the largest that ran at or below the margin's size
+    /// The end of the search for the largest: the headroom's size if it has not run yet. With
+    /// no trial left to run it, the largest size that ran where it ran last (the headroom is
+    /// lost, not the size's trial), else the largest that ran at or below the headroom's size
     /// (or, where none did, the largest that ran): the answer always ran.
     fn finish(&mut self, history: &SearchReport) -> Decision {
         let largest = largest_below_failures(history).unwrap_or(0);
-        let target = kept_size(largest, self.margin, self.min);
+        let target = kept_size(largest, self.headroom, self.min);
         if target == 0 {
             return Decision::Accept;
         }
@@ -717,13 +278,13 @@ impl TunerPolicy {
         if history.len() >= self.max_trials {
             return self.out_of_trials(history, largest, target);
         }
-        self.phase = Phase::Confirming;
+        self.bracket.phase = Phase::Confirming;
         Decision::Try(target)
     }
 
-    /// No trial left to confirm the margin's size `target` below `largest`: the answer is a
+    /// No trial left to confirm the headroom's size `target` below `largest`: the answer is a
     /// size that ran since the memory last changed, below every failure: `largest` where it
-    /// ran last (the margin is lost, not the size's trial), else the largest at or below
+    /// ran last (the headroom is lost, not the size's trial), else the largest at or below
     /// `target`, else the largest. Where none ran since, nothing is kept: the engine runs
     /// below the failure, and its size is the answer.
     fn out_of_trials(&mut self, history: &SearchReport, largest: usize, target: usize) -> Decision {
@@ -743,52 +304,53 @@ impl TunerPolicy {
         match below_target.or_else(|| ran.iter().copied().max()) {
             Some(size) => self.kept(history, size),
             None => {
-                self.kept = 0;
+                self.bracket.kept = 0;
                 Decision::Accept
             }
         }
     }
 
-    /// The budget's last trial, where the margin's size below the largest that ran has run
-    /// already: the search's next size, less the margin where the fit did not aim it with the
-    /// margin taken, so that its success is the answer; its failure leaves the margin's size
+    /// The budget's last trial, where the headroom's size below the largest that ran has run
+    /// already: the search's next size, less the headroom where the fit did not aim it with the
+    /// headroom taken, so that its success is the answer; its failure leaves the headroom's size
     /// that ran. Nothing larger to try: the search ends.
     fn last_trial(&mut self, history: &SearchReport, decision: Decision, low: usize) -> Decision {
         let Decision::Try(next) = decision else {
             return decision;
         };
-        if self.phase != Phase::Searching {
+        if self.bracket.phase != Phase::Searching {
             return decision;
         }
-        let aimed_with_margin = self
+        let aimed_with_headroom = self
+            .bracket
             .aimed
             .is_some_and(|(size, judged)| size == next && judged);
-        let answer = if aimed_with_margin {
+        let answer = if aimed_with_headroom {
             next
         } else {
-            kept_size(next, self.margin, self.min)
+            kept_size(next, self.headroom, self.min)
         };
-        if answer <= kept_size(low, self.margin, self.min) {
+        if answer <= kept_size(low, self.headroom, self.min) {
             return self.finish(history);
         }
-        self.aimed = None;
-        self.guess = None;
-        self.phase = Phase::Confirming;
+        self.bracket.aimed = None;
+        self.bracket.guess = None;
+        self.bracket.phase = Phase::Confirming;
         Decision::Try(answer)
     }
 
-    /// The margin's size ran: the answer, or the start of the search for the fastest.
+    /// The headroom's size ran: the answer, or the start of the search for the fastest.
     fn kept(&mut self, history: &SearchReport, size: usize) -> Decision {
-        self.kept = size;
+        self.bracket.kept = size;
         if self.choice == Choice::Largest {
             return Decision::Accept;
         }
-        self.phase = Phase::Descending;
+        self.bracket.phase = Phase::Descending;
         self.below = size;
         self.descend(history)
     }
 
-    /// Powers of two below the margin's size, downwards, until one is slower than the best by
+    /// Powers of two below the headroom's size, downwards, until one is slower than the best by
     /// more than the tolerance; sizes measured already are not run again.
     fn descend(&mut self, history: &SearchReport) -> Decision {
         if history
@@ -806,11 +368,11 @@ impl TunerPolicy {
         };
         let best = throughput
             .iter()
-            .filter(|(size, _)| *size <= self.kept)
+            .filter(|(size, _)| *size <= self.bracket.kept)
             .map(|(_, rate)| *rate)
             .fold(0.0, f64::max);
         loop {
-            if self.below < self.kept
+            if self.below < self.bracket.kept
                 && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.tolerance))
             {
                 return self.conclude(history);
@@ -832,11 +394,12 @@ impl TunerPolicy {
 
     /// The fastest size runs last, unless it just ran or no trial is left.
     fn conclude(&mut self, history: &SearchReport) -> Decision {
-        let chosen = fastest(&throughput(history), self.kept, self.tolerance).unwrap_or(self.kept);
+        let chosen = fastest(&throughput(history), self.bracket.kept, self.tolerance)
+            .unwrap_or(self.bracket.kept);
         if ran_last(history, chosen) || history.len() >= self.max_trials {
             return Decision::Accept;
         }
-        self.phase = Phase::Final;
+        self.bracket.phase = Phase::Final;
         Decision::Try(chosen)
     }
 }
@@ -872,23 +435,16 @@ impl SizePolicy for TunerPolicy {
                  searching below {}",
                 last.batch_size, last.batch_size
             ));
-            self.phase = Phase::Searching;
-            self.kept = 0;
-            self.guess = None;
-            self.guessed_in = None;
-            self.aimed = None;
-            self.predicted = None;
-            self.gentler_aim = None;
-            self.jump_above = None;
+            self.bracket = Bracket::default();
         }
-        match self.phase {
+        match self.bracket.phase {
             Phase::Confirming if last.outcome.is_success() => {
                 return self.kept(history, last.batch_size)
             }
             Phase::Final if last.outcome.is_success() => return Decision::Accept,
             Phase::Descending if last.outcome.is_success() => return self.descend(history),
             // A failure after the search is below a size that ran: searched again above.
-            _ => self.phase = Phase::Searching,
+            _ => self.bracket.phase = Phase::Searching,
         }
         // The smallest failure: the largest success is taken below it.
         let high = history
@@ -911,11 +467,11 @@ impl SizePolicy for TunerPolicy {
                 }),
             };
         };
-        // One trial is kept back for the margin's size, unless that size has run already:
+        // One trial is kept back for the headroom's size, unless that size has run already:
         // then the last trial is the search's too, aimed where its success is the answer.
         let left = self.max_trials.saturating_sub(history.len());
-        let margin_ran = ran_below_failures(history, kept_size(low, self.margin, self.min));
-        if left == 0 || (left == 1 && !margin_ran) {
+        let headroom_ran = ran_below_failures(history, kept_size(low, self.headroom, self.min));
+        if left == 0 || (left == 1 && !headroom_ran) {
             return self.finish(history);
         }
         let decision = self.search(history, last, low, high);
@@ -979,13 +535,14 @@ impl TunerPolicy {
             (Some(limit), Some(high)) => {
                 let width = (high as f64 / low as f64).ln();
                 if self
+                    .bracket
                     .guessed_in
                     .take()
                     .is_some_and(|before| width > before / 2.0)
                 {
                     geometric_middle(low, high)
                 } else {
-                    self.guessed_in = Some(width);
+                    self.bracket.guessed_in = Some(width);
                     guess = Some(limit);
                     limit.max(low.saturating_add(resolution))
                 }
@@ -994,7 +551,7 @@ impl TunerPolicy {
             // than one just above it (it fails at its first large allocation).
             (None, None) => low.saturating_mul(GROWTH),
             (None, Some(high)) => {
-                self.guessed_in = None;
+                self.bracket.guessed_in = None;
                 geometric_middle(low, high)
             }
         };
@@ -1002,7 +559,7 @@ impl TunerPolicy {
         if next <= low {
             return self.finish(history);
         }
-        self.guess = guess.map(|limit| (next, next <= limit));
+        self.bracket.guess = guess.map(|limit| (next, next <= limit));
         Decision::Try(next)
     }
 }
@@ -1110,7 +667,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_margin_is_taken_off_and_never_below_min() {
+    fn the_headroom_is_taken_off_and_never_below_min() {
         assert_eq!(kept_size(100, 0.05, 1), 95);
         assert_eq!(kept_size(10, 0.5, 8), 8);
         assert_eq!(kept_size(3, 0.05, 8), 3, "never above the size that ran");
