@@ -288,6 +288,7 @@ fn work_name<W>() -> Option<&'static str> {
 ///
 /// - `bounds`: `with_min`, `with_max`;
 /// - `label`: `with_label`;
+/// - `clock`: `with_clock`;
 /// - `release`: `with_release`, `with_cache`, `with_cache_dir`;
 /// - `shrink`: `with_factor`, `with_reduce`, `with_margin`;
 /// - `learning`: `with_convergence`, `with_grow_after`;
@@ -387,6 +388,25 @@ macro_rules! settings_setters {
                 /// the function your closure is written in (`my_crate::train`), as the
                 /// attribute logs the function it annotates.
                 fn with_label(label: &'static str) |settings| settings.label = label);
+        }
+    };
+    ($runner:ident <$life:lifetime>, $new:literal, clock) => {
+        settings_setters!(@clock $runner<$life>, $new, $life);
+    };
+    ($runner:ident, $new:literal, clock) => {
+        settings_setters!(@clock $runner, $new, 'static);
+    };
+    (@clock $runner:ident $(<$life:lifetime>)?, $new:literal, $bound:lifetime) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            settings_setters!(@setter $new, "with_clock(|| std::time::Duration::from_millis(1))",
+                /// What times the attempts ([`Attempt::duration`](crate::Attempt::duration): a
+                /// tuner's trials and their throughput, the steps whose uneven shares follow
+                /// speed): the time since any fixed instant, read before and after each
+                /// (default: [`Instant`](std::time::Instant)). A simulated clock makes throughput
+                /// and balance testable without real speeds; one that synchronizes the device
+                /// first makes it exact where the device runs asynchronously.
+                fn with_clock(clock: impl FnMut() -> std::time::Duration + Send + $bound)
+                    |settings| settings.hooks_mut().clock = Some(Box::new(clock)));
         }
     };
     ($runner:ident $(<$life:lifetime>)?, $new:literal, learning) => {

@@ -16,7 +16,6 @@
 //! ```
 
 use std::error::Error;
-use std::time::Duration;
 
 use crate::attempt::AttemptError;
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
@@ -68,6 +67,7 @@ settings_setters!(
     "BatchSizeSearch::new(64)",
     bounds,
     label,
+    clock,
     release,
     shrink,
     agreement
@@ -375,13 +375,6 @@ impl<'r> BatchSizeSearch<'r> {
         let (result, report) = self.run_reporting(attempt);
         crate::record::store_last_report(report.clone());
         (result, report)
-    }
-
-    /// Times attempts with `clock` instead of the wall clock (a runner's simulated clock), for
-    /// [`Attempt::duration`](crate::Attempt::duration).
-    pub(crate) fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
-        self.settings.hooks_mut().clock = Some(Box::new(clock));
-        self
     }
 
     /// [`run`](Self::run) for a runner of this crate: the result and the report as values,

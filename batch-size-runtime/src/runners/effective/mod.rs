@@ -10,7 +10,6 @@ use crate::engine::{settings_setters, Invalid, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
-use crate::opaque::Opaque;
 use crate::policy::CacheSlot;
 use crate::record::SearchReport;
 use crate::remedies::Remedies;
@@ -26,7 +25,7 @@ mod shares;
 
 use even_split::EvenSplit;
 pub use plan::{BatchPlan, MicroBatch};
-use shares::{Clock, Shares};
+use shares::Shares;
 
 /// A step that needed a smaller micro-batch, and the sizes it tried.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,7 +111,6 @@ pub struct EffectiveBatch<'r> {
     /// With uneven shares: this rank's part of the global batch, and what it measured.
     uneven: bool,
     shares: Option<Shares<'r>>,
-    clock: Option<Opaque<Clock<'r>>>,
     /// The plan of the last step that ran (what `step_then`'s `apply` gets).
     last_plan: Option<BatchPlan>,
     /// The micro size the search starts again from after a remedy (the first step's).
@@ -124,6 +122,7 @@ settings_setters!(
     "EffectiveBatch::new(256)",
     bounds,
     label,
+    clock,
     release,
     shrink,
     learning,
@@ -154,7 +153,6 @@ impl<'r> EffectiveBatch<'r> {
             last_report: SearchReport::default(),
             uneven: false,
             shares: None,
-            clock: None,
             last_plan: None,
             first_micro: effective,
         }
@@ -266,27 +264,6 @@ impl<'r> EffectiveBatch<'r> {
     /// ```
     pub fn with_uneven_shares(mut self) -> Self {
         self.uneven = true;
-        self
-    }
-
-    /// The measure of time the shares are balanced by: a function returning the time now
-    /// (default: the wall clock). Only the successful attempt of each step is timed. Give a
-    /// simulated clock to test or show the balance without real speeds.
-    ///
-    /// ```
-    /// use std::sync::atomic::{AtomicU64, Ordering};
-    /// use std::sync::Arc;
-    /// use std::time::Duration;
-    /// # use batch_size_runtime::EffectiveBatch;
-    /// let simulated = Arc::new(AtomicU64::new(0)); // nanoseconds, advanced by your step
-    /// let time = Arc::clone(&simulated);
-    /// let runner = EffectiveBatch::new(64)
-    ///     .with_uneven_shares()
-    ///     .with_clock(move || Duration::from_nanos(time.load(Ordering::Relaxed)));
-    /// # let _ = runner;
-    /// ```
-    pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
-        self.clock = Some(Opaque(Box::new(clock)));
         self
     }
 
@@ -607,7 +584,14 @@ impl<'r> EffectiveBatch<'r> {
                 .agreement
                 .as_ref()
                 .map_or((0, 1), |c| (c.rank(), c.world_size()));
-            self.shares = Some(Shares::even(effective, rank, world).with_clock(self.clock.take()));
+            self.shares = Some(
+                Shares::even(effective, rank, world).with_clock(
+                    self.settings
+                        .hooks
+                        .as_mut()
+                        .and_then(|hooks| hooks.clock.take()),
+                ),
+            );
         }
         let share = self.share();
         // Only a step whose shares follow speed is timed: the plain path reads no clock.

@@ -4,8 +4,6 @@
 //! headroom; then keep the headroom, and run that size too. It times every trial, so that it can also name
 //! the fastest size (samples per second), and return it instead of the largest.
 
-use std::time::Duration;
-
 use crate::attempt::AttemptError;
 use crate::engine::{settings_setters, Invalid, Settings};
 #[allow(unused_imports)] // for the docs' links
@@ -83,13 +81,10 @@ pub struct Tuner {
     max_trials: usize,
     choice: Choice,
     tolerance: f64,
-    clock: Option<Opaque<Clock>>,
     fixed_memory: Option<u64>,
     /// Sizes from dry runs first, where a framework has them.
     dry_run: Option<Opaque<Box<dyn DryRun>>>,
 }
-
-type Clock = Box<dyn FnMut() -> Duration + Send>;
 
 /// How the trials ended: the search's result and report, and the cache slot with what it served.
 struct Trials<T, E> {
@@ -247,7 +242,7 @@ impl Default for Tuner {
         Tuner::new()
     }
 }
-settings_setters!(Tuner, "Tuner::new()", bounds, label, release);
+settings_setters!(Tuner, "Tuner::new()", bounds, label, release, clock);
 
 impl Tuner {
     /// A tuner with the defaults.
@@ -264,7 +259,6 @@ impl Tuner {
             max_trials: 25,
             choice: Choice::Largest,
             tolerance: 0.02,
-            clock: None,
             fixed_memory: None,
             dry_run: None,
         }
@@ -407,26 +401,6 @@ impl Tuner {
         self
     }
 
-    /// What times the trials: the time since any fixed instant, read before and after each
-    /// trial (default: [`Instant`](std::time::Instant)). A simulated clock makes throughput testable; a clock that
-    /// synchronizes the device first makes it exact where the device runs asynchronously.
-    ///
-    /// ```
-    /// # use std::time::Duration;
-    /// # use batch_size_runtime::Tuner;
-    /// let mut now = Duration::ZERO;
-    /// let tuned = Tuner::new()
-    ///     .with_max(4)
-    ///     .with_clock(move || { now += Duration::from_secs(1); now })
-    ///     .run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert_eq!(tuned.throughput()[0], (1, 1.0)); // one sample a second
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'static) -> Self {
-        self.clock = Some(Opaque(Box::new(clock)));
-        self
-    }
-
     /// Runs the trials. Takes the error types every runner takes ([`AttemptError`] and
     /// `From<NoExecutableBatchSize>`): a trial that fails with an error that is not
     /// out-of-memory ends the tuning and the error comes back unchanged; a panic that is not
@@ -535,10 +509,9 @@ impl Tuner {
             starting: min,
             settings,
         };
-        // The durations are in the report, for the policy and for the throughput.
-        if let Some(Opaque(clock)) = self.clock.take() {
-            search = search.with_clock(clock);
-        }
+        // Each trial is timed by the search, with the tuner's clock where one was given (it
+        // travels in the settings): the durations are in the report, for the policy and for
+        // the throughput.
         let Some(cache) = cache else {
             let (result, report) = search.with_policy(sizes).run_with_report(trial);
             return Trials {
