@@ -23,7 +23,7 @@ mod throughput;
 use crate::memory::{DryRun, DrySizing};
 use dry_run::DryRunPolicy;
 
-use search::{kept_size, largest_below_failures, TunerPolicy};
+use search::{kept_size, largest_below_failures, Goal, TunerPolicy};
 use throughput::{fastest, throughput};
 
 /// Finds the largest batch size whose trial runs, in few trials.
@@ -456,14 +456,14 @@ impl Tuner {
     /// The tuner's search policy, never above `max`: lent to the search, and what it learned
     /// read from it afterwards.
     fn policy(&self, max: Option<usize>) -> TunerPolicy {
-        TunerPolicy::new(
-            self.settings.min,
+        TunerPolicy::new(Goal {
+            min: self.settings.min,
             max,
-            self.headroom,
-            self.max_trials,
-            self.choice,
-            self.tolerance,
-        )
+            headroom: self.headroom,
+            max_trials: self.max_trials,
+            choice: self.choice,
+            tolerance: self.tolerance,
+        })
         .with_fixed_memory(self.fixed_memory)
     }
 

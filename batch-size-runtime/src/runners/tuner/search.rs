@@ -64,14 +64,22 @@ struct Bracket {
     far_check: Option<usize>,
 }
 
+/// What the tuner is asked for: never below `min` nor above `max`, the `headroom` kept below
+/// the largest size that ran, in at most `max_trials` trials; for `choice`, within `tolerance`
+/// of the best speed, which the search's report gives (each trial's duration).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Goal {
+    pub(super) min: usize,
+    pub(super) max: Option<usize>,
+    pub(super) headroom: f64,
+    pub(super) max_trials: usize,
+    pub(super) choice: Choice,
+    pub(super) tolerance: f64,
+}
+
 #[derive(Debug)]
 pub(super) struct TunerPolicy {
-    min: usize,
-    max: Option<usize>,
-    headroom: f64,
-    max_trials: usize,
-    choice: Choice,
-    tolerance: f64,
+    goal: Goal,
     /// The bracket's state: the phase, the size kept, the fit's last guess and aim.
     bracket: Bracket,
     /// While descending: the last size measured.
@@ -187,24 +195,10 @@ fn power_of_two_below(size: usize) -> usize {
 }
 
 impl TunerPolicy {
-    /// The search from `min` (never above `max`), keeping `headroom` below the largest size
-    /// that ran, in at most `max_trials` trials; for `choice`, within `tolerance` of the best
-    /// speed, which the search's report gives (each trial's duration).
-    pub(super) fn new(
-        min: usize,
-        max: Option<usize>,
-        headroom: f64,
-        max_trials: usize,
-        choice: Choice,
-        tolerance: f64,
-    ) -> Self {
+    /// The search for `goal`.
+    pub(super) fn new(goal: Goal) -> Self {
         TunerPolicy {
-            min,
-            max,
-            headroom,
-            max_trials,
-            choice,
-            tolerance,
+            goal,
             bracket: Bracket::default(),
             below: 0,
             misses: 0,
@@ -231,7 +225,7 @@ impl TunerPolicy {
     }
 
     fn cap(&self, size: usize) -> usize {
-        self.max.map_or(size, |max| size.min(max))
+        self.goal.max.map_or(size, |max| size.min(max))
     }
 
     /// Whether the fit's last guess held: a failure where it expected a fit is an overshoot; a
@@ -248,7 +242,8 @@ impl TunerPolicy {
             self.overshoots += u32::from(expected_to_fit);
             return;
         }
-        let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.headroom));
+        let spare =
+            limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.goal.headroom));
         if !expected_to_fit || spare {
             self.misses += 1;
         }
@@ -259,7 +254,7 @@ impl TunerPolicy {
     /// of the largest that fits less the headroom. Bisecting further would refine a size the
     /// headroom then takes 5 % off.
     fn resolution(&self, low: usize) -> usize {
-        ((low as f64 * self.headroom / 4.0).floor() as usize).max(1)
+        ((low as f64 * self.goal.headroom / 4.0).floor() as usize).max(1)
     }
 
     /// The end of the search for the largest: the headroom's size if it has not run yet. With
@@ -268,14 +263,14 @@ impl TunerPolicy {
     /// (or, where none did, the largest that ran): the answer always ran.
     fn finish(&mut self, history: &SearchReport) -> Decision {
         let largest = largest_below_failures(history).unwrap_or(0);
-        let target = kept_size(largest, self.headroom, self.min);
+        let target = kept_size(largest, self.goal.headroom, self.goal.min);
         if target == 0 {
             return Decision::Accept;
         }
         if ran_last(history, target) {
             return self.kept(history, target);
         }
-        if history.len() >= self.max_trials {
+        if history.len() >= self.goal.max_trials {
             return self.out_of_trials(history, largest, target);
         }
         self.bracket.phase = Phase::Confirming;
@@ -328,9 +323,9 @@ impl TunerPolicy {
         let answer = if aimed_with_headroom {
             next
         } else {
-            kept_size(next, self.headroom, self.min)
+            kept_size(next, self.goal.headroom, self.goal.min)
         };
-        if answer <= kept_size(low, self.headroom, self.min) {
+        if answer <= kept_size(low, self.goal.headroom, self.goal.min) {
             return self.finish(history);
         }
         self.bracket.aimed = None;
@@ -342,7 +337,7 @@ impl TunerPolicy {
     /// The headroom's size ran: the answer, or the start of the search for the fastest.
     fn kept(&mut self, history: &SearchReport, size: usize) -> Decision {
         self.bracket.kept = size;
-        if self.choice == Choice::Largest {
+        if self.goal.choice == Choice::Largest {
             return Decision::Accept;
         }
         self.bracket.phase = Phase::Descending;
@@ -373,18 +368,18 @@ impl TunerPolicy {
             .fold(0.0, f64::max);
         loop {
             if self.below < self.bracket.kept
-                && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.tolerance))
+                && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.goal.tolerance))
             {
                 return self.conclude(history);
             }
             let next = power_of_two_below(self.below);
-            if next < self.min || next == 0 {
+            if next < self.goal.min || next == 0 {
                 return self.conclude(history);
             }
             self.below = next;
             if rate(next).is_none() {
                 // One trial is kept for the fastest size.
-                if history.len() + 2 > self.max_trials {
+                if history.len() + 2 > self.goal.max_trials {
                     return self.conclude(history);
                 }
                 return Decision::Try(next);
@@ -394,9 +389,9 @@ impl TunerPolicy {
 
     /// The fastest size runs last, unless it just ran or no trial is left.
     fn conclude(&mut self, history: &SearchReport) -> Decision {
-        let chosen = fastest(&throughput(history), self.bracket.kept, self.tolerance)
+        let chosen = fastest(&throughput(history), self.bracket.kept, self.goal.tolerance)
             .unwrap_or(self.bracket.kept);
-        if ran_last(history, chosen) || history.len() >= self.max_trials {
+        if ran_last(history, chosen) || history.len() >= self.goal.max_trials {
             return Decision::Accept;
         }
         self.bracket.phase = Phase::Final;
@@ -406,7 +401,7 @@ impl TunerPolicy {
 
 impl SizePolicy for TunerPolicy {
     fn first(&mut self, starting: usize) -> Decision {
-        Decision::Try(self.cap(starting.max(self.min)))
+        Decision::Try(self.cap(starting.max(self.goal.min)))
     }
 
     fn reads_memory_after_success(&self) -> bool {
@@ -457,20 +452,23 @@ impl SizePolicy for TunerPolicy {
             // as a shrinking search would.
             let failed = high.unwrap_or(last.batch_size);
             return match last.outcome {
-                _ if history.len() >= self.max_trials => {
+                _ if history.len() >= self.goal.max_trials => {
                     Decision::Stop(StopReason::MaxAttempts(history.len()))
                 }
-                Outcome::OutOfMemory { .. } if failed / 2 >= self.min => Decision::Try(failed / 2),
+                Outcome::OutOfMemory { .. } if failed / 2 >= self.goal.min => {
+                    Decision::Try(failed / 2)
+                }
                 _ => Decision::Stop(StopReason::BelowMinimum {
                     next: failed / 2,
-                    min: self.min,
+                    min: self.goal.min,
                 }),
             };
         };
         // One trial is kept back for the headroom's size, unless that size has run already:
         // then the last trial is the search's too, aimed where its success is the answer.
-        let left = self.max_trials.saturating_sub(history.len());
-        let headroom_ran = ran_below_failures(history, kept_size(low, self.headroom, self.min));
+        let left = self.goal.max_trials.saturating_sub(history.len());
+        let headroom_ran =
+            ran_below_failures(history, kept_size(low, self.goal.headroom, self.goal.min));
         if left == 0 || (left == 1 && !headroom_ran) {
             return self.finish(history);
         }
@@ -504,7 +502,7 @@ impl TunerPolicy {
         if let Some(decision) = self.aim(history, last, low, high) {
             return decision;
         }
-        if self.max.is_some_and(|max| low >= max) {
+        if self.goal.max.is_some_and(|max| low >= max) {
             return self.finish(history);
         }
         let resolution = self.resolution(low);

@@ -105,28 +105,16 @@ impl TunerPolicy {
         MemoryFit::bent_by_points(&raised, failure).unwrap_or(fit)
     }
 
-    /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more, and no
-    /// size failed: the headroom's size with the gentler slope from the largest. Two sizes far
+    /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more
+    /// (asked only where no size failed): the headroom's size with the gentler slope from the largest. Two sizes far
     /// apart cannot tell a bend (a `size²` term) from a part that appears above some size and
     /// does not grow (a workspace chosen by size): the bend would be right, the jump leaves
     /// room the steep line never shows. The gentler size is tried; a failure there bends the
     /// fit, a success puts a size on the same side of the jump.
-    fn gentler(
-        &self,
-        history: &SearchReport,
-        low: usize,
-        fit: &MemoryFit,
-        high: Option<usize>,
-    ) -> Option<usize> {
-        if high.is_some() {
-            return None;
-        }
+    fn gentler(&self, history: &SearchReport, low: usize, fit: &MemoryFit) -> Option<usize> {
         let slope = gentler_slope_below(history, low, fit)?;
         let filling = fit.with_slope(slope, None)?.size_filling_device()?;
-        let mut size = (filling * (1.0 - self.headroom)).floor() as usize;
-        if let Some(max) = self.max {
-            size = size.min(kept_size(max, self.headroom, self.min));
-        }
+        let size = self.kept_below(filling, None);
         // A size at or below the largest that ran has had its trial: its peak is in the fit.
         Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP)))).filter(|&size| size > low)
     }
@@ -136,15 +124,9 @@ impl TunerPolicy {
     /// by size), and the gentler slope's size is too close to try: three quarters of the
     /// largest, so that the line is drawn on the aim's side of the jump (see
     /// [`fit`](Self::fit)). The line across the jump is steeper than the memory above it by an
-    /// amount no two sizes near the aim have measured.
-    fn beside_the_aim(
-        &self,
-        history: &SearchReport,
-        low: usize,
-        fit: &MemoryFit,
-        high: Option<usize>,
-    ) -> Option<usize> {
-        if high.is_some() || fit.smaller() * 2.0 >= low as f64 {
+    /// amount no two sizes near the aim have measured. Asked only where no size failed.
+    fn beside_the_aim(&self, history: &SearchReport, low: usize, fit: &MemoryFit) -> Option<usize> {
+        if fit.smaller() * 2.0 >= low as f64 {
             return None;
         }
         gentler_slope_below(history, low, fit)?;
@@ -324,19 +306,21 @@ impl TunerPolicy {
             resolution
         };
         if last.batch_size.saturating_add(slack) >= target {
-            let gentler = self
-                .gentler(history, low, fit, high)
-                .filter(|&size| size > last.batch_size.saturating_add(resolution));
-            if let Some(size) = gentler {
-                self.aims += 1;
-                self.bracket.aimed = Some((size, true));
-                self.bracket.gentler_aim = Some((size, fit.smaller()));
-                return Some(Decision::Try(size));
-            }
-            // A measurement below a size that ran, not an aim: it counts as none.
-            if let Some(size) = self.beside_the_aim(history, low, fit, high) {
-                self.bracket.aimed = Some((size, true));
-                return Some(Decision::Try(size));
+            if high.is_none() {
+                let gentler = self
+                    .gentler(history, low, fit)
+                    .filter(|&size| size > last.batch_size.saturating_add(resolution));
+                if let Some(size) = gentler {
+                    self.aims += 1;
+                    self.bracket.aimed = Some((size, true));
+                    self.bracket.gentler_aim = Some((size, fit.smaller()));
+                    return Some(Decision::Try(size));
+                }
+                // A measurement below a size that ran, not an aim: it counts as none.
+                if let Some(size) = self.beside_the_aim(history, low, fit) {
+                    self.bracket.aimed = Some((size, true));
+                    return Some(Decision::Try(size));
+                }
             }
             return Some(self.kept(history, last.batch_size));
         }
@@ -381,7 +365,7 @@ impl TunerPolicy {
         let next = self
             .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
             .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
-            .max(self.min);
+            .max(self.goal.min);
         let ran_last = last.outcome.is_success();
         if next <= last.batch_size && ran_last && judged && self.drawn_far_below(history, last, fit)
         {
@@ -431,9 +415,10 @@ impl TunerPolicy {
         resolution: usize,
         high: Option<usize>,
     ) -> Option<usize> {
-        let span = ((last.batch_size as f64 * self.headroom).ceil() as usize).max(resolution);
+        let span = ((last.batch_size as f64 * self.goal.headroom).ceil() as usize).max(resolution);
         let above = last.batch_size.saturating_add(span.max(1));
-        let room = high.is_none_or(|high| above < high) && self.max.is_none_or(|max| above <= max);
+        let room =
+            high.is_none_or(|high| above < high) && self.goal.max.is_none_or(|max| above <= max);
         if !room || self.ran_past_far_line {
             return None;
         }
@@ -490,12 +475,13 @@ impl TunerPolicy {
     /// The size that keeps the headroom below `filling` (a size that fills the device), within
     /// the bounds and below the smallest failure `high`.
     fn kept_below(&self, filling: f64, high: Option<usize>) -> usize {
-        let mut target = ((filling * (1.0 - self.headroom)).floor() as usize).max(self.min);
-        if let Some(max) = self.max {
-            target = target.min(kept_size(max, self.headroom, self.min));
+        let mut target =
+            ((filling * (1.0 - self.goal.headroom)).floor() as usize).max(self.goal.min);
+        if let Some(max) = self.goal.max {
+            target = target.min(kept_size(max, self.goal.headroom, self.goal.min));
         }
         if let Some(high) = high {
-            target = target.min(high.saturating_sub(1)).max(self.min);
+            target = target.min(high.saturating_sub(1)).max(self.goal.min);
         }
         target
     }
@@ -513,7 +499,7 @@ impl TunerPolicy {
         let Some((peak, _)) = peak_bytes(last).filter(|_| last.outcome.is_success()) else {
             return false;
         };
-        let tolerance = self.headroom / 4.0 * last.batch_size as f64 * fit.per_sample();
+        let tolerance = self.goal.headroom / 4.0 * last.batch_size as f64 * fit.per_sample();
         (peak as f64) < predicted - tolerance
     }
 }
