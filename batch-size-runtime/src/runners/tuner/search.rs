@@ -69,11 +69,17 @@ struct Bracket {
 /// of the best speed, which the search's report gives (each trial's duration).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Goal {
+    /// No size below it is tried; the first trial runs it.
     pub(super) min: usize,
+    /// No size above it is tried (`with_max`, or the dry runs' size less one).
     pub(super) max: Option<usize>,
+    /// The share kept below the largest size that ran (`with_headroom`).
     pub(super) headroom: f64,
+    /// At most this many trials (`with_max_trials`).
     pub(super) max_trials: usize,
+    /// The largest size, or the fastest.
     pub(super) choice: Choice,
+    /// For the fastest: how far below the best samples a second a size may be.
     pub(super) tolerance: f64,
 }
 
