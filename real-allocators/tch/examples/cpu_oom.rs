@@ -1,11 +1,12 @@
 //! Trains a small MLP with tch on the CPU under an address-space limit, so that libtorch's CPU
 //! allocator runs out of memory and the search recovers, with the host's figures in the log.
 //!
-//! `LIBTORCH=/usr cargo run --manifest-path real-allocators/Cargo.toml --example cpu_oom`
+//! `LIBTORCH=/usr cargo run --manifest-path real-allocators/tch/Cargo.toml --example cpu_oom`
 
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report};
-use real_allocators_tch::{address_space, samples, Mlp};
+use real_allocators_tch::harness::leave_room;
+use real_allocators_tch::{samples, Mlp};
 
 #[find_executable_batch_size(starting = 4096, release = Release::host())]
 fn train(batch_size: usize, model: &Mlp) -> anyhow::Result<f64> {
@@ -20,7 +21,7 @@ fn main() -> anyhow::Result<()> {
     // libtorch is loaded and its pool started: 256 MiB more address space than now.
     let (x, y) = samples(0, 4)?;
     model.f_loss_sum(&x, &y)?.f_backward()?;
-    address_space::leave_room(256 << 20)?;
+    leave_room(256 << 20);
     let loss = train(&model)?;
     println!("mean loss {loss:.6}");
     if let Some(report) = last_report() {

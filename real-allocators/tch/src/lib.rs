@@ -4,9 +4,10 @@
 
 use tch::{Device, Kind, TchError, Tensor};
 
-/// The address-space limit the tests and the example run under.
-#[path = "../../../batch-size-runtime/tests/common/address_space.rs"]
-pub mod address_space;
+/// The harness every real-allocator test shares (children, bisection, the limit), as the
+/// other frameworks' tests use it.
+#[path = "../../src/harness.rs"]
+pub mod harness;
 
 /// Input features a sample.
 pub const FEATURES: i64 = 64;

@@ -5,17 +5,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use std::process::Command;
-
 use batch_size_runtime::policy::Reduction;
 use batch_size_runtime::Release;
 use batch_size_runtime::{find_executable_batch_size, last_report, BatchSizeSearch, Chunked};
-use batch_size_runtime::{EffectiveBatch, SearchReport, Tuner};
-use real_allocators_tch::address_space;
+use batch_size_runtime::{Attempt, EffectiveBatch, SearchReport, Tuner};
+use real_allocators_tch::harness::{self, child, expect_child, value};
 use real_allocators_tch::{samples, Mlp};
 
-/// Which scenario a re-executed test binary runs, under the limit.
-const CHILD: &str = "REAL_ALLOCATORS_CHILD";
 /// Bytes of address space left to a child once libtorch is warm: some hundreds of samples fit.
 const ROOM: u64 = 160 << 20;
 const STARTING: usize = 4096;
@@ -26,77 +22,15 @@ fn limited_model() -> Mlp {
     let model = Mlp::new().unwrap();
     let (x, y) = samples(0, 4).unwrap();
     model.f_loss_sum(&x, &y).unwrap().backward();
-    address_space::leave_room(ROOM).expect("setrlimit(RLIMIT_AS) failed");
+    harness::leave_room(ROOM);
     model
 }
 
-/// Whether `scenario` ran to the end in a child with `CHILD` set and `extra` in its environment.
-fn child_status(scenario: &str, extra: &[(&str, String)]) -> bool {
-    let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .args([
-            "--exact",
-            scenario,
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1");
-    for (key, value) in extra {
-        command.env(key, value);
-    }
-    command.output().unwrap().status.success()
-}
-
-/// Runs `scenario` in a child with `CHILD` set; returns its stdout's `key=value` lines.
-fn child(scenario: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
-    let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .args([
-            "--exact",
-            scenario,
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1");
-    for (key, value) in extra {
-        command.env(key, value);
-    }
-    let output = command.output().unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{scenario} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
-        .lines()
-        .filter_map(|line| line.split_once('='))
-        .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
-        .collect()
-}
-
-fn value(lines: &[(String, String)], key: &str) -> String {
-    lines
-        .iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v.clone())
-        .unwrap()
-}
-
-/// What every search under the limit must show: out-of-memory attempts recognised with the
-/// bytes libtorch asked for, the host's figures, and the memory back after each release.
+/// What every search under the limit must show: out-of-memory attempts recognised (the
+/// harness's check) with the bytes libtorch asked for, the host's figures, and the memory back
+/// after each release.
 fn check_failures(report: &SearchReport) {
-    let failures: Vec<_> = report
-        .attempts()
-        .filter(|a| a.outcome.is_out_of_memory())
-        .collect();
-    assert!(
-        !failures.is_empty(),
-        "nothing ran out of memory: {report:?}"
-    );
-    for failed in failures {
+    harness::check_failures(report, |failed: &Attempt| {
         assert!(
             failed.requested.is_some_and(|bytes| bytes > 0),
             "{failed:?}"
@@ -110,7 +44,7 @@ fn check_failures(report: &SearchReport) {
             "{} free before, {after} after",
             start.free()
         );
-    }
+    });
 }
 
 /// The loss sum of the first `batch_size` samples, through tch's fallible API.
@@ -124,20 +58,25 @@ fn train_fallible(batch_size: usize, model: &Mlp) -> anyhow::Result<(usize, f64)
 
 #[test]
 fn fallible_api() {
-    if std::env::var_os(CHILD).is_none() {
-        let lines = child("fallible_api", &[]);
-        let found: usize = value(&lines, "found").parse().unwrap();
-        // Results equal a run with no limit, here.
-        let model = Mlp::new().unwrap();
-        let (_, loss) = train_fallible_at(&model, found);
-        let limited: f64 = value(&lines, "loss").parse().unwrap();
-        assert!(
-            (loss - limited).abs() <= 1e-6 * loss.abs().max(1.0),
-            "{loss} vs {limited}"
-        );
-        fits_in_a_fresh_process(found, "train");
-        return;
-    }
+    let lines = child("fallible_api_scenario", &[]);
+    let found: usize = value(&lines, "found").parse().unwrap();
+    // Results equal a run with no limit, here.
+    let model = Mlp::new().unwrap();
+    let (_, loss) = train_fallible_at(&model, found);
+    let limited: f64 = value(&lines, "loss").parse().unwrap();
+    assert!(
+        (loss - limited).abs() <= 1e-6 * loss.abs().max(1.0),
+        "{loss} vs {limited}"
+    );
+    fits_in_a_fresh_process(found, "train");
+}
+
+/// The attribute on tch's fallible API under the limit: prints the size found, the loss and
+/// the attempts.
+#[test]
+#[ignore = "a scenario: run in a child process by this file's framework test, with --ignored"]
+fn fallible_api_scenario() {
+    expect_child("fallible_api_scenario");
     let model = limited_model();
     let (found, loss) = train_fallible(&model).unwrap();
     let report = last_report().unwrap();
@@ -169,13 +108,10 @@ fn policy() -> Reduction<'static> {
 /// freed before the failure and the estimate lands about 0.85 of the largest.
 #[test]
 fn fallible_api_near_the_largest() {
-    if std::env::var_os(CHILD).is_some() {
-        return;
-    }
     let fits = |size: usize| fits_fresh(size, "train");
     let largest = largest_that_fits("train");
     let run = |extra: &[(&str, String)]| {
-        let lines = child("fallible_api", extra);
+        let lines = child("fallible_api_scenario", extra);
         let found: usize = value(&lines, "found").parse().unwrap();
         let attempts: usize = value(&lines, "attempts").parse().unwrap();
         (found, attempts)
@@ -194,42 +130,32 @@ fn fallible_api_near_the_largest() {
     assert!(found >= halving, "{found} below halving's {halving}");
 }
 
-/// Whether `size` runs in a fresh process under the same room (`mode`: "train" or "infer").
+/// Whether `size` runs in a fresh process under the same room (`mode`: "train", "chunk" or
+/// "infer"): the `one_size` scenario in a child.
 fn fits_fresh(size: usize, mode: &str) -> bool {
-    child_status(
+    harness::child_status(
         "one_size",
         &[
             ("REAL_ALLOCATORS_SIZE", size.to_string()),
             ("REAL_ALLOCATORS_MODE", mode.to_owned()),
         ],
     )
+    .1
 }
 
 /// The largest size that runs in a fresh process under the same room, by bisection below
 /// twice `STARTING` (each size in a child of its own).
 fn largest_that_fits(mode: &str) -> usize {
-    let (mut ran, mut failed) = (0, 2 * STARTING + 1);
-    while failed - ran > 1 {
-        let size = ran + (failed - ran) / 2;
-        if fits_fresh(size, mode) {
-            ran = size;
-        } else {
-            failed = size;
-        }
-    }
-    ran
+    harness::largest_that_fits(2 * STARTING, |size| fits_fresh(size, mode))
 }
 
 /// The tuner as `docs/GUIDE.md` teaches it, with tch's release and no bounds: each trial one
 /// training step at its size. Prints the size found, the largest that ran, the trials and how
 /// many ran out of memory.
 #[test]
-#[ignore = "a child of tuner_as_taught_near_the_largest, run by it with --ignored"]
+#[ignore = "a scenario: run in a child process by this file's framework test, with --ignored"]
 fn tuner_as_taught() {
-    assert!(
-        std::env::var_os(CHILD).is_some(),
-        "a scenario: tuner_as_taught_near_the_largest runs it in a child process"
-    );
+    expect_child("tuner_as_taught");
     let model = limited_model();
     let tuned = Tuner::new()
         .with_release(Release::tch())
@@ -286,9 +212,6 @@ fn tuner_as_taught() {
 /// off the line's limit.
 #[test]
 fn tuner_as_taught_near_the_largest() {
-    if std::env::var_os(CHILD).is_some() {
-        return;
-    }
     let largest = largest_that_fits("train");
     let lines = child("tuner_as_taught", &[]);
     let found: usize = value(&lines, "found").parse().unwrap();
@@ -323,12 +246,9 @@ fn infer_chunk(model: &Mlp, range: std::ops::Range<usize>) -> anyhow::Result<Vec
 /// `Chunked` over [`CHUNKED_ITEMS`] from [`STARTING`], with tch's release: prints the largest
 /// chunk that ran, the chunks that ran out of memory, and the chunks.
 #[test]
-#[ignore = "a child of chunked_near_the_largest, run by it with --ignored"]
+#[ignore = "a scenario: run in a child process by this file's framework test, with --ignored"]
 fn chunked_inference() {
-    assert!(
-        std::env::var_os(CHILD).is_some(),
-        "a scenario: chunked_near_the_largest runs it in a child process"
-    );
+    expect_child("chunked_inference");
     let model = limited_model();
     let mut chunked = Chunked::new(CHUNKED_ITEMS)
         .with_starting(STARTING)
@@ -359,9 +279,6 @@ fn chunked_inference() {
 /// that runs in a fresh process, and that chunk runs in a fresh process too.
 #[test]
 fn chunked_near_the_largest() {
-    if std::env::var_os(CHILD).is_some() {
-        return;
-    }
     let largest = largest_that_fits("chunk");
     let lines = child("chunked_inference", &[]);
     let found: usize = value(&lines, "largest").parse().unwrap();
@@ -395,11 +312,15 @@ fn train_fallible_at(model: &Mlp, batch_size: usize) -> (usize, f64) {
 
 #[test]
 fn plain_api_panics() {
-    if std::env::var_os(CHILD).is_none() {
-        let lines = child("plain_api_panics", &[]);
-        fits_in_a_fresh_process(value(&lines, "found").parse().unwrap(), "infer");
-        return;
-    }
+    let lines = child("plain_api_panics_scenario", &[]);
+    fits_in_a_fresh_process(value(&lines, "found").parse().unwrap(), "infer");
+}
+
+/// The plain API (errors panic) under the limit: prints the size found.
+#[test]
+#[ignore = "a scenario: run in a child process by this file's framework test, with --ignored"]
+fn plain_api_panics_scenario() {
+    expect_child("plain_api_panics_scenario");
     let model = limited_model();
     let found: anyhow::Result<usize> = BatchSizeSearch::new(STARTING)
         .with_release(Release::host())
@@ -415,21 +336,17 @@ fn plain_api_panics() {
 /// The size found fits in a fresh process under the same room: it is not above the largest
 /// that fits.
 fn fits_in_a_fresh_process(size: usize, mode: &str) {
-    child(
-        "one_size",
-        &[
-            ("REAL_ALLOCATORS_SIZE", size.to_string()),
-            ("REAL_ALLOCATORS_MODE", mode.to_owned()),
-        ],
+    assert!(
+        fits_fresh(size, mode),
+        "{size} does not run in a fresh process ({mode})"
     );
 }
 
 #[test]
+#[ignore = "a scenario: run in a child process by this file's framework test, with --ignored"]
 fn one_size() {
-    let Some(size) = std::env::var_os("REAL_ALLOCATORS_SIZE") else {
-        return; // only as a child of the tests above
-    };
-    let size: usize = size.to_str().unwrap().parse().unwrap();
+    expect_child("one_size");
+    let size = harness::one_size_requested();
     let model = limited_model();
     let mode = std::env::var("REAL_ALLOCATORS_MODE").unwrap();
     if mode == "train" {
@@ -483,23 +400,27 @@ fn effective_and_chunked(model: &mut Mlp, limited: bool) -> (f64, Vec<f32>) {
 
 #[test]
 fn effective_batch_and_chunked_equal_a_run_without_limit() {
-    if std::env::var_os(CHILD).is_none() {
-        let lines = child("effective_batch_and_chunked_equal_a_run_without_limit", &[]);
-        let mut model = Mlp::new().unwrap();
-        let (gradient, outputs) = effective_and_chunked(&mut model, false);
-        let limited: f64 = value(&lines, "gradient").parse().unwrap();
-        assert!(
-            (gradient - limited).abs() <= 1e-4 * gradient.abs().max(1.0),
-            "{gradient} vs {limited}"
-        );
-        let sum: f64 = outputs.iter().map(|&o| f64::from(o)).sum();
-        let limited_sum: f64 = value(&lines, "outputs").parse().unwrap();
-        assert!(
-            (sum - limited_sum).abs() <= 1e-4 * sum.abs().max(1.0),
-            "{sum} vs {limited_sum}"
-        );
-        return;
-    }
+    let lines = child("effective_batch_and_chunked_scenario", &[]);
+    let mut model = Mlp::new().unwrap();
+    let (gradient, outputs) = effective_and_chunked(&mut model, false);
+    let limited: f64 = value(&lines, "gradient").parse().unwrap();
+    assert!(
+        (gradient - limited).abs() <= 1e-4 * gradient.abs().max(1.0),
+        "{gradient} vs {limited}"
+    );
+    let sum: f64 = outputs.iter().map(|&o| f64::from(o)).sum();
+    let limited_sum: f64 = value(&lines, "outputs").parse().unwrap();
+    assert!(
+        (sum - limited_sum).abs() <= 1e-4 * sum.abs().max(1.0),
+        "{sum} vs {limited_sum}"
+    );
+}
+
+/// An effective batch's gradient and a chunked inference under the limit: prints both.
+#[test]
+#[ignore = "a scenario: run in a child process by this file's framework test, with --ignored"]
+fn effective_batch_and_chunked_scenario() {
+    expect_child("effective_batch_and_chunked_scenario");
     let mut model = limited_model();
     let (gradient, outputs) = effective_and_chunked(&mut model, true);
     assert_eq!(outputs.len(), SAMPLES);
