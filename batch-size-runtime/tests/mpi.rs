@@ -1,0 +1,487 @@
+//! Real MPI jobs: `mpiexec -n 4` runs this very binary as four ranks (`BATCH_SIZE_MPI_SCENARIO`
+//! names what they do), each with a simulated GPU of its own size, and checks what they print,
+//! how they end and when.
+//!
+//! - `attribute`: four ranks agree on one size through `#[find_executable_batch_size]`.
+//! - `uneven`: `EffectiveBatch` with uneven shares; rank 3 runs out of memory in step 3 and
+//!   every rank redoes that step in place.
+//! - `panics`, `exits`, `stuck`, `returns`: one rank panics, exits, hangs or returns early
+//!   while the others agree; the job must end within the agreement's timeout plus 2 s of that
+//!   moment, with an error that says what happened, never hang.
+//!
+//! Needs `mpiexec` (MPICH: `apt-get install mpich libmpich-dev libclang-dev`) and the `mpi`
+//! feature: `cargo test -p batch-size-runtime --features mpi --test mpi`. Without `mpiexec`
+//! it prints why and passes, unless `MPI_REQUIRED=1` (CI: `.ci/mpi`), where it fails.
+
+use std::io::Read;
+use std::process::{Command, ExitCode, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use batch_size_runtime::agree::{safe_point, MpiJob, MpiRank};
+use batch_size_runtime::memory::SimulatedDevice;
+use batch_size_runtime::{find_executable_batch_size, EffectiveBatch};
+
+const SCENARIO: &str = "BATCH_SIZE_MPI_SCENARIO";
+const RANKS: usize = 4;
+/// The agreement's timeout in the failure jobs.
+const TIMEOUT: Duration = Duration::from_secs(3);
+/// What the issue allows past the timeout for every rank to have ended.
+const GRACE: Duration = Duration::from_secs(2);
+/// A job still running after this has hung: it is killed and the test fails.
+const HUNG: Duration = Duration::from_secs(60);
+/// Activations of one sample.
+const PER_SAMPLE: u64 = 64 << 20;
+/// Each rank's simulated GPU, in MiB: room for 300, 70, 140 and 200 samples.
+const DEVICE_MIB: [u64; RANKS] = [300 * 64, 70 * 64, 140 * 64, 200 * 64];
+
+fn main() -> ExitCode {
+    match std::env::var(SCENARIO) {
+        Ok(scenario) => rank_main(&scenario),
+        Err(_) => launch_all(),
+    }
+}
+
+// ---- the ranks ----------------------------------------------------------------------------
+
+fn rank_main(scenario: &str) -> ExitCode {
+    let timeout = if matches!(scenario, "attribute" | "uneven") {
+        // Healthy jobs: long enough never to abort a slow but healthy machine.
+        Duration::from_secs(30)
+    } else {
+        TIMEOUT
+    };
+    let job = match MpiJob::init_with_timeout(timeout) {
+        Ok(job) => job,
+        Err(error) => {
+            eprintln!("MpiJob::init: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rank = job.agreement();
+    let me = job.rank();
+    let device = SimulatedDevice::new(DEVICE_MIB[me % RANKS] << 20).named(format!("gpu{me}"));
+    let outcome = match scenario {
+        "attribute" => attribute(&rank, &device),
+        "uneven" => uneven(&rank, &device),
+        "panics" | "exits" | "stuck" | "returns" => failing(scenario, &job, &rank, &device),
+        other => Err(anyhow::anyhow!("no scenario {other}")),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // A failing rank must not finalize while others agree: end the job, saying why.
+            job.abort(&format!("{error:#}"))
+        }
+    }
+}
+
+#[find_executable_batch_size(starting = 512, agree = rank, release = device.clone())]
+fn search(batch_size: usize, rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<usize> {
+    let forward_backward = device.alloc(batch_size as u64 * PER_SAMPLE);
+    safe_point(rank, forward_backward.is_err())?;
+    let _activations = forward_backward?;
+    Ok(batch_size)
+}
+
+fn attribute(rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<()> {
+    use batch_size_runtime::agree::Collective;
+    let size = search(rank, device)?;
+    println!(
+        "rank {} of {}: agreed {size} (this GPU holds {})",
+        rank.rank(),
+        rank.world_size(),
+        device.capacity() / PER_SAMPLE
+    );
+    Ok(())
+}
+
+const STEPS: usize = 6;
+const GLOBAL: usize = 512;
+/// Simulated time of one sample's forward and backward pass on each rank, and of one pass, in
+/// microseconds: a simulated clock keeps the shares the same from run to run (the wall clock
+/// would time allocations of a few microseconds, and the shares would follow noise).
+const MICROS_PER_SAMPLE: [u64; RANKS] = [1_000, 1_900, 1_700, 1_000];
+const MICROS_PER_PASS: u64 = 3_000;
+
+fn uneven(rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<()> {
+    use batch_size_runtime::agree::{Collective, ReduceOp};
+    let me = rank.rank();
+    let clock = Arc::new(AtomicU64::new(0));
+    let read = Arc::clone(&clock);
+    let mut runner = EffectiveBatch::new(GLOBAL)
+        .with_uneven_shares()
+        .with_clock(move || Duration::from_micros(read.load(Ordering::Relaxed)))
+        .with_release(device.clone())
+        .with_agreement(rank);
+    let mut taken = None;
+    for step in 0..STEPS {
+        if step == 3 && me == 3 {
+            // Another process takes most of rank 3's GPU: room for 50 samples is left, and its
+            // share (about 160, as fast as rank 0) no longer fits in one pass.
+            taken = Some(device.alloc(150 * PER_SAMPLE)?);
+        }
+        runner.step_then(
+            |plan| -> anyhow::Result<u64> {
+                let mut samples = 0;
+                for micro in plan.micro_batches() {
+                    let _activations = device.alloc(micro.range.len() as u64 * PER_SAMPLE)?;
+                    samples += micro.range.len() as u64;
+                    let time = MICROS_PER_PASS + micro.range.len() as u64 * MICROS_PER_SAMPLE[me];
+                    clock.fetch_add(time, Ordering::Relaxed);
+                }
+                Ok(samples)
+            },
+            |plan, samples| {
+                // The gradient all-reduce: the samples of every share add up to the batch.
+                let mut total = [samples];
+                let mut sum = rank.all_gather(samples)?;
+                rank.all_reduce(&mut total, ReduceOp::Max)?;
+                let all: u64 = sum.drain(..).sum();
+                println!(
+                    "rank {me} step {step}: share {:?} micro {} samples of all ranks {all}",
+                    plan.share(),
+                    plan.micro()
+                );
+                Ok(())
+            },
+        )?;
+        println!("rank {me} after step {step}: shares {:?}", runner.shares());
+    }
+    drop(taken);
+    let redone: Vec<(usize, Vec<usize>)> = runner
+        .recoveries()
+        .iter()
+        .map(|recovery| (recovery.step, recovery.tried.clone()))
+        .collect();
+    println!("rank {me}: redone {redone:?}");
+    Ok(())
+}
+
+/// Rank 2 fails in the way `scenario` names, after the first agreement; the others go on to a
+/// second one, which it never joins.
+fn failing(
+    scenario: &str,
+    job: &MpiJob,
+    rank: &MpiRank<'_>,
+    device: &SimulatedDevice,
+) -> anyhow::Result<()> {
+    let size = search(rank, device)?;
+    if job.rank() == 2 {
+        eprintln!("rank 2 {scenario} at {}", unix_millis());
+        match scenario {
+            "panics" => panic!("rank 2 panics on purpose"),
+            "exits" => std::process::exit(3),
+            "stuck" => std::thread::sleep(Duration::from_secs(3600)),
+            _ => return Ok(()), // returns: drops the job, MPI_Finalize
+        }
+    }
+    let again = search(rank, device)?;
+    println!("rank {} agreed {size} then {again}", job.rank());
+    Ok(())
+}
+
+// ---- the launcher -------------------------------------------------------------------------
+
+fn launch_all() -> ExitCode {
+    let required = std::env::var("MPI_REQUIRED").is_ok_and(|value| value == "1");
+    let Some(mpiexec) = find_mpiexec() else {
+        if required {
+            eprintln!("FAILED: MPI_REQUIRED=1 but no mpiexec (install mpich, or set MPIEXEC)");
+            return ExitCode::FAILURE;
+        }
+        println!(
+            "skipped: no mpiexec on PATH (apt-get install mpich libmpich-dev; or set MPIEXEC); \
+             MPI_REQUIRED=1 makes this a failure"
+        );
+        return ExitCode::SUCCESS;
+    };
+    let checks: [(&str, fn(&Job) -> Result<(), String>); 6] = [
+        ("attribute", check_attribute),
+        ("uneven", check_uneven),
+        ("panics", check_panics),
+        ("exits", check_exits),
+        ("stuck", check_stuck),
+        ("returns", check_returns),
+    ];
+    let mut failed = 0;
+    for (scenario, check) in checks {
+        let job = match run_job(&mpiexec, scenario) {
+            Ok(job) => job,
+            Err(error) => {
+                eprintln!("FAILED {scenario}: {error}");
+                failed += 1;
+                continue;
+            }
+        };
+        match check(&job) {
+            Ok(()) => println!("ok {scenario}: {}", job.summary()),
+            Err(error) => {
+                eprintln!(
+                    "FAILED {scenario}: {error}\n{}\n--- stdout\n{}--- stderr\n{}",
+                    job.summary(),
+                    job.stdout,
+                    job.stderr
+                );
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        eprintln!("{failed} MPI job(s) failed");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+fn find_mpiexec() -> Option<String> {
+    if let Ok(path) = std::env::var("MPIEXEC") {
+        return Some(path);
+    }
+    // Debian's `mpiexec` is whichever MPI the alternatives chose; prefer MPICH's by name.
+    ["mpiexec.mpich", "mpiexec"].into_iter().find_map(|name| {
+        let found = Command::new(name)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok();
+        found.then(|| name.to_owned())
+    })
+}
+
+/// A finished job.
+struct Job {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+    wall: Duration,
+    ended_at: u128,
+}
+
+impl Job {
+    fn summary(&self) -> String {
+        format!("{} in {:.2} s", self.status, self.wall.as_secs_f64())
+    }
+
+    /// When rank 2 said it failed (unix ms), from its stderr.
+    fn failed_at(&self) -> Result<u128, String> {
+        self.stderr
+            .lines()
+            .find_map(|line| {
+                let rest = line.strip_prefix("rank 2 ")?;
+                rest.split(" at ").nth(1)?.trim().parse().ok()
+            })
+            .ok_or_else(|| "rank 2 never said when it failed".to_owned())
+    }
+
+    /// The job ended within the timeout plus 2 s of rank 2's failure, unsuccessfully.
+    fn ended_in_time(&self) -> Result<Duration, String> {
+        if self.status.success() {
+            return Err("the job succeeded though a rank failed".to_owned());
+        }
+        let after = Duration::from_millis(
+            u64::try_from(self.ended_at.saturating_sub(self.failed_at()?)).unwrap_or(u64::MAX),
+        );
+        if after > TIMEOUT + GRACE {
+            return Err(format!(
+                "the job ended {after:?} after the failure, over {:?}",
+                TIMEOUT + GRACE
+            ));
+        }
+        println!(
+            "  ended {:.2} s after rank 2 failed (limit {:.0} s)",
+            after.as_secs_f64(),
+            (TIMEOUT + GRACE).as_secs_f64()
+        );
+        Ok(after)
+    }
+
+    fn stderr_says(&self, words: &str) -> Result<(), String> {
+        if self.stderr.contains(words) {
+            Ok(())
+        } else {
+            Err(format!("stderr does not say {words:?}"))
+        }
+    }
+}
+
+fn unix_millis() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis())
+}
+
+fn run_job(mpiexec: &str, scenario: &str) -> Result<Job, String> {
+    use std::os::unix::process::CommandExt;
+    let started = Instant::now();
+    let exe = std::env::current_exe().map_err(|error| format!("current_exe: {error}"))?;
+    let mut child = Command::new(mpiexec)
+        .args(["-n", &RANKS.to_string()])
+        .arg(exe)
+        .env(SCENARIO, scenario)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own process group, so that a hung job can be killed whole.
+        .process_group(0)
+        .spawn()
+        .map_err(|error| format!("{mpiexec}: {error}"))?;
+    let stdout = reader(child.stdout.take());
+    let stderr = reader(child.stderr.take());
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if started.elapsed() < HUNG => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &format!("-{}", child.id())])
+                    .status();
+                let _ = child.wait();
+                return Err(format!("the job hung: killed after {HUNG:?}"));
+            }
+            Err(error) => return Err(format!("waiting for {mpiexec}: {error}")),
+        }
+    };
+    let ended_at = unix_millis();
+    let wall = started.elapsed();
+    Ok(Job {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+        wall,
+        ended_at,
+    })
+}
+
+fn reader(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_string(&mut text);
+        }
+        text
+    })
+}
+
+// ---- what each job must show ------------------------------------------------------------
+
+fn check_attribute(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    let mut agreed = Vec::new();
+    for line in job.stdout.lines().filter(|line| line.contains("agreed")) {
+        println!("  {line}");
+        let size = line
+            .split("agreed ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|size| size.parse::<usize>().ok())
+            .ok_or_else(|| format!("no size in {line:?}"))?;
+        agreed.push(size);
+    }
+    // 512 halves to 64, the first size rank 1's GPU (70 samples) holds, on every rank.
+    if agreed != [64; RANKS] {
+        return Err(format!("agreed {agreed:?}, not 64 on each of {RANKS} ranks"));
+    }
+    Ok(())
+}
+
+fn check_uneven(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    for step in 0..STEPS {
+        // Every rank computed the same shares, which cut the global batch without a gap.
+        let prefix = format!("after step {step}: shares ");
+        let shares: Vec<&str> = job
+            .stdout
+            .lines()
+            .filter_map(|line| line.split_once(&prefix).map(|(_, shares)| shares))
+            .collect();
+        if shares.len() != RANKS || shares.iter().any(|other| *other != shares[0]) {
+            return Err(format!("step {step}: ranks disagree on shares: {shares:?}"));
+        }
+        let samples = format!("step {step}: share");
+        let all = job
+            .stdout
+            .lines()
+            .filter(|line| line.contains(&samples))
+            .filter(|line| line.ends_with(&format!("samples of all ranks {GLOBAL}")))
+            .count();
+        if all != RANKS {
+            return Err(format!(
+                "step {step}: {all} of {RANKS} ranks saw {GLOBAL} samples in all"
+            ));
+        }
+        if step >= 2 {
+            println!(
+                "  step {step}: shares {}",
+                shares.first().copied().unwrap_or_default()
+            );
+        }
+    }
+    // Step 3 ran out of memory on rank 3 and was redone, on every rank, with rank 3 smaller
+    // (step 0, at even shares, is redone too: 128 samples do not fit rank 1's GPU).
+    let redone: Vec<&str> = job
+        .stdout
+        .lines()
+        .filter(|line| line.contains(": redone "))
+        .collect();
+    for line in &redone {
+        println!("  {line}");
+    }
+    if redone.len() != RANKS {
+        return Err(format!("{} of {RANKS} ranks said what they redid", redone.len()));
+    }
+    for line in redone {
+        let tried = tried_in_step_3(line).ok_or_else(|| format!("step 3 not redone: {line}"))?;
+        // Only the rank that ran out shrinks; the others redo the step at their own size.
+        let shrank = tried.windows(2).any(|pair| pair[1] < pair[0]);
+        if shrank != line.starts_with("rank 3:") {
+            return Err(format!("step 3 redone at sizes {tried:?}: {line}"));
+        }
+    }
+    Ok(())
+}
+
+/// The micro sizes a rank tried in step 3, from its `redone [(step, [sizes]), ...]` line.
+fn tried_in_step_3(line: &str) -> Option<Vec<usize>> {
+    let sizes = line.split("(3, [").nth(1)?.split(']').next()?;
+    sizes
+        .split(", ")
+        .map(|size| size.parse().ok())
+        .collect()
+}
+
+fn check_panics(job: &Job) -> Result<(), String> {
+    job.ended_in_time()?;
+    job.stderr_says("rank 2 panics on purpose")?;
+    job.stderr_says("batch-size: rank 2 of 4: panicked")
+}
+
+fn check_exits(job: &Job) -> Result<(), String> {
+    job.ended_in_time()?;
+    // MPICH's launcher ends the job when a rank exits without MPI_Finalize: with the rank's
+    // exit code, or (when another rank's end is seen first) its "BAD TERMINATION" banner on
+    // stdout; else the others time out and say so.
+    let launcher_saw_it =
+        job.status.code() == Some(3) || job.stdout.contains("BAD TERMINATION");
+    if launcher_saw_it || job.stderr.contains("for the other ranks to agree") {
+        Ok(())
+    } else {
+        Err("neither the launcher nor the other ranks said that rank 2 ended".to_owned())
+    }
+}
+
+fn check_stuck(job: &Job) -> Result<(), String> {
+    job.ended_in_time()?;
+    job.stderr_says("waited 3s for the other ranks to agree (MPI_Iallreduce)")
+}
+
+fn check_returns(job: &Job) -> Result<(), String> {
+    job.ended_in_time()?;
+    job.stderr_says("waited 3s for the other ranks to agree (MPI_Iallreduce)")
+}
