@@ -12,6 +12,7 @@
 //! Needs `mpiexec` (MPICH: `apt-get install mpich libmpich-dev libclang-dev`) and the `mpi`
 //! feature: `cargo test -p batch-size-runtime --features mpi --test mpi`. Without `mpiexec`
 //! it prints why and passes, unless `MPI_REQUIRED=1` (CI: `.ci/mpi`), where it fails.
+//! `MPI_JOBS=stuck,returns` runs only the jobs named.
 
 use std::io::Read;
 use std::process::{Command, ExitCode, ExitStatus, Stdio};
@@ -24,6 +25,8 @@ use batch_size_runtime::memory::SimulatedDevice;
 use batch_size_runtime::{find_executable_batch_size, EffectiveBatch};
 
 const SCENARIO: &str = "BATCH_SIZE_MPI_SCENARIO";
+/// Names the job a process belongs to, to kill a hung job whole.
+const JOB_MARKER: &str = "BATCH_SIZE_MPI_JOB";
 const RANKS: usize = 4;
 /// The agreement's timeout in the failure jobs.
 const TIMEOUT: Duration = Duration::from_secs(3);
@@ -205,8 +208,13 @@ fn launch_all() -> ExitCode {
         ("stuck", check_stuck),
         ("returns", check_returns),
     ];
+    // `MPI_JOBS=stuck,returns` runs only those jobs.
+    let only = std::env::var("MPI_JOBS").unwrap_or_default();
     let mut failed = 0;
     for (scenario, check) in checks {
+        if !only.is_empty() && !only.split(',').any(|name| name == scenario) {
+            continue;
+        }
         let job = match run_job(&mpiexec, scenario) {
             Ok(job) => job,
             Err(error) => {
@@ -314,18 +322,19 @@ fn unix_millis() -> u128 {
 }
 
 fn run_job(mpiexec: &str, scenario: &str) -> Result<Job, String> {
-    use std::os::unix::process::CommandExt;
     let started = Instant::now();
     let exe = std::env::current_exe().map_err(|error| format!("current_exe: {error}"))?;
+    // Every process of the job inherits this marker, by which a hung job is found and killed
+    // (MPICH's proxy puts each rank in a process group of its own).
+    let marker = format!("{}-{scenario}", std::process::id());
     let mut child = Command::new(mpiexec)
         .args(["-n", &RANKS.to_string()])
         .arg(exe)
         .env(SCENARIO, scenario)
+        .env(JOB_MARKER, &marker)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        // Its own process group, so that a hung job can be killed whole.
-        .process_group(0)
         .spawn()
         .map_err(|error| format!("{mpiexec}: {error}"))?;
     let stdout = reader(child.stdout.take());
@@ -335,11 +344,12 @@ fn run_job(mpiexec: &str, scenario: &str) -> Result<Job, String> {
             Ok(Some(status)) => break status,
             Ok(None) if started.elapsed() < HUNG => std::thread::sleep(Duration::from_millis(10)),
             Ok(None) => {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &format!("-{}", child.id())])
-                    .status();
+                let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("the job hung: killed after {HUNG:?}"));
+                let killed = kill_marked(&marker);
+                return Err(format!(
+                    "the job hung: mpiexec and {killed} of its processes killed after {HUNG:?}"
+                ));
             }
             Err(error) => return Err(format!("waiting for {mpiexec}: {error}")),
         }
@@ -353,6 +363,35 @@ fn run_job(mpiexec: &str, scenario: &str) -> Result<Job, String> {
         wall,
         ended_at,
     })
+}
+
+/// Kills the processes whose environment holds `JOB_MARKER=marker`: the ranks and MPICH's
+/// proxy of a job this test started. Returns how many.
+fn kill_marked(marker: &str) -> usize {
+    let wanted = format!("{JOB_MARKER}={marker}");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut killed = 0;
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if environ.split(|byte| *byte == 0).any(|pair| pair == wanted.as_bytes())
+            && pid != std::process::id()
+        {
+            let killing = Command::new("kill")
+                .args(["-s", "KILL", "--", &pid.to_string()])
+                .status();
+            if killing.is_ok_and(|status| status.success()) {
+                killed += 1;
+            }
+        }
+    }
+    killed
 }
 
 fn reader(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
