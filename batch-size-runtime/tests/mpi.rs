@@ -81,7 +81,11 @@ fn rank_main(scenario: &str) -> ExitCode {
 }
 
 #[find_executable_batch_size(starting = 512, agree = rank, release = device.clone())]
-fn search(batch_size: usize, rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<usize> {
+fn search(
+    batch_size: usize,
+    rank: &MpiRank<'_>,
+    device: &SimulatedDevice,
+) -> anyhow::Result<usize> {
     let forward_backward = device.alloc(batch_size as u64 * PER_SAMPLE);
     safe_point(rank, forward_backward.is_err())?;
     let _activations = forward_backward?;
@@ -174,6 +178,8 @@ fn failing(
     if job.rank() == 2 {
         eprintln!("rank 2 {scenario} at {}", unix_millis());
         match scenario {
+            // The panic under test: it unwinds out of `main`, through the job's drop.
+            #[allow(clippy::panic)]
             "panics" => panic!("rank 2 panics on purpose"),
             "exits" => std::process::exit(3),
             "stuck" => std::thread::sleep(Duration::from_secs(3600)),
@@ -200,7 +206,7 @@ fn launch_all() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     };
-    let checks: [(&str, fn(&Job) -> Result<(), String>); 6] = [
+    let checks: [(&str, Check); 6] = [
         ("attribute", check_attribute),
         ("uneven", check_uneven),
         ("panics", check_panics),
@@ -258,6 +264,9 @@ fn find_mpiexec() -> Option<String> {
         found.then(|| name.to_owned())
     })
 }
+
+/// What a job must show.
+type Check = fn(&Job) -> Result<(), String>;
 
 /// A finished job.
 struct Job {
@@ -374,13 +383,19 @@ fn kill_marked(marker: &str) -> usize {
     };
     let mut killed = 0;
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
             continue;
         };
-        if environ.split(|byte| *byte == 0).any(|pair| pair == wanted.as_bytes())
+        if environ
+            .split(|byte| *byte == 0)
+            .any(|pair| pair == wanted.as_bytes())
             && pid != std::process::id()
         {
             let killing = Command::new("kill")
@@ -423,7 +438,9 @@ fn check_attribute(job: &Job) -> Result<(), String> {
     }
     // 512 halves to 64, the first size rank 1's GPU (70 samples) holds, on every rank.
     if agreed != [64; RANKS] {
-        return Err(format!("agreed {agreed:?}, not 64 on each of {RANKS} ranks"));
+        return Err(format!(
+            "agreed {agreed:?}, not 64 on each of {RANKS} ranks"
+        ));
     }
     Ok(())
 }
@@ -473,7 +490,10 @@ fn check_uneven(job: &Job) -> Result<(), String> {
         println!("  {line}");
     }
     if redone.len() != RANKS {
-        return Err(format!("{} of {RANKS} ranks said what they redid", redone.len()));
+        return Err(format!(
+            "{} of {RANKS} ranks said what they redid",
+            redone.len()
+        ));
     }
     for line in redone {
         let tried = tried_in_step_3(line).ok_or_else(|| format!("step 3 not redone: {line}"))?;
@@ -489,10 +509,7 @@ fn check_uneven(job: &Job) -> Result<(), String> {
 /// The micro sizes a rank tried in step 3, from its `redone [(step, [sizes]), ...]` line.
 fn tried_in_step_3(line: &str) -> Option<Vec<usize>> {
     let sizes = line.split("(3, [").nth(1)?.split(']').next()?;
-    sizes
-        .split(", ")
-        .map(|size| size.parse().ok())
-        .collect()
+    sizes.split(", ").map(|size| size.parse().ok()).collect()
 }
 
 fn check_panics(job: &Job) -> Result<(), String> {
@@ -506,8 +523,7 @@ fn check_exits(job: &Job) -> Result<(), String> {
     // MPICH's launcher ends the job when a rank exits without MPI_Finalize: with the rank's
     // exit code, or (when another rank's end is seen first) its "BAD TERMINATION" banner on
     // stdout; else the others time out and say so.
-    let launcher_saw_it =
-        job.status.code() == Some(3) || job.stdout.contains("BAD TERMINATION");
+    let launcher_saw_it = job.status.code() == Some(3) || job.stdout.contains("BAD TERMINATION");
     if launcher_saw_it || job.stderr.contains("for the other ranks to agree") {
         Ok(())
     } else {

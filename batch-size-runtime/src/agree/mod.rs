@@ -78,13 +78,13 @@ mod wire;
 #[cfg(feature = "mpi")]
 mod mpi;
 
+#[cfg(feature = "mpi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
+pub use self::mpi::{MpiError, MpiJob, MpiRank};
 pub use collective::{AgreementError, Collective, ReduceOp};
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use exchange::{ExchangeError, IdExchange};
-#[cfg(feature = "mpi")]
-#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
-pub use self::mpi::{MpiError, MpiJob, MpiRank};
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use nccl::{loaded_library, NcclError, NcclId, NcclRank, NCCL_LIBRARY_VARIABLE};

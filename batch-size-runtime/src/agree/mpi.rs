@@ -1,60 +1,7 @@
 //! The agreement over MPI (feature `mpi`), for jobs launched with `mpirun`, `mpiexec` or
 //! `srun`: the ranks agree on the CPU through the job's own MPI, with no GPU and no NCCL, and
 //! with `nccl` too, rank 0's NCCL Id reaches the other ranks by an MPI broadcast.
-//!
-//! ```no_run
-//! use batch_size_runtime::agree::{safe_point, MpiJob, MpiRank};
-//! use batch_size_runtime::find_executable_batch_size;
-//!
-//! #[find_executable_batch_size(starting = 512, agree = rank)]
-//! fn train(batch_size: usize, rank: &MpiRank<'_>) -> anyhow::Result<usize> {
-//!     let forward_backward: anyhow::Result<()> = Ok(()); // may run out of memory
-//!     safe_point(rank, forward_backward.is_err())?; // before any collective of the step
-//!     forward_backward?;
-//!     Ok(batch_size)
-//! }
-//!
-//! fn main() -> anyhow::Result<()> {
-//!     // mpiexec -n 4 ./train: MPI_Init here; MPI_Finalize when `job` is dropped, unless this
-//!     // rank is panicking: then MPI_Abort, so that no rank waits for it.
-//!     let job = MpiJob::init()?;
-//!     let rank = job.agreement();
-//!     let batch_size = train(&rank)?;
-//!     println!("rank {} of {}: {batch_size}", job.rank(), job.world_size());
-//!     Ok(())
-//! }
-//! ```
-//!
-//! # Nobody hangs
-//! MPI's own collectives wait for ever for a rank that never comes, and a rank that unwinds
-//! past `MPI_Finalize` waits for the ranks still inside a collective (rsmpi's issue 197). So:
-//! - every collective here is non-blocking (`MPI_Iallreduce`, `MPI_Ibcast`, `MPI_Comm_idup`)
-//!   and polled against the job's timeout ([`MpiJob::DEFAULT_TIMEOUT`] unless
-//!   [`MpiJob::init_with_timeout`]);
-//! - past it, the rank prints why on its stderr (one line naming the rank, the collective and
-//!   the wait) and ends the whole job with `MPI_Abort`: an MPI collective once started cannot be
-//!   withdrawn from, so the job could not go on anyway. [`AgreementError::Timeout`] is
-//!   therefore never returned by an [`MpiRank`]: its message is that line on stderr, and the job
-//!   ends with the launcher reporting the abort;
-//! - an [`MpiJob`] dropped while its thread panics (a panic unwinding out of `main`) prints so
-//!   and calls `MPI_Abort`, never `MPI_Finalize`. Keep the job in `main`, alive until the end:
-//!   a panic inside an attempt is caught by the search and told to the other ranks, as with
-//!   every collective, and does not abort.
-//!
-//! A rank that exits, or returns from `main` while the others still agree, ends the job too:
-//! the others give up at their timeout and abort, so every rank has ended within the timeout
-//! plus the launcher's time to stop the processes (MPICH's `mpiexec`: well under 2 s).
-//!
-//! # Trust
-//! MPI trusts whoever launched the job: every process `mpiexec` or `srun` started is a rank,
-//! and nothing here checks who it is. The TCP rendezvous's job token
-//! (`BATCH_SIZE_EXCHANGE_TOKEN`) has no part in it: the launcher already decided who takes part.
-//!
-//! # Threads
-//! MPI is initialized with `MPI_THREAD_MULTIPLE` (`MPI_THREAD_SERIALIZED` at least is needed),
-//! so an [`MpiRank`] may be used from any thread; its calls take turns on one communicator of
-//! their own, a duplicate of `MPI_COMM_WORLD`, so the agreement never meets the collectives of
-//! your training.
+//! The documentation is [`MpiJob`]'s.
 
 use std::fmt;
 use std::io::Write;
@@ -106,6 +53,60 @@ pub enum MpiError {
 /// dropped, or `MPI_Abort` when dropped by a panicking thread. Create one, in `main`, before
 /// anything else uses MPI; [`agreement`](Self::agreement) gives the [`Collective`] a search
 /// agrees through.
+///
+/// ```no_run
+/// use batch_size_runtime::agree::{safe_point, MpiJob, MpiRank};
+/// use batch_size_runtime::find_executable_batch_size;
+///
+/// #[find_executable_batch_size(starting = 512, agree = rank)]
+/// fn train(batch_size: usize, rank: &MpiRank<'_>) -> anyhow::Result<usize> {
+///     let forward_backward: anyhow::Result<()> = Ok(()); // may run out of memory
+///     safe_point(rank, forward_backward.is_err())?; // before any collective of the step
+///     forward_backward?;
+///     Ok(batch_size)
+/// }
+///
+/// fn main() -> anyhow::Result<()> {
+///     // mpiexec -n 4 ./train: MPI_Init here; MPI_Finalize when `job` is dropped, unless this
+///     // rank is panicking: then MPI_Abort, so that no rank waits for it.
+///     let job = MpiJob::init()?;
+///     let rank = job.agreement();
+///     let batch_size = train(&rank)?;
+///     println!("rank {} of {}: {batch_size}", job.rank(), job.world_size());
+///     Ok(())
+/// }
+/// ```
+///
+/// # Nobody hangs
+/// MPI's own collectives wait for ever for a rank that never comes, and a rank that unwinds
+/// past `MPI_Finalize` waits for the ranks still inside a collective (rsmpi's issue 197). So:
+/// - every collective here is non-blocking (`MPI_Iallreduce`, `MPI_Ibcast`, `MPI_Comm_idup`)
+///   and polled against the job's timeout ([`MpiJob::DEFAULT_TIMEOUT`] unless
+///   [`MpiJob::init_with_timeout`]);
+/// - past it, the rank prints why on its stderr (one line naming the rank, the collective and
+///   the wait) and ends the whole job with `MPI_Abort`: an MPI collective once started cannot be
+///   withdrawn from, so the job could not go on anyway. [`AgreementError::Timeout`] is
+///   therefore never returned by an [`MpiRank`]: its message is that line on stderr, and the job
+///   ends with the launcher reporting the abort;
+/// - an [`MpiJob`] dropped while its thread panics (a panic unwinding out of `main`) prints so
+///   and calls `MPI_Abort`, never `MPI_Finalize`. Keep the job in `main`, alive until the end:
+///   a panic inside an attempt is caught by the search and told to the other ranks, as with
+///   every collective, and does not abort.
+///
+/// A rank that exits, or returns from `main` while the others still agree, ends the job too:
+/// the others give up at their timeout and abort, so every rank has ended within the timeout
+/// plus the launcher's time to stop the processes (MPICH's `mpiexec`: well under 2 s).
+///
+/// # Trust
+/// MPI trusts whoever launched the job: every process `mpiexec` or `srun` started is a rank,
+/// and nothing here checks who it is. The TCP rendezvous's job token
+/// (`BATCH_SIZE_EXCHANGE_TOKEN`) has no part in it: the launcher already decided who takes part.
+///
+/// # Threads
+/// MPI is initialized with `MPI_THREAD_MULTIPLE` (`MPI_THREAD_SERIALIZED` at least is needed),
+/// so an [`MpiRank`] may be used from any thread; its calls take turns on one communicator of
+/// their own, a duplicate of `MPI_COMM_WORLD`, so the agreement never meets the collectives of
+/// your training.
 pub struct MpiJob {
     /// `None` once finalized.
     universe: Option<Universe>,
@@ -187,7 +188,12 @@ impl MpiJob {
         };
         let own = job.duplicate_world();
         job.comm = ManuallyDrop::new(SharedComm(Mutex::new(Comm(own))));
-        tracing::info!(rank, world_size, ?timeout, "MPI job of the batch-size agreement");
+        tracing::info!(
+            rank,
+            world_size,
+            ?timeout,
+            "MPI job of the batch-size agreement"
+        );
         Ok(job)
     }
 
@@ -314,7 +320,7 @@ impl Drop for MpiJob {
 
 /// One rank's agreement through its [`MpiJob`]: implements [`Collective`] with non-blocking
 /// all-reduces polled against the job's timeout. Past it, the rank prints why and aborts the
-/// job (see the [module](self)'s "Nobody hangs").
+/// job (see [`MpiJob`]'s "Nobody hangs").
 pub struct MpiRank<'job> {
     comm: &'job SharedComm,
     rank: usize,
