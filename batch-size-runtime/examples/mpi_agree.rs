@@ -16,7 +16,7 @@ use batch_size_runtime::memory::SimulatedDevice;
 const PER_SAMPLE: u64 = 64 << 20;
 
 #[find_executable_batch_size(starting = 512, agree = rank, release = gpu.clone())]
-fn train(batch_size: usize, rank: &MpiRank<'_>, gpu: &SimulatedDevice) -> anyhow::Result<usize> {
+fn train(batch_size: usize, rank: &MpiRank, gpu: &SimulatedDevice) -> anyhow::Result<usize> {
     let forward_backward = gpu.alloc(batch_size as u64 * PER_SAMPLE); // may run out of memory
     safe_point(rank, forward_backward.is_err())?; // every rank learns whether one did
     let _activations = forward_backward?;

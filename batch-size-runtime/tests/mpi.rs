@@ -5,6 +5,9 @@
 //! - `attribute`: four ranks agree on one size through `#[find_executable_batch_size]`.
 //! - `uneven`: `EffectiveBatch` with uneven shares; rank 3 runs out of memory in step 3 and
 //!   every rank redoes that step in place.
+//! - `chunked`: `Chunked` with the agreement: every rank runs the same chunks, sized for the
+//!   smallest GPU. The `attribute` job also checks that an agreement used after its job was
+//!   dropped fails with a clear error.
 //! - `panics`, `exits`, `stuck`, `returns`: one rank panics, exits, hangs or returns early
 //!   while the others agree; the job must end within the agreement's timeout plus 2 s of that
 //!   moment, with an error that says what happened, never hang.
@@ -49,7 +52,7 @@ fn main() -> ExitCode {
 // ---- the ranks ----------------------------------------------------------------------------
 
 fn rank_main(scenario: &str) -> ExitCode {
-    let timeout = if matches!(scenario, "attribute" | "uneven") {
+    let timeout = if matches!(scenario, "attribute" | "uneven" | "chunked") {
         // Healthy jobs: long enough never to abort a slow but healthy machine.
         Duration::from_secs(30)
     } else {
@@ -68,10 +71,12 @@ fn rank_main(scenario: &str) -> ExitCode {
     let outcome = match scenario {
         "attribute" => attribute(&rank, &device),
         "uneven" => uneven(&rank, &device),
+        "chunked" => chunked(&rank, &device),
         "panics" | "exits" | "stuck" | "returns" => failing(scenario, &job, &rank, &device),
         other => Err(anyhow::anyhow!("no scenario {other}")),
     };
     match outcome {
+        Ok(()) if scenario == "attribute" => after_the_job(job),
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // A failing rank must not finalize while others agree: end the job, saying why.
@@ -81,18 +86,14 @@ fn rank_main(scenario: &str) -> ExitCode {
 }
 
 #[find_executable_batch_size(starting = 512, agree = rank, release = device.clone())]
-fn search(
-    batch_size: usize,
-    rank: &MpiRank<'_>,
-    device: &SimulatedDevice,
-) -> anyhow::Result<usize> {
+fn search(batch_size: usize, rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<usize> {
     let forward_backward = device.alloc(batch_size as u64 * PER_SAMPLE);
     safe_point(rank, forward_backward.is_err())?;
     let _activations = forward_backward?;
     Ok(batch_size)
 }
 
-fn attribute(rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<()> {
+fn attribute(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
     use batch_size_runtime::agree::Collective;
     let size = search(rank, device)?;
     println!(
@@ -100,6 +101,54 @@ fn attribute(rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<()>
         rank.rank(),
         rank.world_size(),
         device.capacity() / PER_SAMPLE
+    );
+    Ok(())
+}
+
+/// An agreement kept past its job gets a clear error, not MPI's abort for a call after
+/// `MPI_Finalize`.
+fn after_the_job(job: MpiJob) -> ExitCode {
+    use batch_size_runtime::agree::{Collective, ReduceOp};
+    let late = job.agreement();
+    drop(job); // MPI_Finalize, on every rank
+    match late.all_reduce(&mut [1], ReduceOp::Max) {
+        Err(error) => {
+            println!("rank {} after the job: {error}", late.rank());
+            ExitCode::SUCCESS
+        }
+        Ok(()) => {
+            println!("rank {} after the job: agreed", late.rank());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// 1,000 items in chunks that every rank runs alike: a chunk that did not fit one rank's GPU
+/// is redone smaller on all.
+fn chunked(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
+    use batch_size_runtime::agree::Collective;
+    use batch_size_runtime::Chunked;
+    let mut runner = Chunked::new(1000)
+        .with_starting(256)
+        .with_release(device.clone())
+        .with_agreement(rank);
+    let mut items = 0;
+    runner.for_each(|range| {
+        let _activations = device.alloc(range.len() as u64 * PER_SAMPLE)?;
+        items += range.len();
+        anyhow::Ok(())
+    })?;
+    let done: Vec<_> = runner
+        .chunks()
+        .iter()
+        .filter(|chunk| chunk.done)
+        .map(|chunk| chunk.range.clone())
+        .collect();
+    let covered: usize = done.iter().map(|range| range.len()).sum();
+    // A chunk that fitted here but not on another rank ran again, smaller: `items` counts both.
+    println!(
+        "rank {} chunks {done:?} covering {covered}; ran {items} items",
+        rank.rank()
     );
     Ok(())
 }
@@ -112,7 +161,7 @@ const GLOBAL: usize = 512;
 const MICROS_PER_SAMPLE: [u64; RANKS] = [1_000, 1_900, 1_700, 1_000];
 const MICROS_PER_PASS: u64 = 3_000;
 
-fn uneven(rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<()> {
+fn uneven(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
     use batch_size_runtime::agree::{Collective, ReduceOp};
     let me = rank.rank();
     let clock = Arc::new(AtomicU64::new(0));
@@ -171,7 +220,7 @@ fn uneven(rank: &MpiRank<'_>, device: &SimulatedDevice) -> anyhow::Result<()> {
 fn failing(
     scenario: &str,
     job: &MpiJob,
-    rank: &MpiRank<'_>,
+    rank: &MpiRank,
     device: &SimulatedDevice,
 ) -> anyhow::Result<()> {
     let size = search(rank, device)?;
@@ -206,9 +255,10 @@ fn launch_all() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     };
-    let checks: [(&str, Check); 6] = [
+    let checks: [(&str, Check); 7] = [
         ("attribute", check_attribute),
         ("uneven", check_uneven),
+        ("chunked", check_chunked),
         ("panics", check_panics),
         ("exits", check_exits),
         ("stuck", check_stuck),
@@ -441,6 +491,47 @@ fn check_attribute(job: &Job) -> Result<(), String> {
         return Err(format!(
             "agreed {agreed:?}, not 64 on each of {RANKS} ranks"
         ));
+    }
+    let late = job
+        .stdout
+        .lines()
+        .filter(|line| line.contains("after the job: the collective failed: MPI is finalized"))
+        .count();
+    if late != RANKS {
+        return Err(format!(
+            "{late} of {RANKS} ranks said that an agreement after the job fails"
+        ));
+    }
+    Ok(())
+}
+
+fn check_chunked(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    let chunks: Vec<&str> = job
+        .stdout
+        .lines()
+        .filter_map(|line| line.split_once(" chunks ")?.1.split(';').next())
+        .collect();
+    if chunks.len() != RANKS || chunks.iter().any(|other| *other != chunks[0]) {
+        return Err(format!("the ranks ran different chunks: {chunks:?}"));
+    }
+    let first = chunks.first().copied().unwrap_or_default();
+    println!("  every rank: {first}");
+    // Every item once, in chunks no larger than rank 1's GPU holds (70), the first redone.
+    let largest = first
+        .trim_start_matches('[')
+        .split(", ")
+        .filter_map(|range| {
+            let (start, end) = range.trim_end_matches([']', ' ']).split_once("..")?;
+            let end = end.split(']').next()?;
+            Some(end.parse::<usize>().ok()? - start.parse::<usize>().ok()?)
+        })
+        .max()
+        .unwrap_or(0);
+    if !first.ends_with("covering 1000") || !first.starts_with("[0..") || largest > 70 {
+        return Err(format!("not every item, once: {first}"));
     }
     Ok(())
 }

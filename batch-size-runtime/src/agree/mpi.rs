@@ -6,8 +6,7 @@
 use std::fmt;
 use std::io::Write;
 use std::marker::PhantomData;
-use std::mem::ManuallyDrop;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::mpi::collective::SystemOperation;
@@ -39,6 +38,9 @@ pub enum MpiError {
         /// What the library provides.
         provided: &'static str,
     },
+    /// The broadcast of the Id could not run (MPI is finalized).
+    #[error(transparent)]
+    Agreement(#[from] AgreementError),
     /// Rank 0 could not create the NCCL Id (its own error says why).
     #[error("rank 0 could not create the NCCL Id; its stderr or its error says why")]
     NoIdFromRankZero,
@@ -59,7 +61,7 @@ pub enum MpiError {
 /// use batch_size_runtime::find_executable_batch_size;
 ///
 /// #[find_executable_batch_size(starting = 512, agree = rank)]
-/// fn train(batch_size: usize, rank: &MpiRank<'_>) -> anyhow::Result<usize> {
+/// fn train(batch_size: usize, rank: &MpiRank) -> anyhow::Result<usize> {
 ///     let forward_backward: anyhow::Result<()> = Ok(()); // may run out of memory
 ///     safe_point(rank, forward_backward.is_err())?; // before any collective of the step
 ///     forward_backward?;
@@ -106,12 +108,12 @@ pub enum MpiError {
 /// MPI is initialized with `MPI_THREAD_MULTIPLE` (`MPI_THREAD_SERIALIZED` at least is needed),
 /// so an [`MpiRank`] may be used from any thread; its calls take turns on one communicator of
 /// their own, a duplicate of `MPI_COMM_WORLD`, so the agreement never meets the collectives of
-/// your training.
+/// your training. An `MpiRank` owns what it needs (it is `'static`, like a `ThreadRank`); used
+/// after its job was dropped (MPI finalized), it returns [`AgreementError::Failed`] saying so.
 pub struct MpiJob {
     /// `None` once finalized.
     universe: Option<Universe>,
-    /// Never freed: `MPI_Comm_free` is not allowed after `MPI_Finalize`, which frees it.
-    comm: ManuallyDrop<SharedComm>,
+    shared: Arc<Shared>,
     rank: usize,
     world_size: usize,
     timeout: Duration,
@@ -129,21 +131,28 @@ impl fmt::Debug for MpiJob {
     }
 }
 
-/// The agreement's communicator, one call at a time.
-struct SharedComm(Mutex<Comm>);
+/// What the job and its ranks share: the agreement's communicator, one call at a time, and
+/// whether MPI serves calls from several threads at once.
+struct Shared {
+    /// `None` before the communicator exists and once MPI is finalized. Never freed:
+    /// `MPI_Comm_free` is not allowed after `MPI_Finalize`, which frees it.
+    comm: Mutex<Option<Comm>>,
+    /// `MPI_THREAD_MULTIPLE`: a rank may abort the job while another thread is in a call.
+    multiple: bool,
+}
 
 /// A communicator handle that may move between threads.
 struct Comm(SimpleCommunicator);
 
 // SAFETY: MPI was initialized with at least MPI_THREAD_SERIALIZED (`MpiJob::init` refuses
 // less), so MPI may be called from any thread as long as no two calls overlap; the handle is
-// only used under `SharedComm`'s lock, which sees to that. (With Open MPI, `MPI_Comm` is a
+// only used under `Shared::comm`'s lock, which sees to that. (With Open MPI, `MPI_Comm` is a
 // pointer, hence no automatic `Send`.)
 unsafe impl Send for Comm {}
 
-impl SharedComm {
-    fn lock(&self) -> MutexGuard<'_, Comm> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Option<Comm>> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -178,16 +187,19 @@ impl MpiJob {
         let world = universe.world();
         let rank = usize::try_from(world.rank()).unwrap_or(0);
         let world_size = usize::try_from(world.size()).unwrap_or(1).max(1);
-        let mut job = MpiJob {
+        let job = MpiJob {
             universe: Some(universe),
-            comm: ManuallyDrop::new(SharedComm(Mutex::new(Comm(world)))),
+            shared: Arc::new(Shared {
+                comm: Mutex::new(None),
+                multiple: threading == Threading::Multiple,
+            }),
             rank,
             world_size,
             timeout,
             _not_send: PhantomData,
         };
-        let own = job.duplicate_world();
-        job.comm = ManuallyDrop::new(SharedComm(Mutex::new(Comm(own))));
+        let own = job.duplicate(&world);
+        *job.shared.lock() = Some(Comm(own));
         tracing::info!(
             rank,
             world_size,
@@ -213,15 +225,14 @@ impl MpiJob {
     }
 
     /// The [`Collective`] a search agrees through: `agree = rank` in the attribute,
-    /// `with_agreement(&rank)` on the runners. Every rank's agreements go through the job's
-    /// one communicator, so take as many as you like, on any thread.
-    pub fn agreement(&self) -> MpiRank<'_> {
+    /// `with_agreement(&rank)` on the runners. Every agreement goes through the job's one
+    /// communicator, so take as many as you like, on any thread.
+    pub fn agreement(&self) -> MpiRank {
         MpiRank {
-            comm: &self.comm,
+            shared: Arc::clone(&self.shared),
             rank: self.rank,
             world_size: self.world_size,
             timeout: self.timeout,
-            _job: PhantomData,
         }
     }
 
@@ -229,7 +240,7 @@ impl MpiJob {
     /// For a rank that cannot go on: returning instead would leave the others waiting until
     /// their timeout.
     pub fn abort(&self, why: &str) -> ! {
-        abort_job(&self.comm, self.rank, self.world_size, why)
+        abort_job(&self.shared, self.rank, self.world_size, why)
     }
 
     /// The NCCL Id of the job's communicator: rank 0 creates it, an MPI broadcast (polled
@@ -251,7 +262,7 @@ impl MpiJob {
                 Err(error) => failure = Some(error),
             }
         }
-        self.agreement().broadcast_from_rank_zero(&mut message);
+        self.agreement().broadcast_from_rank_zero(&mut message)?;
         if let Some(error) = failure {
             return Err(MpiError::Nccl(error));
         }
@@ -263,16 +274,15 @@ impl MpiJob {
         }
     }
 
-    /// `MPI_Comm_idup` of the world, polled against the timeout: no user code runs between
+    /// `MPI_Comm_idup` of `world`, polled against the timeout: no user code runs between
     /// `MPI_Init` and this, but a rank may still fail to start.
-    fn duplicate_world(&self) -> SimpleCommunicator {
-        let comm = self.comm.lock();
+    fn duplicate(&self, world: &SimpleCommunicator) -> SimpleCommunicator {
         // SAFETY: reading constants that mpi-sys's C shim defines.
         let (mut own, mut request) = unsafe { (ffi::RSMPI_COMM_NULL, ffi::RSMPI_REQUEST_NULL) };
         // SAFETY: the world communicator is live (MPI is initialized and not finalized); `own`
         // and `request` are valid out-pointers that outlive the request, which is completed
         // below (or the job aborted) before they go out of scope.
-        unsafe { ffi::MPI_Comm_idup(comm.0.as_raw(), &mut own, &mut request) };
+        unsafe { ffi::MPI_Comm_idup(world.as_raw(), &mut own, &mut request) };
         let started = Instant::now();
         let mut pause = Pause::new();
         loop {
@@ -283,10 +293,8 @@ impl MpiJob {
                 break;
             }
             if started.elapsed() >= self.timeout {
-                drop(comm);
                 self.abort(&waited_message(
                     "to create the agreement's communicator (MPI_Comm_idup)",
-                    self.rank,
                     self.world_size,
                     self.timeout,
                 ));
@@ -305,31 +313,35 @@ impl Drop for MpiJob {
             // MPI_Finalize would wait for the ranks still inside a collective, which wait for
             // this one: end the job instead. The panic's own message is printed above.
             abort_job(
-                &self.comm,
+                &self.shared,
                 self.rank,
                 self.world_size,
                 "panicked (the panic's message is above)",
             );
         }
         tracing::debug!(rank = self.rank, "MPI_Finalize");
-        // Dropping the universe calls MPI_Finalize; the communicator was never freed (see
-        // `comm`).
+        // From now on an `MpiRank` of this job says that MPI is finalized (the communicator is
+        // forgotten, not freed: see `Shared::comm`). Holding the lock, no agreement is under way.
+        let mut comm = self.shared.lock();
+        std::mem::forget(comm.take());
+        // Dropping the universe calls MPI_Finalize.
         drop(self.universe.take());
     }
 }
 
 /// One rank's agreement through its [`MpiJob`]: implements [`Collective`] with non-blocking
 /// all-reduces polled against the job's timeout. Past it, the rank prints why and aborts the
-/// job (see [`MpiJob`]'s "Nobody hangs").
-pub struct MpiRank<'job> {
-    comm: &'job SharedComm,
+/// job (see [`MpiJob`]'s "Nobody hangs"). Cheap to clone; every clone shares the job's
+/// communicator.
+#[derive(Clone)]
+pub struct MpiRank {
+    shared: Arc<Shared>,
     rank: usize,
     world_size: usize,
     timeout: Duration,
-    _job: PhantomData<&'job ()>,
 }
 
-impl fmt::Debug for MpiRank<'_> {
+impl fmt::Debug for MpiRank {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MpiRank")
             .field("rank", &self.rank)
@@ -339,7 +351,7 @@ impl fmt::Debug for MpiRank<'_> {
     }
 }
 
-impl Collective for MpiRank<'_> {
+impl Collective for MpiRank {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -357,7 +369,8 @@ impl Collective for MpiRank<'_> {
             ReduceOp::Max => SystemOperation::max(),
             ReduceOp::Min => SystemOperation::min(),
         };
-        let comm = self.comm.lock();
+        let held = self.shared.lock();
+        let comm = held.as_ref().ok_or_else(finalized)?;
         let started = Instant::now();
         ::mpi::request::scope(|scope| {
             let mut request =
@@ -372,7 +385,7 @@ impl Collective for MpiRank<'_> {
                 if started.elapsed() >= self.timeout {
                     // Never leave the scope with the request pending (rsmpi would abort the
                     // process without a word): end the job here, saying why.
-                    self.give_up(&comm, "to agree (MPI_Iallreduce)");
+                    self.give_up("to agree (MPI_Iallreduce)");
                 }
                 pause.sleep();
             }
@@ -381,11 +394,12 @@ impl Collective for MpiRank<'_> {
     }
 }
 
-impl MpiRank<'_> {
+impl MpiRank {
     /// `MPI_Ibcast` of `bytes` from rank 0, polled against the timeout.
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-    fn broadcast_from_rank_zero(&self, bytes: &mut [u8]) {
-        let comm = self.comm.lock();
+    fn broadcast_from_rank_zero(&self, bytes: &mut [u8]) -> Result<(), AgreementError> {
+        let held = self.shared.lock();
+        let comm = held.as_ref().ok_or_else(finalized)?;
         let started = Instant::now();
         ::mpi::request::scope(|scope| {
             let root = comm.0.process_at_rank(0);
@@ -397,17 +411,27 @@ impl MpiRank<'_> {
                     Err(pending) => request = pending,
                 }
                 if started.elapsed() >= self.timeout {
-                    self.give_up(&comm, "for rank 0's broadcast (MPI_Ibcast)");
+                    self.give_up("for rank 0's broadcast (MPI_Ibcast)");
                 }
                 pause.sleep();
             }
         });
+        Ok(())
     }
 
-    fn give_up(&self, comm: &Comm, waiting: &str) -> ! {
-        let why = waited_message(waiting, self.rank, self.world_size, self.timeout);
-        abort_with(&comm.0, self.rank, self.world_size, &why)
+    /// Past the timeout, inside a collective (this thread holds the lock): ends the job.
+    fn give_up(&self, waiting: &str) -> ! {
+        let why = waited_message(waiting, self.world_size, self.timeout);
+        abort_with(self.rank, self.world_size, &why)
     }
+}
+
+fn finalized() -> AgreementError {
+    AgreementError::Failed(
+        "MPI is finalized: the MpiJob was dropped before this agreement (keep it alive in `main` \
+         until every rank is done)"
+            .to_owned(),
+    )
 }
 
 #[cfg(feature = "nccl")]
@@ -440,22 +464,31 @@ impl NcclRank {
     }
 }
 
-fn waited_message(waiting: &str, rank: usize, world_size: usize, waited: Duration) -> String {
+fn waited_message(waiting: &str, world_size: usize, waited: Duration) -> String {
     format!(
         "waited {waited:?} for the other ranks {waiting}, the agreement's timeout (a rank died, \
-         returned, or is stuck; MPI cannot say which of the {world_size} joined); this is \
-         AgreementError::Timeout under MPI (rank {rank})"
+         returned, or is stuck; MPI cannot say which of the {world_size} joined): \
+         AgreementError::Timeout under MPI"
     )
 }
 
-fn abort_job(comm: &SharedComm, rank: usize, world_size: usize, why: &str) -> ! {
-    let comm = comm.lock();
-    abort_with(&comm.0, rank, world_size, why)
+/// Ends the job from outside a collective (a panic, `MpiJob::abort`).
+fn abort_job(shared: &Shared, rank: usize, world_size: usize, why: &str) -> ! {
+    if shared.multiple {
+        // MPI_Abort may be called while another thread is inside a collective: do not wait for
+        // it to give up.
+        abort_with(rank, world_size, why)
+    }
+    let _turn = shared.lock();
+    abort_with(rank, world_size, why)
 }
+
+/// How long a rank that aborts waits after printing why, for the launcher to forward it.
+const LINE_OUT: Duration = Duration::from_millis(200);
 
 /// Prints why on stderr (one write, so that ranks' lines do not interleave), then ends every
 /// rank of the job.
-fn abort_with(comm: &SimpleCommunicator, rank: usize, world_size: usize, why: &str) -> ! {
+fn abort_with(rank: usize, world_size: usize, why: &str) -> ! {
     tracing::error!(rank, world_size, why, "aborting the MPI job");
     let line = format!(
         "batch-size: rank {rank} of {world_size}: {why}; aborting the MPI job (MPI_Abort) so \
@@ -464,7 +497,12 @@ fn abort_with(comm: &SimpleCommunicator, rank: usize, world_size: usize, why: &s
     let mut stderr = std::io::stderr().lock();
     let _ = stderr.write_all(line.as_bytes());
     let _ = stderr.flush();
-    comm.abort(MpiJob::ABORT_CODE)
+    drop(stderr);
+    // MPICH's proxy forwards a rank's output and its abort on separate channels, and drops what
+    // it has not forwarded when it kills the job: give the line time to get out first.
+    std::thread::sleep(LINE_OUT);
+    // The world's group is the agreement's: MPI_Abort ends every rank of the job.
+    SimpleCommunicator::world().abort(MpiJob::ABORT_CODE)
 }
 
 /// Waits between polls: yields first (an agreement of a healthy job takes microseconds), then
