@@ -8,6 +8,9 @@
 //! - `chunked`: `Chunked` with the agreement: every rank runs the same chunks, sized for the
 //!   smallest GPU. The `attribute` job also checks that an agreement used after its job was
 //!   dropped fails with a clear error.
+//! - `nccl_id`, `nccl_id_missing`: rank 0 creates the NCCL Id (with the fake NCCL of
+//!   `tests/fake-nccl`, compiled here with `rustc`) and MPI carries it to every rank; without
+//!   NCCL, rank 0 says so and every other rank that rank 0 made no Id, at once.
 //! - `panics`, `exits`, `stuck`, `returns`: one rank panics, exits, hangs or returns early
 //!   while the others agree; the job must end within the agreement's timeout plus 2 s of that
 //!   moment, with an error that says what happened, never hang.
@@ -52,7 +55,7 @@ fn main() -> ExitCode {
 // ---- the ranks ----------------------------------------------------------------------------
 
 fn rank_main(scenario: &str) -> ExitCode {
-    let timeout = if matches!(scenario, "attribute" | "uneven" | "chunked") {
+    let timeout = if !matches!(scenario, "panics" | "exits" | "stuck" | "returns") {
         // Healthy jobs: long enough never to abort a slow but healthy machine.
         Duration::from_secs(30)
     } else {
@@ -72,6 +75,7 @@ fn rank_main(scenario: &str) -> ExitCode {
         "attribute" => attribute(&rank, &device),
         "uneven" => uneven(&rank, &device),
         "chunked" => chunked(&rank, &device),
+        "nccl_id" | "nccl_id_missing" => nccl_id(&job),
         "panics" | "exits" | "stuck" | "returns" => failing(scenario, &job, &rank, &device),
         other => Err(anyhow::anyhow!("no scenario {other}")),
     };
@@ -150,6 +154,22 @@ fn chunked(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
         "rank {} chunks {done:?} covering {covered}; ran {items} items",
         rank.rank()
     );
+    Ok(())
+}
+
+/// Rank 0 creates the NCCL Id (the fake NCCL of `tests/fake-nccl`, or none), MPI carries it.
+fn nccl_id(job: &MpiJob) -> anyhow::Result<()> {
+    match job.nccl_id() {
+        Ok(id) => {
+            let hex: String = id
+                .as_bytes()
+                .iter()
+                .map(|byte| format!("{byte:02x}"))
+                .collect();
+            println!("rank {} id {hex}", job.rank());
+        }
+        Err(error) => println!("rank {} no id: {error}", job.rank()),
+    }
     Ok(())
 }
 
@@ -255,10 +275,19 @@ fn launch_all() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     };
-    let checks: [(&str, Check); 7] = [
+    let fake_nccl = match build_fake_nccl() {
+        Ok(path) => path,
+        Err(error) => {
+            eprintln!("FAILED: building the fake NCCL: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let checks: [(&str, Check); 9] = [
         ("attribute", check_attribute),
         ("uneven", check_uneven),
         ("chunked", check_chunked),
+        ("nccl_id", check_nccl_id),
+        ("nccl_id_missing", check_nccl_id_missing),
         ("panics", check_panics),
         ("exits", check_exits),
         ("stuck", check_stuck),
@@ -271,7 +300,11 @@ fn launch_all() -> ExitCode {
         if !only.is_empty() && !only.split(',').any(|name| name == scenario) {
             continue;
         }
-        let job = match run_job(&mpiexec, scenario) {
+        let library = match scenario {
+            "nccl_id" => fake_nccl.display().to_string(),
+            _ => "/nonexistent/libnccl.so.2".to_owned(),
+        };
+        let job = match run_job(&mpiexec, scenario, &library) {
             Ok(job) => job,
             Err(error) => {
                 eprintln!("FAILED {scenario}: {error}");
@@ -291,6 +324,9 @@ fn launch_all() -> ExitCode {
                 failed += 1;
             }
         }
+    }
+    if let Some(folder) = fake_nccl.parent() {
+        let _ = std::fs::remove_dir_all(folder);
     }
     if failed > 0 {
         eprintln!("{failed} MPI job(s) failed");
@@ -380,7 +416,34 @@ fn unix_millis() -> u128 {
         .map_or(0, |since| since.as_millis())
 }
 
-fn run_job(mpiexec: &str, scenario: &str) -> Result<Job, String> {
+/// Compiles `tests/fake-nccl/fake_nccl.rs` (dependency-free) into a `libnccl.so.2` of its own,
+/// as the tests crate's build script does.
+fn build_fake_nccl() -> Result<std::path::PathBuf, String> {
+    let source =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-nccl/fake_nccl.rs");
+    let folder = std::env::temp_dir().join(format!("batch-size-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).map_err(|error| format!("{}: {error}", folder.display()))?;
+    let library = folder.join("libnccl.so.2");
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+    let output = Command::new(&rustc)
+        .args(["--edition", "2021", "--crate-type", "cdylib"])
+        .args(["--crate-name", "fake_nccl", "-C", "opt-level=1"])
+        .args(["-C", "link-arg=-Wl,-soname,libnccl.so.2", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .output()
+        .map_err(|error| format!("{rustc}: {error}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{rustc} {}: {}",
+            source.display(),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(library)
+}
+
+fn run_job(mpiexec: &str, scenario: &str, nccl_library: &str) -> Result<Job, String> {
     let started = Instant::now();
     let exe = std::env::current_exe().map_err(|error| format!("current_exe: {error}"))?;
     // Every process of the job inherits this marker, by which a hung job is found and killed
@@ -391,6 +454,7 @@ fn run_job(mpiexec: &str, scenario: &str) -> Result<Job, String> {
         .arg(exe)
         .env(SCENARIO, scenario)
         .env(JOB_MARKER, &marker)
+        .env("BATCH_SIZE_NCCL_LIBRARY", nccl_library)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -501,6 +565,49 @@ fn check_attribute(job: &Job) -> Result<(), String> {
         return Err(format!(
             "{late} of {RANKS} ranks said that an agreement after the job fails"
         ));
+    }
+    Ok(())
+}
+
+fn check_nccl_id(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    let ids: Vec<&str> = job
+        .stdout
+        .lines()
+        .filter_map(|line| line.split_once(" id ").map(|(_, id)| id))
+        .collect();
+    if ids.len() != RANKS || ids.iter().any(|id| *id != ids[0] || id.len() != 256) {
+        return Err(format!("the ranks hold different Ids: {ids:?}"));
+    }
+    let id = ids.first().copied().unwrap_or_default();
+    if id.chars().all(|digit| digit == '0') {
+        return Err("the Id is all zeros".to_owned());
+    }
+    println!("  every rank: the Id {}...", &id[..32]);
+    Ok(())
+}
+
+fn check_nccl_id_missing(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed instead of every rank returning an error".to_owned());
+    }
+    let said = |rank: usize, words: &str| {
+        job.stdout
+            .lines()
+            .any(|line| line.starts_with(&format!("rank {rank} no id: ")) && line.contains(words))
+    };
+    if !said(0, "NCCL was not found") {
+        return Err("rank 0 did not say that NCCL was not found".to_owned());
+    }
+    for rank in 1..RANKS {
+        if !said(rank, "rank 0 could not create the NCCL Id") {
+            return Err(format!("rank {rank} did not say that rank 0 made no Id"));
+        }
+    }
+    for line in job.stdout.lines().filter(|line| line.contains("no id")) {
+        println!("  {line}");
     }
     Ok(())
 }
