@@ -12,7 +12,7 @@
 //!   `tests/fake-nccl`, compiled here with `rustc`) and MPI carries it to every rank; without
 //!   NCCL, rank 0 says so and every other rank that rank 0 made no Id, at once.
 //! - `panics`, `exits`, `stuck`, `returns`: one rank panics, exits, hangs or returns early
-//!   while the others agree; the job must end within the agreement's timeout plus 2 s of that
+//!   while the others agree (`panics_in_attempt`: panics inside an attempt of the search); the job must end within the agreement's timeout plus 2 s of that
 //!   moment, with an error that says what happened, never hang.
 //!
 //! Needs `mpiexec` (MPICH: `apt-get install mpich libmpich-dev libclang-dev`) and the `mpi`
@@ -55,7 +55,10 @@ fn main() -> ExitCode {
 // ---- the ranks ----------------------------------------------------------------------------
 
 fn rank_main(scenario: &str) -> ExitCode {
-    let timeout = if !matches!(scenario, "panics" | "exits" | "stuck" | "returns") {
+    let timeout = if !matches!(
+        scenario,
+        "panics" | "exits" | "stuck" | "returns" | "panics_in_attempt"
+    ) {
         // Healthy jobs: long enough never to abort a slow but healthy machine.
         Duration::from_secs(30)
     } else {
@@ -76,7 +79,9 @@ fn rank_main(scenario: &str) -> ExitCode {
         "uneven" => uneven(&rank, &device),
         "chunked" => chunked(&rank, &device),
         "nccl_id" | "nccl_id_missing" => nccl_id(&job),
-        "panics" | "exits" | "stuck" | "returns" => failing(scenario, &job, &rank, &device),
+        "panics" | "exits" | "stuck" | "returns" | "panics_in_attempt" => {
+            failing(scenario, &job, &rank, &device)
+        }
         other => Err(anyhow::anyhow!("no scenario {other}")),
     };
     match outcome {
@@ -91,6 +96,26 @@ fn rank_main(scenario: &str) -> ExitCode {
 
 #[find_executable_batch_size(starting = 512, agree = rank, release = device.clone())]
 fn search(batch_size: usize, rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<usize> {
+    let forward_backward = device.alloc(batch_size as u64 * PER_SAMPLE);
+    safe_point(rank, forward_backward.is_err())?;
+    let _activations = forward_backward?;
+    Ok(batch_size)
+}
+
+/// `search` whose attempt panics (not out of memory) where `panics`.
+#[find_executable_batch_size(starting = 512, agree = rank, release = device.clone())]
+fn search_panicking(
+    batch_size: usize,
+    rank: &MpiRank,
+    device: &SimulatedDevice,
+    panics: bool,
+) -> anyhow::Result<usize> {
+    if panics {
+        #[allow(clippy::panic)]
+        {
+            panic!("rank 2 panics on purpose inside an attempt");
+        }
+    }
     let forward_backward = device.alloc(batch_size as u64 * PER_SAMPLE);
     safe_point(rank, forward_backward.is_err())?;
     let _activations = forward_backward?;
@@ -244,6 +269,14 @@ fn failing(
     device: &SimulatedDevice,
 ) -> anyhow::Result<()> {
     let size = search(rank, device)?;
+    if scenario == "panics_in_attempt" {
+        if job.rank() == 2 {
+            eprintln!("rank 2 {scenario} at {}", unix_millis());
+        }
+        let again = search_panicking(rank, device, job.rank() == 2)?;
+        println!("rank {} agreed {size} then {again}", job.rank());
+        return Ok(());
+    }
     if job.rank() == 2 {
         eprintln!("rank 2 {scenario} at {}", unix_millis());
         match scenario {
@@ -282,13 +315,14 @@ fn launch_all() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let checks: [(&str, Check); 9] = [
+    let checks: [(&str, Check); 10] = [
         ("attribute", check_attribute),
         ("uneven", check_uneven),
         ("chunked", check_chunked),
         ("nccl_id", check_nccl_id),
         ("nccl_id_missing", check_nccl_id_missing),
         ("panics", check_panics),
+        ("panics_in_attempt", check_panics_in_attempt),
         ("exits", check_exits),
         ("stuck", check_stuck),
         ("returns", check_returns),
@@ -713,6 +747,12 @@ fn tried_in_step_3(line: &str) -> Option<Vec<usize>> {
 fn check_panics(job: &Job) -> Result<(), String> {
     job.ended_in_time()?;
     job.stderr_says("rank 2 panics on purpose")?;
+    job.stderr_says("batch-size: rank 2 of 4: panicked")
+}
+
+fn check_panics_in_attempt(job: &Job) -> Result<(), String> {
+    job.ended_in_time()?;
+    job.stderr_says("rank 2 panics on purpose inside an attempt")?;
     job.stderr_says("batch-size: rank 2 of 4: panicked")
 }
 

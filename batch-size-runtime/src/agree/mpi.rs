@@ -91,9 +91,11 @@ pub enum MpiError {
 ///   therefore never returned by an [`MpiRank`]: its message is that line on stderr, and the job
 ///   ends with the launcher reporting the abort;
 /// - an [`MpiJob`] dropped while its thread panics (a panic unwinding out of `main`) prints so
-///   and calls `MPI_Abort`, never `MPI_Finalize`. Keep the job in `main`, alive until the end:
-///   a panic inside an attempt is caught by the search and told to the other ranks, as with
-///   every collective, and does not abort.
+///   and calls `MPI_Abort`, never `MPI_Finalize`. Keep the job in `main`, alive until the end.
+///   An out-of-memory panic inside an attempt is caught by the search and retried like any
+///   out-of-memory, on every rank; any other panic there is first told to the other ranks (as
+///   with every collective) and then unwinds on, out of `main` and through the job, which
+///   aborts.
 ///
 /// A rank that exits, or returns from `main` while the others still agree, ends the job too:
 /// the others give up at their timeout and abort, so every rank has ended within the timeout
