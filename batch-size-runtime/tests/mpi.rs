@@ -12,8 +12,12 @@
 //!   `tests/fake-nccl`, compiled here with `rustc`) and MPI carries it to every rank; without
 //!   NCCL, rank 0 says so and every other rank that rank 0 made no Id, at once.
 //! - `panics`, `exits`, `stuck`, `returns`: one rank panics, exits, hangs or returns early
-//!   while the others agree (`panics_in_attempt`: panics inside an attempt of the search); the job must end within the agreement's timeout plus 2 s of that
-//!   moment, with an error that says what happened, never hang.
+//!   while the others agree (`panics_in_attempt`: panics inside an attempt of the search); the
+//!   job must end within the agreement's timeout plus 2 s of that moment, with an error that
+//!   says what happened, never hang.
+//!
+//! Nothing here depends on timing but the limit under test: the shares follow a simulated
+//! clock, and each failure is timed from the moment the failing rank printed.
 //!
 //! Needs `mpiexec` (MPICH: `apt-get install mpich libmpich-dev libclang-dev`) and the `mpi`
 //! feature: `cargo test -p batch-size-runtime --features mpi --test mpi`. Without `mpiexec`
