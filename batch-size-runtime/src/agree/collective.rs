@@ -40,9 +40,10 @@ pub enum AgreementError {
 
 /// The collective the agreement needs: an all-reduce of a few integers across ranks.
 ///
-/// Implemented by `ThreadRank` (threads of one process) and, with the `nccl` feature, by
-/// `NcclRank` (one communicator over NCCL); by references, boxes and `Arc`s of either, so a
-/// search can borrow the rank it agrees through.
+/// Implemented by `ThreadRank` (threads of one process), with the `nccl` feature by `NcclRank`
+/// (one communicator over NCCL), with the `mpi` feature by `MpiRank` (the MPI of a job launched
+/// with `mpirun` or `srun`); by references, boxes and `Arc`s of any, so a search can borrow the
+/// rank it agrees through.
 pub trait Collective: Send + Sync + fmt::Debug {
     /// This rank, from 0.
     fn rank(&self) -> usize;

@@ -9,7 +9,9 @@
 //! out-of-memory, the others stop with an error naming it; if all succeeded, all accept.
 //!
 //! The collective is a small trait, [`Collective`]; [`ThreadRanks`] implements it for threads
-//! of one process (tests, one process driving several GPUs).
+//! of one process (tests, one process driving several GPUs); with the `nccl` feature, `NcclRank`
+//! over NCCL; with the `mpi` feature, `MpiRank` over the MPI of a job launched with `mpirun` or
+//! `srun` (see `MpiJob`).
 //!
 //! ```
 //! use std::thread;
@@ -71,6 +73,14 @@ mod token;
 #[cfg(feature = "nccl")]
 mod wire;
 
+// The agreement over the job's own MPI (`mpirun`, `srun`): its own feature, since it needs an MPI
+// library to build.
+#[cfg(feature = "mpi")]
+mod mpi;
+
+#[cfg(feature = "mpi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
+pub use self::mpi::{MpiError, MpiJob, MpiRank};
 pub use collective::{AgreementError, Collective, ReduceOp};
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]

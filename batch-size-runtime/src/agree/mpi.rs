@@ -1,0 +1,530 @@
+//! The agreement over MPI (feature `mpi`), for jobs launched with `mpirun`, `mpiexec` or
+//! `srun`: the ranks agree on the CPU through the job's own MPI, with no GPU and no NCCL, and
+//! with `nccl` too, rank 0's NCCL Id reaches the other ranks by an MPI broadcast.
+//! The documentation is [`MpiJob`]'s.
+
+use std::fmt;
+use std::io::Write;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use ::mpi::collective::SystemOperation;
+use ::mpi::environment::{Threading, Universe};
+use ::mpi::ffi;
+use ::mpi::topology::SimpleCommunicator;
+use ::mpi::traits::{AsRaw, Communicator, CommunicatorCollectives, FromRaw, Root};
+
+use super::collective::{AgreementError, Collective, ReduceOp};
+#[cfg(feature = "nccl")]
+use super::nccl::{NcclError, NcclId, NcclRank};
+
+/// Why MPI could not be used.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum MpiError {
+    /// MPI was initialized already, by another `MpiJob` or by code of yours.
+    #[error(
+        "MPI is already initialized (by another MpiJob, or by the `mpi` crate's `initialize` in \
+         your code): create one MpiJob, at the start of `main`, and let it initialize MPI"
+    )]
+    AlreadyInitialized,
+    /// The MPI library cannot serve calls from several threads.
+    #[error(
+        "the MPI library provides thread level {provided}; the agreement needs \
+         MPI_THREAD_SERIALIZED at least (MPICH and Open MPI both provide MPI_THREAD_MULTIPLE)"
+    )]
+    ThreadLevel {
+        /// What the library provides.
+        provided: &'static str,
+    },
+    /// The broadcast of the Id could not run (MPI is finalized).
+    #[error(transparent)]
+    Agreement(#[from] AgreementError),
+    /// Rank 0 could not create the NCCL Id (its own error says why).
+    #[error("rank 0 could not create the NCCL Id; its stderr or its error says why")]
+    NoIdFromRankZero,
+    /// NCCL failed: creating the Id on rank 0, or joining the communicator.
+    #[cfg(feature = "nccl")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
+    #[error(transparent)]
+    Nccl(#[from] NcclError),
+}
+
+/// The MPI job this process is one rank of: `MPI_Init` when created, `MPI_Finalize` when
+/// dropped, or `MPI_Abort` when dropped by a panicking thread. Create one, in `main`, before
+/// anything else uses MPI; [`agreement`](Self::agreement) gives the [`Collective`] a search
+/// agrees through.
+///
+/// ```no_run
+/// use batch_size_runtime::agree::{safe_point, MpiJob, MpiRank};
+/// use batch_size_runtime::find_executable_batch_size;
+///
+/// #[find_executable_batch_size(starting = 512, agree = rank)]
+/// fn train(batch_size: usize, rank: &MpiRank) -> anyhow::Result<usize> {
+///     let forward_backward: anyhow::Result<()> = Ok(()); // may run out of memory
+///     safe_point(rank, forward_backward.is_err())?; // before any collective of the step
+///     forward_backward?;
+///     Ok(batch_size)
+/// }
+///
+/// fn main() -> anyhow::Result<()> {
+///     // mpiexec -n 4 ./train: MPI_Init here; MPI_Finalize when `job` is dropped, unless this
+///     // rank is panicking: then MPI_Abort, so that no rank waits for it.
+///     let job = MpiJob::init()?;
+///     let rank = job.agreement();
+///     let batch_size = train(&rank)?;
+///     println!("rank {} of {}: {batch_size}", job.rank(), job.world_size());
+///     Ok(())
+/// }
+/// ```
+///
+/// # Nobody hangs
+/// MPI's own collectives wait for ever for a rank that never comes, and a rank that unwinds
+/// past `MPI_Finalize` waits for the ranks still inside a collective (rsmpi's issue 197). So:
+/// - every collective here is non-blocking (`MPI_Iallreduce`, `MPI_Ibcast`, `MPI_Comm_idup`)
+///   and polled against the job's timeout ([`MpiJob::DEFAULT_TIMEOUT`] unless
+///   [`MpiJob::init_with_timeout`]);
+/// - past it, the rank prints why on its stderr (one line naming the rank, the collective and
+///   the wait) and ends the whole job with `MPI_Abort`: an MPI collective once started cannot be
+///   withdrawn from, so the job could not go on anyway. [`AgreementError::Timeout`] is
+///   therefore never returned by an [`MpiRank`]: its message is that line on stderr, and the job
+///   ends with the launcher reporting the abort;
+/// - an [`MpiJob`] dropped while its thread panics (a panic unwinding out of `main`) prints so
+///   and calls `MPI_Abort`, never `MPI_Finalize`. Keep the job in `main`, alive until the end.
+///   An out-of-memory panic inside an attempt is caught by the search and retried like any
+///   out-of-memory, on every rank; any other panic there is first told to the other ranks (as
+///   with every collective) and then unwinds on, out of `main` and through the job, which
+///   aborts.
+///
+/// A rank that exits, or returns from `main` while the others still agree, ends the job too:
+/// the others give up at their timeout and abort, so every rank has ended within the timeout
+/// plus the launcher's time to stop the processes (MPICH's `mpiexec`: well under 2 s).
+///
+/// # Trust
+/// MPI trusts whoever launched the job: every process `mpiexec` or `srun` started is a rank,
+/// and nothing here checks who it is. The TCP rendezvous's job token
+/// (`BATCH_SIZE_EXCHANGE_TOKEN`) has no part in it: the launcher already decided who takes part.
+///
+/// # Threads
+/// MPI is initialized with `MPI_THREAD_MULTIPLE` (`MPI_THREAD_SERIALIZED` at least is needed),
+/// so an [`MpiRank`] may be used from any thread; its calls take turns on one communicator of
+/// their own, a duplicate of `MPI_COMM_WORLD`, so the agreement never meets the collectives of
+/// your training. An `MpiRank` owns what it needs (it is `'static`, like a `ThreadRank`); used
+/// after its job was dropped (MPI finalized), it returns [`AgreementError::Failed`] saying so.
+pub struct MpiJob {
+    /// `None` once finalized.
+    universe: Option<Universe>,
+    shared: Arc<Shared>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    /// `MPI_Finalize` must be called by the thread that initialized MPI: the job stays on it.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for MpiJob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiJob")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the job and its ranks share: the agreement's communicator, one call at a time, and
+/// whether MPI serves calls from several threads at once.
+struct Shared {
+    /// `None` before the communicator exists and once MPI is finalized. Never freed:
+    /// `MPI_Comm_free` is not allowed after `MPI_Finalize`, which frees it.
+    comm: Mutex<Option<Comm>>,
+    /// `MPI_THREAD_MULTIPLE`: a rank may abort the job while another thread is in a call.
+    multiple: bool,
+}
+
+/// A communicator handle that may move between threads.
+struct Comm(SimpleCommunicator);
+
+// SAFETY: MPI was initialized with at least MPI_THREAD_SERIALIZED (`MpiJob::init` refuses
+// less), so MPI may be called from any thread as long as no two calls overlap; the handle is
+// only used under `Shared::comm`'s lock, which sees to that. (With Open MPI, `MPI_Comm` is a
+// pointer, hence no automatic `Send`.)
+unsafe impl Send for Comm {}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Option<Comm>> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl MpiJob {
+    /// How long a rank waits for the others at every collective, by default.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// The exit code a rank gives `MPI_Abort` when it ends the job (`EX_SOFTWARE`).
+    pub const ABORT_CODE: i32 = 70;
+
+    /// Initializes MPI (`MPI_THREAD_MULTIPLE`) and the agreement's communicator, waiting at
+    /// most [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT) for the other ranks.
+    pub fn init() -> Result<MpiJob, MpiError> {
+        MpiJob::init_with_timeout(MpiJob::DEFAULT_TIMEOUT)
+    }
+
+    /// [`init`](Self::init) with every collective waiting at most `timeout` for the other
+    /// ranks, before this rank aborts the job.
+    pub fn init_with_timeout(timeout: Duration) -> Result<MpiJob, MpiError> {
+        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or(MpiError::AlreadyInitialized)?;
+        let provided = match threading {
+            Threading::Multiple | Threading::Serialized => None,
+            Threading::Funneled => Some("MPI_THREAD_FUNNELED"),
+            Threading::Single => Some("MPI_THREAD_SINGLE"),
+        };
+        if let Some(provided) = provided {
+            // Finalizing is safe here: no rank has started a collective yet.
+            drop(universe);
+            return Err(MpiError::ThreadLevel { provided });
+        }
+        let world = universe.world();
+        let rank = usize::try_from(world.rank()).unwrap_or(0);
+        let world_size = usize::try_from(world.size()).unwrap_or(1).max(1);
+        let job = MpiJob {
+            universe: Some(universe),
+            shared: Arc::new(Shared {
+                comm: Mutex::new(None),
+                multiple: threading == Threading::Multiple,
+            }),
+            rank,
+            world_size,
+            timeout,
+            _not_send: PhantomData,
+        };
+        let own = job.duplicate(&world);
+        *job.shared.lock() = Some(Comm(own));
+        tracing::info!(
+            rank,
+            world_size,
+            ?timeout,
+            "MPI job of the batch-size agreement"
+        );
+        Ok(job)
+    }
+
+    /// This rank, from 0.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks the job has.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// How long a rank waits for the others at every collective before it aborts the job.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The [`Collective`] a search agrees through: `agree = rank` in the attribute,
+    /// `with_agreement(&rank)` on the runners. Every agreement goes through the job's one
+    /// communicator, so take as many as you like, on any thread.
+    pub fn agreement(&self) -> MpiRank {
+        MpiRank {
+            shared: Arc::clone(&self.shared),
+            rank: self.rank,
+            world_size: self.world_size,
+            timeout: self.timeout,
+        }
+    }
+
+    /// Ends the whole job now: prints `why` on stderr, naming this rank, then `MPI_Abort`.
+    /// For a rank that cannot go on: returning instead would leave the others waiting until
+    /// their timeout.
+    pub fn abort(&self, why: &str) -> ! {
+        abort_job(&self.shared, self.rank, self.world_size, why)
+    }
+
+    /// The NCCL Id of the job's communicator: rank 0 creates it, an MPI broadcast (polled
+    /// against the timeout) carries it to every rank. Every rank must call it.
+    ///
+    /// Rank 0 sends a flag byte before the 128 bytes of the Id, so that where it could not
+    /// create one, every rank returns [`MpiError::NoIdFromRankZero`] instead of waiting.
+    #[cfg(feature = "nccl")]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "mpi", feature = "nccl"))))]
+    pub fn nccl_id(&self) -> Result<NcclId, MpiError> {
+        let mut message = [0u8; 1 + 128];
+        let mut failure = None;
+        if self.rank == 0 {
+            match NcclId::new() {
+                Ok(id) => {
+                    message[0] = 1;
+                    message[1..].copy_from_slice(id.as_bytes());
+                }
+                Err(error) => failure = Some(error),
+            }
+        }
+        self.agreement().broadcast_from_rank_zero(&mut message)?;
+        if let Some(error) = failure {
+            return Err(MpiError::Nccl(error));
+        }
+        let mut id = [0u8; 128];
+        id.copy_from_slice(&message[1..]);
+        match message[0] {
+            1 => Ok(NcclId::from_bytes(id)),
+            _ => Err(MpiError::NoIdFromRankZero),
+        }
+    }
+
+    /// `MPI_Comm_idup` of `world`, polled against the timeout: no user code runs between
+    /// `MPI_Init` and this, but a rank may still fail to start.
+    fn duplicate(&self, world: &SimpleCommunicator) -> SimpleCommunicator {
+        // SAFETY: reading constants that mpi-sys's C shim defines.
+        let (mut own, mut request) = unsafe { (ffi::RSMPI_COMM_NULL, ffi::RSMPI_REQUEST_NULL) };
+        // SAFETY: the world communicator is live (MPI is initialized and not finalized); `own`
+        // and `request` are valid out-pointers that outlive the request, which is completed
+        // below (or the job aborted) before they go out of scope.
+        unsafe { ffi::MPI_Comm_idup(world.as_raw(), &mut own, &mut request) };
+        let started = Instant::now();
+        let mut pause = Pause::new();
+        loop {
+            let mut done = 0;
+            // SAFETY: `request` is the live request of the idup above; STATUS_IGNORE is allowed.
+            unsafe { ffi::MPI_Test(&mut request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+            if done != 0 {
+                break;
+            }
+            if started.elapsed() >= self.timeout {
+                self.abort(&waited_message(
+                    "to create the agreement's communicator (MPI_Comm_idup)",
+                    self.world_size,
+                    self.timeout,
+                ));
+            }
+            pause.sleep();
+        }
+        // SAFETY: `own` is the live intra-communicator the completed idup created, used only
+        // through the value returned.
+        unsafe { SimpleCommunicator::from_raw(own) }
+    }
+}
+
+impl Drop for MpiJob {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // MPI_Finalize would wait for the ranks still inside a collective, which wait for
+            // this one: end the job instead. The panic's own message is printed above.
+            abort_job(
+                &self.shared,
+                self.rank,
+                self.world_size,
+                "panicked (the panic's message is above)",
+            );
+        }
+        tracing::debug!(rank = self.rank, "MPI_Finalize");
+        // From now on an `MpiRank` of this job says that MPI is finalized (the communicator is
+        // forgotten, not freed: see `Shared::comm`). Holding the lock, no agreement is under way.
+        let mut comm = self.shared.lock();
+        std::mem::forget(comm.take());
+        // Dropping the universe calls MPI_Finalize.
+        drop(self.universe.take());
+    }
+}
+
+/// One rank's agreement through its [`MpiJob`]: implements [`Collective`] with non-blocking
+/// all-reduces polled against the job's timeout. Past it, the rank prints why and aborts the
+/// job (see [`MpiJob`]'s "Nobody hangs"). Cheap to clone; every clone shares the job's
+/// communicator.
+#[derive(Clone)]
+pub struct MpiRank {
+    shared: Arc<Shared>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+}
+
+impl fmt::Debug for MpiRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiRank")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl Collective for MpiRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// `MPI_Iallreduce` of `MPI_UINT64_T`, polled; never returns [`AgreementError::Timeout`]:
+    /// past the timeout the job is aborted. Ranks calling it with different lengths are out of
+    /// step; MPI's default error handler then ends the job with its own message.
+    fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
+        let send = values.to_vec();
+        let operation = match op {
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Min => SystemOperation::min(),
+        };
+        let held = self.shared.lock();
+        let comm = held.as_ref().ok_or_else(finalized)?;
+        let started = Instant::now();
+        ::mpi::request::scope(|scope| {
+            let mut request =
+                comm.0
+                    .immediate_all_reduce_into(scope, &send[..], &mut *values, operation);
+            let mut pause = Pause::new();
+            loop {
+                match request.test() {
+                    Ok(_) => return,
+                    Err(pending) => request = pending,
+                }
+                if started.elapsed() >= self.timeout {
+                    // Never leave the scope with the request pending (rsmpi would abort the
+                    // process without a word): end the job here, saying why.
+                    self.give_up("to agree (MPI_Iallreduce)");
+                }
+                pause.sleep();
+            }
+        });
+        Ok(())
+    }
+}
+
+impl MpiRank {
+    /// `MPI_Ibcast` of `bytes` from rank 0, polled against the timeout.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn broadcast_from_rank_zero(&self, bytes: &mut [u8]) -> Result<(), AgreementError> {
+        let held = self.shared.lock();
+        let comm = held.as_ref().ok_or_else(finalized)?;
+        let started = Instant::now();
+        ::mpi::request::scope(|scope| {
+            let root = comm.0.process_at_rank(0);
+            let mut request = root.immediate_broadcast_into(scope, bytes);
+            let mut pause = Pause::new();
+            loop {
+                match request.test() {
+                    Ok(_) => return,
+                    Err(pending) => request = pending,
+                }
+                if started.elapsed() >= self.timeout {
+                    self.give_up("for rank 0's broadcast (MPI_Ibcast)");
+                }
+                pause.sleep();
+            }
+        });
+        Ok(())
+    }
+
+    /// Past the timeout, inside a collective (this thread holds the lock): ends the job.
+    fn give_up(&self, waiting: &str) -> ! {
+        let why = waited_message(waiting, self.world_size, self.timeout);
+        abort_with(self.rank, self.world_size, &why)
+    }
+}
+
+fn finalized() -> AgreementError {
+    AgreementError::Failed(
+        "MPI is finalized: the MpiJob was dropped before this agreement (keep it alive in `main` \
+         until every rank is done)"
+            .to_owned(),
+    )
+}
+
+#[cfg(feature = "nccl")]
+impl NcclRank {
+    /// Creates the NCCL Id on rank 0, broadcasts it over MPI ([`MpiJob::nccl_id`]) and joins
+    /// the communicator on `stream`'s GPU with the job's rank, world size and timeout. Every
+    /// rank must call it.
+    ///
+    /// ```no_run
+    /// use batch_size_runtime::agree::{MpiJob, NcclRank};
+    /// // mpiexec -n 8 ./train (one GPU a rank: the rank on its node picks it)
+    /// let job = MpiJob::init()?;
+    /// let context = cudarc::driver::CudaContext::new(job.rank() % 8)?;
+    /// let rank = NcclRank::from_mpi(&job, context.new_stream()?)?;
+    /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+    /// ```
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "mpi", feature = "nccl"))))]
+    pub fn from_mpi(
+        job: &MpiJob,
+        stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<NcclRank, MpiError> {
+        let id = job.nccl_id()?;
+        Ok(NcclRank::with_timeout(
+            stream,
+            &id,
+            job.rank(),
+            job.world_size(),
+            job.timeout(),
+        )?)
+    }
+}
+
+fn waited_message(waiting: &str, world_size: usize, waited: Duration) -> String {
+    format!(
+        "waited {waited:?} for the other ranks {waiting}, the agreement's timeout (a rank died, \
+         returned, or is stuck; MPI cannot say which of the {world_size} joined): \
+         AgreementError::Timeout under MPI"
+    )
+}
+
+/// Ends the job from outside a collective (a panic, `MpiJob::abort`).
+fn abort_job(shared: &Shared, rank: usize, world_size: usize, why: &str) -> ! {
+    if shared.multiple {
+        // MPI_Abort may be called while another thread is inside a collective: do not wait for
+        // it to give up.
+        abort_with(rank, world_size, why)
+    }
+    let _turn = shared.lock();
+    abort_with(rank, world_size, why)
+}
+
+/// How long a rank that aborts waits after printing why, for the launcher to forward it.
+const LINE_OUT: Duration = Duration::from_millis(200);
+
+/// Prints why on stderr (one write, so that ranks' lines do not interleave), then ends every
+/// rank of the job.
+fn abort_with(rank: usize, world_size: usize, why: &str) -> ! {
+    tracing::error!(rank, world_size, why, "aborting the MPI job");
+    let line = format!(
+        "batch-size: rank {rank} of {world_size}: {why}; aborting the MPI job (MPI_Abort) so \
+         that no rank waits for ever\n"
+    );
+    let mut stderr = std::io::stderr().lock();
+    let _ = stderr.write_all(line.as_bytes());
+    let _ = stderr.flush();
+    drop(stderr);
+    // MPICH's proxy forwards a rank's output and its abort on separate channels, and drops what
+    // it has not forwarded when it kills the job: give the line time to get out first.
+    std::thread::sleep(LINE_OUT);
+    // The world's group is the agreement's: MPI_Abort ends every rank of the job.
+    SimpleCommunicator::world().abort(MpiJob::ABORT_CODE)
+}
+
+/// Waits between polls: yields first (an agreement of a healthy job takes microseconds), then
+/// sleeps up to 1 ms, so that a long wait costs no CPU a training step would use.
+struct Pause {
+    polls: u32,
+}
+
+impl Pause {
+    fn new() -> Pause {
+        Pause { polls: 0 }
+    }
+
+    fn sleep(&mut self) {
+        self.polls = self.polls.saturating_add(1);
+        if self.polls < 100 {
+            std::thread::yield_now();
+        } else {
+            let micros = u64::from(self.polls.min(1_000));
+            std::thread::sleep(Duration::from_micros(micros));
+        }
+    }
+}
