@@ -4,8 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use batch_size_runtime::{ChildTrial, ChildTrialError};
 use batch_size_runtime::{find_executable_batch_size, last_report, Outcome};
+use batch_size_runtime::{ChildTrial, ChildTrialError};
 use candle_core::{DType, Device, Tensor};
 
 #[cfg(target_os = "linux")]
