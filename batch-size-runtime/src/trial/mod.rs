@@ -353,18 +353,29 @@ impl ChildTrial {
                 status: describe_status(status),
             });
         };
-        match report.ended {
+        let died = |how: String| {
+            let requested = abort_message.requested(ABORT_MESSAGE_GRACE);
+            let figures = abort::read(&abort_path)
+                .zip(report.start.zip(report.start_own))
+                .map(|(at_abort, (limit, own))| figures_at_abort(at_abort, limit, own, requested))
+                .unwrap_or_else(|| OutOfMemory {
+                    requested,
+                    ..OutOfMemory::new()
+                });
+            ChildTrialError::Died {
+                batch_size,
+                how,
+                out_of_memory: figures,
+            }
+        };
+        match report.ended.clone() {
             Some(Ended::Fit) => Ok(batch_size),
             Some(Ended::OutOfMemory { message, figures }) => Err(ChildTrialError::OutOfMemory {
                 batch_size,
                 message,
                 figures,
             }),
-            Some(Ended::Failed { message })
-            | Some(Ended::Panicking {
-                message,
-                out_of_memory: false,
-            }) => Err(ChildTrialError::Failed {
+            Some(Ended::Failed { message }) => Err(ChildTrialError::Failed {
                 batch_size,
                 status: status.code(),
                 message,
@@ -377,24 +388,23 @@ impl ChildTrial {
                 message,
                 figures: OutOfMemory::new(),
             }),
-            None => match ended_by_signal(status) {
-                Some(how) => {
-                    let requested = abort_message.requested(ABORT_MESSAGE_GRACE);
-                    let figures = abort::read(&abort_path)
-                        .zip(report.start.zip(report.start_own))
-                        .map(|(at_abort, (limit, own))| {
-                            figures_at_abort(at_abort, limit, own, requested)
-                        })
-                        .unwrap_or_else(|| OutOfMemory {
-                            requested,
-                            ..OutOfMemory::new()
-                        });
-                    Err(ChildTrialError::Died {
-                        batch_size,
-                        how,
-                        out_of_memory: figures,
-                    })
+            // A panic under way when the process ended: the panic, unless Rust's abort message
+            // says a failed allocation ended it (a panic caught inside the step, then the abort).
+            Some(Ended::Panicking {
+                message,
+                out_of_memory: false,
+            }) => match ended_by_signal(status) {
+                Some(how) if abort_message.requested(ABORT_MESSAGE_GRACE).is_some() => {
+                    Err(died(how))
                 }
+                _ => Err(ChildTrialError::Failed {
+                    batch_size,
+                    status: status.code(),
+                    message,
+                }),
+            },
+            None => match ended_by_signal(status) {
+                Some(how) => Err(died(how)),
                 None => Err(ChildTrialError::Failed {
                     batch_size,
                     status: status.code(),

@@ -1,0 +1,116 @@
+//! candle on the CPU, an MLP's training step (784 → 2048 → 2048 → 10, forward and backward)
+//! under an address-space limit, sized through the attribute with a child per attempt, under
+//! `cargo test` without `--nocapture`: each failed size aborts its child, whose figures (the
+//! bytes its abort message asked for, what it held then) guide the search. The test then finds
+//! the largest size that fits in a fresh process by bisection and prints the three sizes: the
+//! search's, that largest, and halving's rung.
+//!
+//! Ignored: a debug build's matrix products make each child take seconds. Run it in release:
+//! `cargo test --release -p batch-size-examples --test candle_cpu_child_mlp -- --ignored mlp`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+#[cfg(target_os = "linux")]
+#[path = "../../batch-size-runtime/tests/common/address_space.rs"]
+mod address_space;
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use batch_size_runtime::{
+        find_executable_batch_size, last_report, ChildTrial, ChildTrialError, Release,
+    };
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use super::address_space;
+
+    /// Address space the child has beyond what it holds once started.
+    const ROOM: u64 = 683 << 20;
+
+    const STARTING: usize = 8192;
+
+    fn trial() -> ChildTrial {
+        ChildTrial::new("mlp_step").with_args(["--exact", "linux::child_mlp_step", "--ignored"])
+    }
+
+    /// One training step: forward, loss, backward.
+    fn step(batch_size: usize) -> candle_core::Result<()> {
+        let device = Device::Cpu;
+        let w1 = Var::randn(0f32, 0.02, (784, 2048), &device)?;
+        let w2 = Var::randn(0f32, 0.02, (2048, 2048), &device)?;
+        let w3 = Var::randn(0f32, 0.02, (2048, 10), &device)?;
+        let inputs = Tensor::randn(0f32, 1.0, (batch_size, 784), &device)?;
+        let hidden = inputs.matmul(w1.as_tensor())?.relu()?;
+        let hidden = hidden.matmul(w2.as_tensor())?.relu()?;
+        let logits = hidden.matmul(w3.as_tensor())?;
+        let loss = logits.sqr()?.mean_all()?;
+        let gradients = loss.backward()?;
+        let g1 = gradients.get(&w1).expect("w1 has a gradient");
+        let total = g1
+            .abs()?
+            .sum_all()?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
+        if !total.is_finite() {
+            candle_core::bail!("the gradient is not finite");
+        }
+        Ok(())
+    }
+
+    #[test]
+    #[ignore = "a child process of mlp_sized_in_children: run by it with --ignored"]
+    fn child_mlp_step() {
+        trial().serve(|batch_size| -> anyhow::Result<()> {
+            address_space::leave_room(ROOM)?;
+            step(batch_size)?;
+            Ok(())
+        });
+        panic!("run only as a ChildTrial's child: it sets the batch size");
+    }
+
+    #[find_executable_batch_size(starting = STARTING, release = Release::none())]
+    fn sized(batch_size: usize) -> Result<usize, ChildTrialError> {
+        trial().run(batch_size)
+    }
+
+    #[test]
+    #[ignore = "seconds a child in a debug build: run in release (see the file's docs)"]
+    fn mlp_sized_in_children() {
+        let fitted = sized().unwrap();
+        let report = last_report().unwrap();
+        let attempts = report.attempts().count();
+        let smallest_failed = report
+            .attempts()
+            .filter(|attempt| !attempt.outcome.is_success())
+            .map(|attempt| attempt.batch_size)
+            .min()
+            .unwrap_or(STARTING + 1);
+        // The largest size that fits in a fresh process, between the fit and the failure.
+        let (mut fits, mut fails) = (fitted, smallest_failed);
+        while fails - fits > 1 {
+            let middle = fits + (fails - fits) / 2;
+            match trial().run(middle) {
+                Ok(_) => fits = middle,
+                Err(ChildTrialError::Died { .. }) => fails = middle,
+                Err(other) => panic!("{other}"),
+            }
+        }
+        let halving = (0..)
+            .map(|halvings| STARTING >> halvings)
+            .find(|&rung| rung <= fits)
+            .unwrap();
+        let table: Vec<String> = report
+            .attempts()
+            .map(|attempt| format!("{} {:?}", attempt.batch_size, attempt.outcome))
+            .collect();
+        eprintln!(
+            "candle MLP on the CPU, {} MiB of address space: the attribute with a child per \
+             attempt found {fitted} in {attempts} attempts; the largest that fits is {fits} \
+             ({:.3}); halving's {halving} ({:.3})\n{}",
+            ROOM >> 20,
+            fitted as f64 / fits as f64,
+            halving as f64 / fits as f64,
+            table.join("\n")
+        );
+        assert!(fitted <= fits);
+    }
+}
