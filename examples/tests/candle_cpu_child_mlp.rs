@@ -24,7 +24,7 @@ mod linux {
     use super::address_space;
 
     /// Address space the child has beyond what it holds once started.
-    const ROOM: u64 = 683 << 20;
+    const ROOM: u64 = 512 << 20;
 
     const STARTING: usize = 8192;
 

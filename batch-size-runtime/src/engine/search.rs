@@ -815,6 +815,7 @@ impl Search<'_> {
                 // Other remedies: the sizes that failed under the old ones bound nothing now.
                 if self.policy.remedies_in_force() != remedies_before {
                     self.smallest_failed = None;
+                    self.proposed_after_failure.clear();
                 }
                 self.rationale = self.policy.rationale();
                 self.within_the_rules(Decision::Try(size))
