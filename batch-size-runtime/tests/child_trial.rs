@@ -327,3 +327,33 @@ fn the_size_asked_for_is_the_size_reported() {
         "{error}"
     );
 }
+
+/// A search whose release is the trial's memory reads each child's figures as an in-process
+/// attempt's: the room, what the attempt held at its failure, a fresh child's room before the
+/// next one.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_search_reads_the_childrens_memory() {
+    let trial = trial("aborts");
+    let fitted = BatchSizeSearch::new(256)
+        .with_release(trial.memory())
+        .run(|batch_size| trial.run(batch_size))
+        .unwrap();
+    let report = last_report().unwrap();
+    let attempts: Vec<_> = report.attempts().collect();
+    let first = attempts[0];
+    // Nothing ran before the first child: no figures at its start.
+    assert!(first.memory_at_start.is_none(), "{report:?}");
+    let at_end = &first.memory_at_end.as_ref().unwrap().devices[0];
+    assert!(
+        (ROOM - (2 << 20)..=ROOM).contains(&at_end.total),
+        "{at_end:?}"
+    );
+    assert_eq!(at_end.pool_reserved, Some(at_end.total - at_end.free));
+    // After the release, a fresh child has all the room; the next attempt starts from it.
+    let after = &first.memory_after_release.as_ref().unwrap().devices[0];
+    assert_eq!(after.free, after.total);
+    let second = attempts[1].memory_at_start.as_ref().unwrap();
+    assert_eq!(second.devices[0].free, at_end.total);
+    assert!(fitted > 32 && fitted < 64, "{fitted}: {report:?}");
+}

@@ -2,11 +2,13 @@
 //! under an address-space limit, sized through the attribute with a child per attempt, under
 //! `cargo test` without `--nocapture`: each failed size aborts its child, whose figures (the
 //! bytes its abort message asked for, what it held then) guide the search. The test then finds
-//! the largest size that fits in a fresh process by bisection and prints the three sizes: the
-//! search's, that largest, and halving's rung.
+//! the largest size that fits in a fresh process by bisection and prints beside it the sizes of
+//! the attribute (with and without `release = trial.memory()`), halving's rung and the tuner
+//! (with and without the children's figures). Figures from one run are in docs/FRAMEWORKS.md.
 //!
-//! Ignored: a debug build's matrix products make each child take seconds. Run it in release:
-//! `cargo test --release -p batch-size-examples --test candle_cpu_child_mlp -- --ignored mlp`.
+//! Ignored: a debug build's matrix products make each child take seconds. Run it in release
+//! (about 2 minutes, the build aside), `--nocapture` to see the table:
+//! `cargo test --release -p batch-size-examples --test candle_cpu_child_mlp -- --ignored mlp --nocapture`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
@@ -17,14 +19,14 @@ mod address_space;
 #[cfg(target_os = "linux")]
 mod linux {
     use batch_size_runtime::{
-        find_executable_batch_size, last_report, ChildTrial, ChildTrialError, Release,
+        find_executable_batch_size, last_report, ChildTrial, ChildTrialError, Release, Tuner,
     };
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::address_space;
 
     /// Address space the child has beyond what it holds once started.
-    const ROOM: u64 = 512 << 20;
+    const ROOM: u64 = 384 << 20;
 
     const STARTING: usize = 8192;
 
@@ -72,9 +74,18 @@ mod linux {
         trial().run(batch_size)
     }
 
+    #[find_executable_batch_size(starting = STARTING, release = trial.memory())]
+    fn sized_with_figures(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+        trial.run(batch_size)
+    }
+
     #[test]
     #[ignore = "seconds a child in a debug build: run in release (see the file's docs)"]
     fn mlp_sized_in_children() {
+        // One glibc arena: each thread's own arena reserves 64 MiB of address space when that
+        // thread first allocates, which makes the size that fits vary from child to child
+        // with the threads' timing. Set before the first child starts, the only thread here.
+        std::env::set_var("MALLOC_ARENA_MAX", "1");
         let fitted = sized().unwrap();
         let report = last_report().unwrap();
         let attempts = report.attempts().count();
@@ -102,15 +113,49 @@ mod linux {
             .attempts()
             .map(|attempt| format!("{} {:?}", attempt.batch_size, attempt.outcome))
             .collect();
+        // The tuner, which grows, with and without the children's figures.
+        let tuner = |release: Release| {
+            let tuned = Tuner::new()
+                .with_release(release)
+                .run(|batch_size| trial().run(batch_size))
+                .unwrap();
+            (tuned.batch_size(), tuned.report().len())
+        };
+        let blind = tuner(Release::none());
+        let figures_trial = trial();
+        let with_figures = {
+            let tuned = Tuner::new()
+                .with_release(figures_trial.memory())
+                .run(|batch_size| figures_trial.run(batch_size))
+                .unwrap();
+            (tuned.batch_size(), tuned.report().len())
+        };
+        // The attribute again, with the children's figures as its release.
+        let attribute_figures = sized_with_figures(&trial()).unwrap();
         eprintln!(
-            "candle MLP on the CPU, {} MiB of address space: the attribute with a child per \
-             attempt found {fitted} in {attempts} attempts; the largest that fits is {fits} \
-             ({:.3}); halving's {halving} ({:.3})\n{}",
+            "candle MLP on the CPU, {} MiB of address space, the largest size that fits {fits}:\n\
+             the attribute, a child per attempt: {fitted} in {attempts} attempts ({:.3}); \
+             with release = trial.memory(): {attribute_figures} ({:.3});\n\
+             halving's {halving} ({:.3}); the tuner: {} in {} trials ({:.3}), with the \
+             children's figures {} in {} trials ({:.3})\n{}",
             ROOM >> 20,
             fitted as f64 / fits as f64,
+            attribute_figures as f64 / fits as f64,
             halving as f64 / fits as f64,
+            blind.0,
+            blind.1,
+            blind.0 as f64 / fits as f64,
+            with_figures.0,
+            with_figures.1,
+            with_figures.0 as f64 / fits as f64,
             table.join("\n")
         );
-        assert!(fitted <= fits);
+        // Every child that aborted left its figures: what it asked for, what it held, its room.
+        for attempt in report
+            .attempts()
+            .filter(|attempt| !attempt.outcome.is_success())
+        {
+            assert!(attempt.requested.is_some(), "{attempt:?}");
+        }
     }
 }

@@ -21,10 +21,11 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::NoExecutableBatchSize;
+use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
 use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
 use crate::oom;
-use crate::OutOfMemory;
-use report::{Ended, Own, Report};
+use crate::{OutOfMemory, Release};
+use report::{Ended, Own, Report, Used};
 
 /// The environment variable that tells a copy of the program it is a trial's child: the
 /// trial's name, `=`, the batch size.
@@ -123,6 +124,8 @@ pub struct ChildTrial {
     name: String,
     args: Option<Vec<OsString>>,
     deadline: Option<Duration>,
+    /// What the last child used, for [`memory`](Self::memory); shared by clones.
+    figures: ChildMemory,
 }
 
 /// What the parent asked of this process, read once.
@@ -143,6 +146,7 @@ impl ChildTrial {
             name: name.into(),
             args: None,
             deadline: None,
+            figures: ChildMemory::default(),
         }
     }
 
@@ -181,6 +185,26 @@ impl ChildTrial {
         self
     }
 
+    /// The children's memory as a search's release: a backend that reads what the last child
+    /// of this trial (or of a clone of it) used, in the room it had, so that a search in the
+    /// parent reads each attempt's figures (its peak where it fit, what it held where it
+    /// failed) as it reads an in-process attempt's. It releases nothing (the child's memory
+    /// went with it). For a search that runs one trial at a time; the first attempt has no
+    /// figures from before it.
+    ///
+    /// ```
+    /// use batch_size_runtime::{find_executable_batch_size, ChildTrial, ChildTrialError};
+    ///
+    /// #[find_executable_batch_size(starting = 4096, release = trial.memory())]
+    /// fn sized(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+    ///     trial.run(batch_size)
+    /// }
+    /// # let _ = sized;
+    /// ```
+    pub fn memory(&self) -> Release {
+        Release::backend(self.figures.clone())
+    }
+
     /// In the child this trial's parent started: runs `trial` at the size asked for, reports
     /// how it ended to the parent and exits. In any other process, returns at once. Call it
     /// first in `main` (or in the test the child runs), before any thread starts: it removes
@@ -213,6 +237,7 @@ impl ChildTrial {
             batch_size: asked.batch_size,
             start: host.limit(),
             start_own: Own::now(),
+            used: None,
             ended: None,
         };
         if report.write(&asked.report).is_err() {
@@ -236,19 +261,23 @@ impl ChildTrial {
             previous(info);
         }));
 
-        let ended = match panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size))) {
+        let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
+        report.used = report
+            .start_own
+            .and_then(|start| used_in_the_room(start, &host));
+        let ended = match outcome {
             Ok(Ok(())) => Ended::Fit,
             Ok(Err(error)) => {
                 let message = format!("{error:#}");
                 match oom::classify_text(&message) {
-                    Some(_) => out_of_memory(message, report.start_own, &host),
+                    Some(_) => out_of_memory(message, report.used),
                     None => Ended::Failed { message },
                 }
             }
             Err(payload) => {
                 let message = panic_text(&*payload);
                 match oom::classify_panic(&*payload) {
-                    Some(_) => out_of_memory(message, report.start_own, &host),
+                    Some(_) => out_of_memory(message, report.used),
                     None => Ended::Failed { message },
                 }
             }
@@ -353,21 +382,25 @@ impl ChildTrial {
                 status: describe_status(status),
             });
         };
+        let used_at_abort = abort::read(&abort_path)
+            .zip(report.start.zip(report.start_own))
+            .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
         let died = |how: String| {
             let requested = abort_message.requested(ABORT_MESSAGE_GRACE);
-            let figures = abort::read(&abort_path)
-                .zip(report.start.zip(report.start_own))
-                .map(|(at_abort, (limit, own))| figures_at_abort(at_abort, limit, own, requested))
-                .unwrap_or_else(|| OutOfMemory {
+            let figures = match used_at_abort {
+                Some(used) => in_the_room(used, requested),
+                None => OutOfMemory {
                     requested,
                     ..OutOfMemory::new()
-                });
+                },
+            };
             ChildTrialError::Died {
                 batch_size,
                 how,
                 out_of_memory: figures,
             }
         };
+        self.figures.ended(report.used.or(used_at_abort));
         match report.ended.clone() {
             Some(Ended::Fit) => Ok(batch_size),
             Some(Ended::OutOfMemory { message, figures }) => Err(ChildTrialError::OutOfMemory {
@@ -441,40 +474,41 @@ impl ChildTrial {
     }
 }
 
+/// What the trial used, in the room it had, as the limit that binds now counts (the trial may
+/// have set one after the start): `None` where the host reads nothing.
+fn used_in_the_room(start: Own, host: &HostMemory) -> Option<Used> {
+    let limit = host.limit()?;
+    let peak = host.memory().peak()?;
+    let at_start = start.counted_by(limit.kind);
+    let others = limit.in_use.saturating_sub(limit.own);
+    Some(Used {
+        room: round_down_to_mib(limit.total.saturating_sub(others).saturating_sub(at_start)),
+        held: limit.own.saturating_sub(at_start),
+        peak: peak.saturating_sub(at_start),
+    })
+}
+
 /// An out-of-memory the trial returned or panicked with: the figures its text states, or
-/// failing that the host's, in the room the trial had (the limit less what was in use before
-/// it), so that two children's figures read alike.
-fn out_of_memory(message: String, start: Option<Own>, host: &HostMemory) -> Ended {
+/// failing that what it used in the room it had (its peak as what it held at the failure),
+/// so that two children's figures read alike.
+fn out_of_memory(message: String, used: Option<Used>) -> Ended {
     let stated = oom::figures(&message);
-    let figures = if stated.total.is_some() || stated.free.is_some() {
-        stated
-    } else {
-        // The limit that binds now: the trial may have set one after the start.
-        match (start, host.limit(), host.memory().peak()) {
-            (Some(start), Some(limit), Some(peak)) => {
-                let at_start = start.counted_by(limit.kind);
-                let others = limit.in_use.saturating_sub(limit.own);
-                in_the_room(
-                    limit.total.saturating_sub(others).saturating_sub(at_start),
-                    peak.saturating_sub(at_start),
-                    stated.requested,
-                )
-            }
-            _ => stated,
-        }
+    let figures = match used {
+        Some(used) if stated.total.is_none() && stated.free.is_none() => in_the_room(
+            Used {
+                held: used.peak,
+                ..used
+            },
+            stated.requested,
+        ),
+        _ => stated,
     };
     Ended::OutOfMemory { message, figures }
 }
 
-/// The figures of an aborted child: what it held at the abort beyond what it held at the start
-/// (its virtual size against an address-space limit, its resident size otherwise), in the room
-/// it had.
-fn figures_at_abort(
-    at_abort: abort::AtAbort,
-    limit: HostLimit,
-    start: Own,
-    requested: Option<u64>,
-) -> OutOfMemory {
+/// What an aborted child used: what it held at the abort beyond what it held at the start (its
+/// anonymous memory, against an address-space limit or the resident kinds), in the room it had.
+fn used_at_abort(at_abort: abort::AtAbort, limit: HostLimit, start: Own) -> Used {
     let (kind, room) = match at_abort.address_space_limit {
         // A limit in force at the abort binds, whichever bound at the start (the trial may
         // have set it).
@@ -490,21 +524,90 @@ fn figures_at_abort(
                 .saturating_sub(start.counted_by(limit.kind)),
         ),
     };
-    let own = at_abort.own.allocated_since(&start, kind);
-    in_the_room(room, own, requested)
+    let held = at_abort.own.allocated_since(&start, kind);
+    Used {
+        room: round_down_to_mib(room),
+        held,
+        peak: held,
+    }
 }
 
-/// Figures against the room a trial had, `room` rounded down to a MiB (children start alike
-/// but not to the byte, and a search reads two failures as one line only on the same total);
-/// `free` is that room less what the trial held at the failure.
-fn in_the_room(room: u64, own: u64, requested: Option<u64>) -> OutOfMemory {
+/// Children start alike but not to the byte, and a search reads two failures as one line only
+/// on the same total: the room is counted in whole MiB.
+fn round_down_to_mib(bytes: u64) -> u64 {
     const MIB: u64 = 1 << 20;
-    let room = room / MIB * MIB;
+    bytes / MIB * MIB
+}
+
+/// An out-of-memory's figures against the room a trial had: `free` is the room less what the
+/// trial held at the failure.
+fn in_the_room(used: Used, requested: Option<u64>) -> OutOfMemory {
     OutOfMemory {
         requested,
-        free: Some(room.saturating_sub(own)),
-        total: Some(room),
+        free: Some(used.room.saturating_sub(used.held)),
+        total: Some(used.room),
         device: Some("cpu".to_owned()),
+    }
+}
+
+/// What the last child used, shared between a [`ChildTrial`] and the backend a search reads
+/// ([`ChildTrial::memory`]).
+#[derive(Debug, Clone, Default)]
+struct ChildMemory(Arc<Mutex<ChildFigures>>);
+
+#[derive(Debug, Default)]
+struct ChildFigures {
+    last: Option<Used>,
+    /// A child ended since the attempt started and no release came after it: its figures are
+    /// the attempt's end; otherwise what a fresh child has, all the room.
+    ended: bool,
+}
+
+impl ChildMemory {
+    fn ended(&self, used: Option<Used>) {
+        let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if used.is_some() {
+            figures.last = used;
+        }
+        figures.ended = true;
+    }
+
+    fn snapshot(&self, at_end: bool) -> MemorySnapshot {
+        let figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(used) = figures.last else {
+            return MemorySnapshot::default();
+        };
+        let (held, peak) = if at_end && figures.ended {
+            (used.held, Some(used.peak))
+        } else {
+            (0, None)
+        };
+        MemorySnapshot {
+            devices: vec![DeviceMemory {
+                device: "cpu".to_owned(),
+                total: used.room,
+                free: used.room.saturating_sub(held),
+                pool_reserved: Some(held),
+                pool_used: None,
+                peak,
+            }],
+        }
+    }
+}
+
+impl MemoryBackend for ChildMemory {
+    fn release(&self) -> Result<(), ReleaseError> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).ended = false;
+        Ok(())
+    }
+
+    fn memory(&self) -> MemorySnapshot {
+        self.snapshot(true)
+    }
+
+    fn start_attempt(&self) -> MemorySnapshot {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).ended = false;
+        self.snapshot(false)
     }
 }
 

@@ -14,6 +14,9 @@
 //! start_resident 65536
 //! start_data 4096            (VmData and RssAnon: what it allocated, without mapped files)
 //! start_resident_anonymous 4096
+//! used_room 536870912       (what the trial used, in the room it had, read as it ended)
+//! used_held 1048576
+//! used_peak 402653184
 //! outcome out_of_memory      (fit | out_of_memory | failed | panicking; absent: started only)
 //! requested 1048576          (figures of an out-of-memory, each where known)
 //! free 4096
@@ -61,7 +64,22 @@ pub(crate) struct Report {
     /// The process's own counters before the trial: its virtual and resident size (the limit
     /// that binds at the failure may be another than at the start: the trial may set one).
     pub(crate) start_own: Option<Own>,
+    /// What the trial used, read by the child as it ended (not where it aborted).
+    pub(crate) used: Option<Used>,
     pub(crate) ended: Option<Ended>,
+}
+
+/// What one trial used, in the room it had: the limit that bound at its end less what was in
+/// use before it (other processes, the program's own start), each rounded down to a MiB where
+/// it is the room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Used {
+    /// The room.
+    pub(crate) room: u64,
+    /// The trial's own bytes at its end (at the failure, where it aborted).
+    pub(crate) held: u64,
+    /// The most the trial held at once.
+    pub(crate) peak: u64,
 }
 
 /// A process's own bytes, as each kind of limit counts them.
@@ -149,6 +167,12 @@ impl Report {
                 own.virtual_size, own.resident, own.data, own.resident_anonymous
             ));
         }
+        if let Some(used) = &self.used {
+            text.push_str(&format!(
+                "used_room {}\nused_held {}\nused_peak {}\n",
+                used.room, used.held, used.peak
+            ));
+        }
         let message = match &self.ended {
             None => None,
             Some(Ended::Fit) => {
@@ -206,6 +230,7 @@ impl Report {
         let (mut in_use, mut own, mut total, mut kind) = (None, None, None, None);
         let (mut virtual_size, mut resident) = (None, None);
         let (mut data, mut resident_anonymous) = (None, None);
+        let (mut room, mut held, mut peak) = (None, None, None);
         let mut outcome = None;
         let mut figures = OutOfMemory::new();
         for line in lines {
@@ -219,6 +244,9 @@ impl Report {
                 "start_virtual" => virtual_size = number(),
                 "start_resident" => resident = number(),
                 "start_data" => data = number(),
+                "used_room" => room = number(),
+                "used_held" => held = number(),
+                "used_peak" => peak = number(),
                 "start_resident_anonymous" => resident_anonymous = number(),
                 "start_kind" => {
                     kind = match value {
@@ -276,6 +304,10 @@ impl Report {
                         resident_anonymous,
                     })
                 }
+                _ => None,
+            },
+            used: match (room, held, peak) {
+                (Some(room), Some(held), Some(peak)) => Some(Used { room, held, peak }),
                 _ => None,
             },
             ended,
@@ -337,6 +369,11 @@ mod tests {
                     resident: 20 << 20,
                     data: 30 << 20,
                     resident_anonymous: 10 << 20,
+                }),
+                used: Some(Used {
+                    room: 600 << 20,
+                    held: 10 << 20,
+                    peak: 500 << 20,
                 }),
                 ended,
             };
