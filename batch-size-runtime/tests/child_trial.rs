@@ -93,6 +93,13 @@ fn child_entry() {
         }
         Ok(())
     });
+    // Panics: out of memory above 16 (as tch's methods do), on its data otherwise.
+    trial("panics").serve(|batch_size| -> Result<(), String> {
+        if batch_size > 16 {
+            panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+        }
+        panic!("corrupt record 17\nin shard 3");
+    });
     // Runs past any deadline.
     trial("hangs").serve(|_| -> Result<(), String> {
         std::thread::sleep(Duration::from_secs(60));
@@ -356,4 +363,30 @@ fn a_search_reads_the_childrens_memory() {
     let second = attempts[1].memory_at_start.as_ref().unwrap();
     assert_eq!(second.devices[0].free, at_end.total);
     assert!(fitted > 32 && fitted < 64, "{fitted}: {report:?}");
+}
+
+/// A child's panic comes back whole; an out-of-memory one is retried.
+#[test]
+fn a_childs_panic_comes_back_whole() {
+    let trial = trial("panics");
+    let error = BatchSizeSearch::new(64)
+        .with_release(Release::none())
+        .run(|batch_size| trial.run(batch_size))
+        .unwrap_err();
+    let ChildTrialError::Failed {
+        message,
+        batch_size,
+        ..
+    } = &error
+    else {
+        panic!("not the child's own failure: {error}");
+    };
+    assert_eq!(message, "corrupt record 17\nin shard 3");
+    assert_eq!(*batch_size, 16);
+    let sizes: Vec<usize> = last_report()
+        .unwrap()
+        .attempts()
+        .map(|attempt| attempt.batch_size)
+        .collect();
+    assert_eq!(sizes, [64, 32, 16]);
 }
