@@ -343,16 +343,27 @@ impl ChildTrial {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(ChildTrialError::Start)?;
-        if let Some(stdout) = child.stdout.take() {
-            pass_through(stdout, |line| print!("{line}"), None);
-        }
         let abort_message = Arc::new(AbortMessage::default());
-        if let Some(stderr) = child.stderr.take() {
-            pass_through(
-                stderr,
-                |line| eprint!("{line}"),
-                Some(abort_message.clone()),
-            );
+        let passed = child
+            .stdout
+            .take()
+            .map_or(Ok(()), |stdout| {
+                pass_through(stdout, |line| print!("{line}"), None)
+            })
+            .and_then(|()| {
+                child.stderr.take().map_or(Ok(()), |stderr| {
+                    pass_through(
+                        stderr,
+                        |line| eprint!("{line}"),
+                        Some(abort_message.clone()),
+                    )
+                })
+            });
+        if let Err(error) = passed {
+            // Without a thread to read its output the child would block on a full pipe.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(ChildTrialError::Start(error));
         }
 
         let status = match self.wait(&mut child)? {
@@ -669,17 +680,23 @@ fn pass_through(
     pipe: impl Read + Send + 'static,
     write: impl Fn(&str) + Send + 'static,
     abort_message: Option<Arc<AbortMessage>>,
-) {
+) -> std::io::Result<()> {
     let forward = move || {
         let mut reader = BufReader::new(pipe);
         let mut line = Vec::new();
+        let mut passing = true;
         loop {
             line.clear();
             match reader.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
                     let text = String::from_utf8_lossy(&line);
-                    write(&text);
+                    // `print!` panics where this process's own output is closed (a pipe whose
+                    // reader left): the child's output is then read and dropped, so that the
+                    // child never blocks on a full pipe.
+                    if passing {
+                        passing = panic::catch_unwind(AssertUnwindSafe(|| write(&text))).is_ok();
+                    }
                     if let Some(abort_message) = &abort_message {
                         abort_message.read(&text);
                     }
@@ -690,11 +707,10 @@ fn pass_through(
             abort_message.close();
         }
     };
-    // A thread that cannot start leaves the pipe unread: the child may then block writing to
-    // it, so the output is dropped instead of the trial hanging.
-    let _ = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name("batch-size-child-output".to_owned())
-        .spawn(forward);
+        .spawn(forward)
+        .map(drop)
 }
 
 /// Removes the report's files when the trial is over, whichever way `run` returns.
