@@ -124,6 +124,8 @@ pub struct ChildTrial {
     name: String,
     args: Option<Vec<OsString>>,
     deadline: Option<Duration>,
+    /// Whether the child's stdout and stderr reach this process's.
+    pass_output_through: bool,
     /// What the last child used, for [`memory`](Self::memory); shared by clones.
     figures: ChildMemory,
 }
@@ -146,6 +148,7 @@ impl ChildTrial {
             name: name.into(),
             args: None,
             deadline: None,
+            pass_output_through: true,
             figures: ChildMemory::default(),
         }
     }
@@ -182,6 +185,23 @@ impl ChildTrial {
     /// ```
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
+        self
+    }
+
+    /// Whether what the child prints reaches this process's stdout and stderr (through `print!`
+    /// and `eprint!`, so a test harness captures it here too), or is dropped: each attempt
+    /// starts the program again, and its start-up logs repeat. Either way it is never read for
+    /// the outcome.
+    ///
+    /// # Default
+    /// Passed through.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// let quiet = ChildTrial::new("step").with_output_passed_through(false);
+    /// ```
+    pub fn with_output_passed_through(mut self, passed: bool) -> Self {
+        self.pass_output_through = passed;
         self
     }
 
@@ -314,7 +334,8 @@ impl ChildTrial {
 
     /// Runs the trial at `batch_size` in a child process and waits for it; the size that ran,
     /// for the search to return. The child's stdout and stderr are passed through to this
-    /// process's (through `print!` and `eprint!`, so a test harness captures them here too).
+    /// process's (through `print!` and `eprint!`, so a test harness captures them here too)
+    /// unless [`with_output_passed_through(false)`](Self::with_output_passed_through).
     pub fn run(&self, batch_size: usize) -> Result<usize, ChildTrialError> {
         static TRIALS: AtomicUsize = AtomicUsize::new(0);
         let program = std::env::current_exe().map_err(ChildTrialError::Start)?;
@@ -344,17 +365,30 @@ impl ChildTrial {
             .spawn()
             .map_err(ChildTrialError::Start)?;
         let abort_message = Arc::new(AbortMessage::default());
+        let passing = self.pass_output_through;
         let passed = child
             .stdout
             .take()
             .map_or(Ok(()), |stdout| {
-                pass_through(stdout, |line| print!("{line}"), None)
+                pass_through(
+                    stdout,
+                    move |line| {
+                        if passing {
+                            print!("{line}")
+                        }
+                    },
+                    None,
+                )
             })
             .and_then(|()| {
                 child.stderr.take().map_or(Ok(()), |stderr| {
                     pass_through(
                         stderr,
-                        |line| eprint!("{line}"),
+                        move |line| {
+                            if passing {
+                                eprint!("{line}")
+                            }
+                        },
                         Some(abort_message.clone()),
                     )
                 })
