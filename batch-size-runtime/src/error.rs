@@ -79,13 +79,16 @@ pub enum StopReason {
     /// The policy accepted before any attempt had succeeded: there is no value to return.
     NothingToAccept,
     /// The policy proposed, after a success, a size that had already run successfully `runs`
-    /// times on the same work (16 at most in one search): running it again tells nothing new,
-    /// and a policy that keeps proposing it would never end. Where every success is new work
-    /// (the chunks of [`Chunked`](crate::Chunked)), sizes repeat freely.
+    /// times on the same work, or proposed, after a failure, a size it had proposed `runs`
+    /// times after failures on the same work (16 at most in one search, either way): running
+    /// it again tells nothing new, and a policy that keeps proposing it would never end. Where
+    /// every success is new work (the chunks of [`Chunked`](crate::Chunked)), sizes repeat
+    /// freely across successes.
     SizeRepeated {
         /// The size proposed again.
         batch_size: usize,
-        /// Its successful runs so far.
+        /// Its successful runs so far (after a success), or the times it was proposed after
+        /// a failure (after a failure).
         runs: usize,
     },
     /// Your own policy stopped the search, saying why. (This crate's policies stop with the
@@ -171,7 +174,7 @@ impl fmt::Display for StopReason {
             }
             StopReason::SizeRepeated { batch_size, runs } => write!(
                 f,
-                "the policy proposed batch size {batch_size} again after it had run successfully {runs} times on the same work; accept a success or propose another size"
+                "the policy proposed batch size {batch_size} again after it had run successfully, or been proposed after a failure, {runs} times on the same work; accept a success or propose another size"
             ),
             StopReason::Policy(why) | StopReason::Agreement(why) => f.write_str(why),
             StopReason::FixedMemoryDoesNotFit {

@@ -243,6 +243,7 @@ pub mod policy;
 mod record;
 pub mod remedies;
 mod runners;
+mod trial;
 mod unwind;
 
 #[doc(hidden)]
@@ -259,3 +260,4 @@ pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use runners::effective::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
 pub use runners::search::BatchSizeSearch;
 pub use runners::tuner::{Choice, Tuned, Tuner};
+pub use trial::{ChildTrial, ChildTrialError};

@@ -4,8 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use batch_size_runtime::oom::{ChildTrial, ChildTrialError};
 use batch_size_runtime::{find_executable_batch_size, last_report, Outcome};
+use batch_size_runtime::{ChildTrial, ChildTrialError};
 use candle_core::{DType, Device, Tensor};
 
 #[cfg(target_os = "linux")]
@@ -61,11 +61,12 @@ fn candle_on_the_cpu_is_sized_in_child_processes() {
     assert_eq!(aborted, report.out_of_memory_count());
 }
 
-/// A child whose step fails otherwise: the error comes back, after one attempt.
+/// A child whose arguments lead to no `serve` of its trial: an error that says so, after one
+/// attempt, never a fit.
 #[cfg(target_os = "linux")]
 #[test]
-fn a_childs_own_error_comes_back_unchanged() {
-    // The child test serves another trial: it panics, which is not out of memory.
+fn a_child_that_never_started_its_trial_comes_back_as_an_error() {
+    // The child test serves another trial, then panics: this trial never starts.
     let refused = ChildTrial::new("candle_step_elsewhere").with_args([
         "--exact",
         "child_candle_step",
@@ -76,9 +77,9 @@ fn a_childs_own_error_comes_back_unchanged() {
         .with_release(batch_size_runtime::Release::none())
         .run(|batch_size| refused.run(batch_size))
         .unwrap_err();
-    let ChildTrialError::Failed { message, .. } = &error else {
-        panic!("not the child's own failure: {error}");
+    let ChildTrialError::NotStarted { name, .. } = &error else {
+        panic!("not a trial that never started: {error}");
     };
-    assert!(message.contains("run only as"), "{message}");
+    assert_eq!(name, "candle_step_elsewhere");
     assert_eq!(last_report().unwrap().attempts().count(), 1);
 }

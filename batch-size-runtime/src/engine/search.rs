@@ -93,6 +93,10 @@ pub struct Search<'r> {
     first_fit_at_debug: bool,
     /// The cached size the search starts from and what its entry says, where it does.
     cache_offer: Option<(usize, CacheHit)>,
+    /// Each size the policy proposed after a failure on the same work, with how many times:
+    /// a proposal the engine turns into another size (one above `with_max` runs below the
+    /// failure) never repeats a size that ran, yet may repeat for ever.
+    proposed_after_failure: Vec<(usize, usize)>,
 }
 
 impl<'r> Search<'r> {
@@ -204,6 +208,7 @@ impl<'r> Search<'r> {
             retrying_below: false,
             first_fit_at_debug,
             cache_offer,
+            proposed_after_failure: Vec::new(),
         }
     }
 }
@@ -235,6 +240,39 @@ impl Search<'_> {
             })
         } else {
             next
+        }
+    }
+
+    /// After a failure: a size the policy proposed [`MAX_RUNS_OF_ONE_SIZE`] times after failures
+    /// on the same work is not proposed again; the search stops, saying so. Counted on what the
+    /// policy proposed, before the engine's rules change it: a size above `with_max` runs as
+    /// the largest below the failure, a new size each time, and a policy that keeps proposing
+    /// it would step down one by one from `with_max`.
+    fn no_endless_proposals(&mut self, decision: Decision) -> Decision {
+        let Decision::Try(size) = decision else {
+            return decision;
+        };
+        let runs = match self
+            .proposed_after_failure
+            .iter_mut()
+            .find(|(proposed, _)| *proposed == size)
+        {
+            Some((_, runs)) => {
+                *runs += 1;
+                *runs
+            }
+            None => {
+                self.proposed_after_failure.push((size, 1));
+                1
+            }
+        };
+        if runs > MAX_RUNS_OF_ONE_SIZE {
+            Decision::Stop(StopReason::SizeRepeated {
+                batch_size: size,
+                runs: runs - 1,
+            })
+        } else {
+            decision
         }
     }
 
@@ -486,6 +524,7 @@ impl Search<'_> {
         } else {
             if self.policy.each_success_is_new_work() {
                 self.smallest_failed = None;
+                self.proposed_after_failure.clear();
             }
             let decision = self.policy.after(&self.report);
             self.rationale = self.policy.rationale();
@@ -670,6 +709,7 @@ impl Search<'_> {
             let decision = self.policy.after(&self.report);
             self.rationale = self.policy.rationale();
             let decision = self.nothing_kept_above_a_failure(decision);
+            let decision = self.no_endless_proposals(decision);
             self.next = self.within_the_rules(decision);
             self.remedy_if_no_size_is_left();
         }
@@ -789,6 +829,7 @@ impl Search<'_> {
                 // Other remedies: the sizes that failed under the old ones bound nothing now.
                 if self.policy.remedies_in_force() != remedies_before {
                     self.smallest_failed = None;
+                    self.proposed_after_failure.clear();
                 }
                 self.rationale = self.policy.rationale();
                 self.within_the_rules(Decision::Try(size))

@@ -1,0 +1,117 @@
+//! What an aborting child leaves: its counters at the moment it aborted, for the figures of a
+//! failure no code of the trial lived to report. A failed Rust allocation prints "memory
+//! allocation of N bytes failed" and calls `abort()`, which raises SIGABRT; a handler of that
+//! signal still runs, so the child copies `/proc/self/status` (its virtual and resident size
+//! then) and `/proc/self/limits` (the address-space limit it ran under, which a trial may set
+//! itself) into a file the parent reads. Only system calls: the heap is what just failed.
+
+use std::path::Path;
+
+use super::report::Own;
+
+/// The counters an aborted child left: its own bytes then, as the limit counts them, and the
+/// address-space limit in force, where it had one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AtAbort {
+    pub(crate) own: Own,
+    pub(crate) address_space_limit: Option<u64>,
+}
+
+/// The path of the abort file beside a report.
+pub(crate) fn path_beside(report: &Path) -> std::path::PathBuf {
+    let mut path = report.as_os_str().to_owned();
+    path.push(".abort");
+    path.into()
+}
+
+/// Reads what the handler wrote; `None` where it did not run (no abort, not Linux).
+pub(crate) fn read(path: &Path) -> Option<AtAbort> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(AtAbort {
+        own: Own::parse(&text)?,
+        address_space_limit: text.lines().find_map(|line| {
+            line.strip_prefix("Max address space")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        }),
+    })
+}
+
+#[cfg(target_os = "linux")]
+mod handler {
+    use std::ffi::{c_char, c_int, c_void};
+    use std::os::fd::IntoRawFd;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicI32, Ordering};
+
+    extern "C" {
+        fn signal(signum: c_int, handler: usize) -> usize;
+        fn open(path: *const c_char, flags: c_int, ...) -> c_int;
+        fn read(fd: c_int, buffer: *mut c_void, count: usize) -> isize;
+        fn write(fd: c_int, buffer: *const c_void, count: usize) -> isize;
+        fn close(fd: c_int) -> c_int;
+    }
+
+    const SIGABRT: c_int = 6;
+    const SIG_ERR: usize = usize::MAX;
+    const O_RDONLY: c_int = 0;
+
+    /// The abort file, opened before the trial: the handler may not allocate or build a path.
+    static ABORT_FILE: AtomicI32 = AtomicI32::new(-1);
+
+    /// Opens the abort file and installs the handler; `false` where either failed (the parent
+    /// then has the report's figures only).
+    pub(crate) fn install(path: &Path) -> bool {
+        let Ok(file) = std::fs::File::create(path) else {
+            return false;
+        };
+        ABORT_FILE.store(file.into_raw_fd(), Ordering::SeqCst);
+        // SAFETY: `on_abort` is an `extern "C" fn(c_int)`, the handler type `signal` takes;
+        // it makes only async-signal-safe calls (open, read, write, close).
+        unsafe { signal(SIGABRT, on_abort as extern "C" fn(c_int) as usize) != SIG_ERR }
+    }
+
+    extern "C" fn on_abort(_signal: c_int) {
+        let file = ABORT_FILE.swap(-1, Ordering::SeqCst);
+        if file < 0 {
+            return;
+        }
+        for source in [c"/proc/self/status", c"/proc/self/limits"] {
+            // SAFETY: a NUL-terminated path; the buffer is this frame's own, and every count
+            // passed is within it. Nothing here allocates.
+            unsafe {
+                let fd = open(source.as_ptr(), O_RDONLY);
+                if fd < 0 {
+                    continue;
+                }
+                let mut buffer = [0u8; 2048];
+                loop {
+                    let read = read(fd, buffer.as_mut_ptr().cast(), buffer.len());
+                    if read <= 0 {
+                        break;
+                    }
+                    write(file, buffer.as_ptr().cast(), read as usize);
+                }
+                close(fd);
+            }
+        }
+        // SAFETY: the file opened in `install`, closed once (the swap above took it).
+        unsafe { close(file) };
+        // Returning lets `abort()` go on: it restores the default action and raises again.
+    }
+}
+
+/// Installs the abort handler where the platform has one; `false` elsewhere.
+pub(crate) fn install(path: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        handler::install(path)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        false
+    }
+}

@@ -1,0 +1,910 @@
+//! Trials in a child process, for frameworks whose failed allocation ends the process: candle's
+//! CPU backend, ndarray, anything that allocates with `Vec` (a failed Rust allocation aborts,
+//! exit 134 by SIGABRT, and no `catch_unwind` sees it). The trial runs in a copy of this
+//! program, which reports to its parent on a channel of its own (a file whose path the parent
+//! gives it): that the trial started, at which size, how it ended and the figures it read.
+//! The exit status speaks only where the report is missing: an abort, a segfault or a kill
+//! after the trial started counts as out-of-memory; a child that never started the trial is
+//! an error that says so. Nothing the child prints is read: it is passed through.
+
+mod abort;
+mod report;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io::{BufRead, BufReader, Read};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::error::NoExecutableBatchSize;
+use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
+use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
+use crate::oom;
+use crate::{OutOfMemory, Release};
+use report::{Ended, Own, Report, Used};
+
+/// The environment variable that tells a copy of the program it is a trial's child: the
+/// trial's name, `=`, the batch size.
+const CHILD_VARIABLE: &str = "BATCH_SIZE_CHILD_TRIAL";
+
+/// The environment variable that names the file the child reports to.
+const REPORT_VARIABLE: &str = "BATCH_SIZE_CHILD_REPORT";
+
+/// The exit code of a child whose trial did not fit (the report says how).
+const TRIAL_FAILED: i32 = 3;
+
+/// The exit code of a child that could not write its report.
+const REPORT_UNWRITABLE: i32 = 4;
+
+/// How long the parent waits, once an aborted child has ended, for the rest of its stderr
+/// (Rust's "memory allocation of N bytes failed", already in the pipe) where a process the
+/// child started still holds the pipe open.
+const ABORT_MESSAGE_GRACE: Duration = Duration::from_secs(1);
+
+/// Runs a trial in a child process: this program again, which calls [`serve`](Self::serve)
+/// first thing and runs the trial at the size the parent asked for. In the parent,
+/// [`run`](Self::run) starts the child, waits for it (not for processes it started) and reads
+/// its report: `Ok(batch_size)` when the trial returned `Ok`; an out-of-memory
+/// [`ChildTrialError`] when it returned or panicked with an out-of-memory, or when the child
+/// was ended by a signal (an abort, a segfault, a kill) after the trial started; the trial's
+/// own error, whole, which a search returns unchanged, otherwise.
+///
+/// The child is a new process: the program starts again from `main` (or the test runs again),
+/// and what the trial needs it builds itself (the model, the data); nothing it learns, caches
+/// or opens survives it, and nothing the parent did after starting is seen there. Use it where
+/// a failed allocation cannot be caught in the process (candle on the CPU), to size the step;
+/// then train in the process at that size. Each attempt costs a start of the program.
+///
+/// The child reads the host's memory ([`HostMemory`]) before the trial and at its end, and
+/// where it aborted, the parent reads what it left: so the search reads an aborted child's
+/// figures (the bytes it asked for, what it held, the room it had) as it reads an in-process
+/// failure's, and lands near the limit instead of halving.
+///
+/// In a plain program:
+///
+/// ```no_run
+/// use batch_size_runtime::{BatchSizeSearch, ChildTrial, ChildTrialError, Release};
+///
+/// /// A step on the CPU that allocates with `Vec`, as candle's CPU backend does: past the
+/// /// machine's memory it aborts the process.
+/// fn step(batch_size: usize) -> Result<(), String> {
+///     let inputs = vec![1.0f32; batch_size << 20]; // 4 MiB a sample
+///     if inputs.iter().sum::<f32>() == 0.0 {
+///         return Err("no data".into());
+///     }
+///     Ok(())
+/// }
+///
+/// fn main() -> Result<(), ChildTrialError> {
+///     let trial = ChildTrial::new("step");
+///     trial.serve(step); // in the child: runs the step and exits; here: returns at once
+///     let fitted = BatchSizeSearch::new(4096)
+///         .with_release(Release::none()) // the child's memory went with it
+///         .run(|batch_size| trial.run(batch_size))?;
+///     println!("batch size {fitted} fits");
+///     Ok(())
+/// }
+/// ```
+///
+/// In tests, a test of its own serves (ignored, so that only the child runs it), named
+/// exactly in the child's arguments:
+///
+/// ```no_run
+/// use batch_size_runtime::{find_executable_batch_size, ChildTrial, ChildTrialError, Release};
+///
+/// fn trial() -> ChildTrial {
+///     ChildTrial::new("step").with_args(["--exact", "child_step", "--ignored"])
+/// }
+///
+/// #[test]
+/// #[ignore = "the child of sized_in_a_child"]
+/// fn child_step() {
+///     trial().serve(|batch_size| -> Result<(), String> {
+///         let _inputs = vec![1.0f32; batch_size << 20];
+///         Ok(())
+///     });
+/// }
+///
+/// #[find_executable_batch_size(starting = 4096, release = Release::none())]
+/// fn sized(batch_size: usize) -> Result<usize, ChildTrialError> {
+///     trial().run(batch_size)
+/// }
+///
+/// #[test]
+/// fn sized_in_a_child() {
+///     assert!(sized().unwrap() >= 1);
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct ChildTrial {
+    name: String,
+    args: Option<Vec<OsString>>,
+    deadline: Option<Duration>,
+    /// Whether the child's stdout and stderr reach this process's.
+    pass_output_through: bool,
+    /// What the last child used, for [`memory`](Self::memory); shared by clones.
+    figures: ChildMemory,
+}
+
+/// What the parent asked of this process, read once.
+struct Asked {
+    batch_size: usize,
+    report: PathBuf,
+}
+
+impl ChildTrial {
+    /// A trial called `name` (one program may serve several).
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// assert!(!ChildTrial::new("step").is_child()); // this process was not started by a trial
+    /// ```
+    pub fn new(name: impl Into<String>) -> Self {
+        ChildTrial {
+            name: name.into(),
+            args: None,
+            deadline: None,
+            pass_output_through: true,
+            figures: ChildMemory::default(),
+        }
+    }
+
+    /// The arguments the child is started with (default: this process's own, so that `main`
+    /// reaches [`serve`](Self::serve) as it did here). A test binary passes the test that
+    /// serves: `["--exact", "my_test", "--ignored"]`; without `--nocapture` too, since the
+    /// report does not travel through the output the harness captures.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// let trial = ChildTrial::new("step").with_args(["--exact", "child_step", "--ignored"]);
+    /// ```
+    pub fn with_args<I, A>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = A>,
+        A: Into<OsString>,
+    {
+        self.args = Some(args.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// The longest a trial may run: a child still running then is killed, and
+    /// [`run`](Self::run) returns [`ChildTrialError::DeadlinePassed`], which a search returns
+    /// (it is not out of memory: a swapping machine is slow at every size).
+    ///
+    /// # Default
+    /// No deadline.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use batch_size_runtime::ChildTrial;
+    /// let trial = ChildTrial::new("step").with_deadline(Duration::from_secs(600));
+    /// ```
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Whether what the child prints reaches this process's stdout and stderr (through `print!`
+    /// and `eprint!`, so a test harness captures it here too), or is dropped: each attempt
+    /// starts the program again, and its start-up logs repeat. Either way it is never read for
+    /// the outcome.
+    ///
+    /// # Default
+    /// Passed through.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// let quiet = ChildTrial::new("step").with_output_passed_through(false);
+    /// ```
+    pub fn with_output_passed_through(mut self, passed: bool) -> Self {
+        self.pass_output_through = passed;
+        self
+    }
+
+    /// The children's memory as a search's release: a backend that reads what the last child
+    /// of this trial (or of a clone of it) used, in the room it had, so that a search in the
+    /// parent reads each attempt's figures (its peak where it fit, what it held where it
+    /// failed) as it reads an in-process attempt's. It releases nothing (the child's memory
+    /// went with it). For a search that runs one trial at a time; the first attempt has no
+    /// figures from before it.
+    ///
+    /// ```
+    /// use batch_size_runtime::{find_executable_batch_size, ChildTrial, ChildTrialError};
+    ///
+    /// #[find_executable_batch_size(starting = 4096, release = trial.memory())]
+    /// fn sized(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+    ///     trial.run(batch_size)
+    /// }
+    /// # let _ = sized;
+    /// ```
+    pub fn memory(&self) -> Release {
+        Release::backend(self.figures.clone())
+    }
+
+    /// In the child this trial's parent started: runs `trial` at the size asked for, reports
+    /// how it ended to the parent and exits. In any other process, returns at once. Call it
+    /// first in `main` (or in the test the child runs), before any thread starts: it removes
+    /// the trial's variables from the environment, so that the processes the trial starts
+    /// (workers of the same program) do not take themselves for the trial's child.
+    ///
+    /// An error is judged by its text (`{:#}`, the whole chain of an `anyhow::Error`) with
+    /// [`oom::classify_text`], a panic by its payload; either comes back to the parent whole.
+    /// Whatever the trial prints is passed through and never judged.
+    pub fn serve<E: fmt::Display>(&self, trial: impl FnOnce(usize) -> Result<(), E>) {
+        let Some(asked) = self.asked() else {
+            return;
+        };
+        // A process the trial starts must not find these: it would run the trial itself.
+        // Removing them is sound while no other thread reads the environment, which is why
+        // `serve` comes first, before the program starts threads.
+        std::env::remove_var(CHILD_VARIABLE);
+        std::env::remove_var(REPORT_VARIABLE);
+
+        // Where backtraces are on, Rust's failed-allocation hook prints one before it aborts,
+        // and the first backtrace of a process reads the program's debug information into the
+        // heap (30 MiB for a test binary): the abort's figures would count it as the trial's.
+        // Read once here, before the figures start, it is cached for that backtrace.
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|value| value != "0") {
+            let _ = std::backtrace::Backtrace::force_capture().to_string();
+        }
+        let host = HostMemory::new();
+        host.reset_peak();
+        let mut report = Report {
+            batch_size: asked.batch_size,
+            start: host.limit(),
+            start_own: Own::now(),
+            used: None,
+            ended: None,
+        };
+        if report.write(&asked.report).is_err() {
+            std::process::exit(REPORT_UNWRITABLE);
+        }
+        abort::install(&abort::path_beside(&asked.report));
+        // A panic's text is reported as it happens: with `panic = "abort"`, or a panic while
+        // panicking, nothing after the hook runs.
+        let previous = panic::take_hook();
+        let (path, started) = (asked.report.clone(), report.clone());
+        panic::set_hook(Box::new(move |info| {
+            let message = panic_text(info.payload());
+            let panicking = Report {
+                ended: Some(Ended::Panicking {
+                    out_of_memory: oom::classify_panic(info.payload()).is_some(),
+                    message,
+                }),
+                ..started.clone()
+            };
+            let _ = panicking.write(&path);
+            previous(info);
+        }));
+
+        let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
+        report.used = report
+            .start_own
+            .and_then(|start| used_in_the_room(start, &host));
+        let ended = match outcome {
+            Ok(Ok(())) => Ended::Fit,
+            Ok(Err(error)) => {
+                let message = format!("{error:#}");
+                match oom::classify_text(&message) {
+                    Some(_) => out_of_memory(message, report.used),
+                    None => Ended::Failed { message },
+                }
+            }
+            Err(payload) => {
+                let message = panic_text(&*payload);
+                match oom::classify_panic(&*payload) {
+                    Some(_) => out_of_memory(message, report.used),
+                    None => Ended::Failed { message },
+                }
+            }
+        };
+        let code = if ended == Ended::Fit { 0 } else { TRIAL_FAILED };
+        report.ended = Some(ended);
+        if report.write(&asked.report).is_err() {
+            std::process::exit(REPORT_UNWRITABLE);
+        }
+        std::process::exit(code)
+    }
+
+    /// Whether this process is this trial's child.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// assert!(!ChildTrial::new("step").is_child());
+    /// ```
+    pub fn is_child(&self) -> bool {
+        self.asked().is_some()
+    }
+
+    fn asked(&self) -> Option<Asked> {
+        let value = std::env::var(CHILD_VARIABLE).ok()?;
+        let (name, size) = value.rsplit_once('=')?;
+        if name != self.name {
+            return None;
+        }
+        Some(Asked {
+            batch_size: size.parse().ok()?,
+            report: std::env::var_os(REPORT_VARIABLE)?.into(),
+        })
+    }
+
+    /// Runs the trial at `batch_size` in a child process and waits for it; the size that ran,
+    /// for the search to return. The child's stdout and stderr are passed through to this
+    /// process's (through `print!` and `eprint!`, so a test harness captures them here too)
+    /// unless [`with_output_passed_through(false)`](Self::with_output_passed_through).
+    pub fn run(&self, batch_size: usize) -> Result<usize, ChildTrialError> {
+        static TRIALS: AtomicUsize = AtomicUsize::new(0);
+        let program = std::env::current_exe().map_err(ChildTrialError::Start)?;
+        let args = match &self.args {
+            Some(args) => args.clone(),
+            None => std::env::args_os().skip(1).collect(),
+        };
+        // One file per trial of this process, so that trials at once (threads, tests) never
+        // read each other's.
+        let report_path = std::env::temp_dir().join(format!(
+            "batch-size-child-{}-{}.report",
+            std::process::id(),
+            TRIALS.fetch_add(1, Ordering::Relaxed)
+        ));
+        let abort_path = abort::path_beside(&report_path);
+        let _ = std::fs::remove_file(&report_path);
+        let _ = std::fs::remove_file(&abort_path);
+        let _cleanup = RemoveOnDrop(vec![report_path.clone(), abort_path.clone()]);
+
+        let mut child = Command::new(program)
+            .args(&args)
+            .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
+            .env(REPORT_VARIABLE, &report_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(ChildTrialError::Start)?;
+        let abort_message = Arc::new(AbortMessage::default());
+        let passing = self.pass_output_through;
+        let passed = child
+            .stdout
+            .take()
+            .map_or(Ok(()), |stdout| {
+                pass_through(
+                    stdout,
+                    move |line| {
+                        if passing {
+                            print!("{line}")
+                        }
+                    },
+                    None,
+                )
+            })
+            .and_then(|()| {
+                child.stderr.take().map_or(Ok(()), |stderr| {
+                    pass_through(
+                        stderr,
+                        move |line| {
+                            if passing {
+                                eprint!("{line}")
+                            }
+                        },
+                        Some(abort_message.clone()),
+                    )
+                })
+            });
+        if let Err(error) = passed {
+            // Without a thread to read its output the child would block on a full pipe.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(ChildTrialError::Start(error));
+        }
+
+        let status = match self.wait(&mut child)? {
+            Some(status) => status,
+            None => {
+                return Err(ChildTrialError::DeadlinePassed {
+                    batch_size,
+                    deadline: self.deadline.unwrap_or_default(),
+                })
+            }
+        };
+        let report = std::fs::read_to_string(&report_path)
+            .ok()
+            .and_then(|text| Report::parse(&text))
+            .filter(|report| report.batch_size == batch_size);
+        let Some(report) = report else {
+            if status.code() == Some(REPORT_UNWRITABLE) {
+                return Err(ChildTrialError::NoReport {
+                    batch_size,
+                    path: report_path,
+                });
+            }
+            return Err(ChildTrialError::NotStarted {
+                batch_size,
+                name: self.name.clone(),
+                args,
+                status: describe_status(status),
+            });
+        };
+        let used_at_abort = abort::read(&abort_path)
+            .zip(report.start.zip(report.start_own))
+            .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
+        let died = |how: String| {
+            let requested = abort_message.requested(ABORT_MESSAGE_GRACE);
+            let figures = match used_at_abort {
+                Some(used) => in_the_room(used, requested),
+                None => OutOfMemory {
+                    requested,
+                    ..OutOfMemory::new()
+                },
+            };
+            ChildTrialError::Died {
+                batch_size,
+                how,
+                out_of_memory: figures,
+            }
+        };
+        self.figures.ended(report.used.or(used_at_abort));
+        match report.ended.clone() {
+            Some(Ended::Fit) => Ok(batch_size),
+            Some(Ended::OutOfMemory { message, figures }) => Err(ChildTrialError::OutOfMemory {
+                batch_size,
+                message,
+                figures,
+            }),
+            Some(Ended::Failed { message }) => Err(ChildTrialError::Failed {
+                batch_size,
+                status: status.code(),
+                message,
+            }),
+            Some(Ended::Panicking {
+                message,
+                out_of_memory: true,
+            }) => Err(ChildTrialError::OutOfMemory {
+                batch_size,
+                message,
+                figures: OutOfMemory::new(),
+            }),
+            // A panic under way when the process ended: the panic, unless Rust's abort message
+            // says a failed allocation ended it (a panic caught inside the step, then the abort).
+            Some(Ended::Panicking {
+                message,
+                out_of_memory: false,
+            }) => match ended_by_signal(status) {
+                Some(how) if abort_message.requested(ABORT_MESSAGE_GRACE).is_some() => {
+                    Err(died(how))
+                }
+                _ => Err(ChildTrialError::Failed {
+                    batch_size,
+                    status: status.code(),
+                    message,
+                }),
+            },
+            None => match ended_by_signal(status) {
+                Some(how) => Err(died(how)),
+                None => Err(ChildTrialError::Failed {
+                    batch_size,
+                    status: status.code(),
+                    message: format!(
+                        "the child process ended ({}) after the trial started, before the trial \
+                         returned (the trial or a library it calls ended the process)",
+                        describe_status(status)
+                    ),
+                }),
+            },
+        }
+    }
+
+    /// Waits for the child itself (not for processes it started, which may hold its pipes),
+    /// until the deadline where there is one; `None` where the deadline passed (the child is
+    /// killed).
+    fn wait(&self, child: &mut Child) -> Result<Option<ExitStatus>, ChildTrialError> {
+        let Some(deadline) = self.deadline else {
+            return child.wait().map(Some).map_err(ChildTrialError::Wait);
+        };
+        let until = Instant::now() + deadline;
+        loop {
+            if let Some(status) = child.try_wait().map_err(ChildTrialError::Wait)? {
+                return Ok(Some(status));
+            }
+            let now = Instant::now();
+            if now >= until {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Ok(None);
+            }
+            std::thread::sleep((until - now).min(Duration::from_millis(10)));
+        }
+    }
+}
+
+/// What the trial used, in the room it had, as the limit that binds now counts (the trial may
+/// have set one after the start): `None` where the host reads nothing.
+fn used_in_the_room(start: Own, host: &HostMemory) -> Option<Used> {
+    let limit = host.limit()?;
+    let peak = host.memory().peak()?;
+    let at_start = start.counted_by(limit.kind);
+    let others = limit.in_use.saturating_sub(limit.own);
+    Some(Used {
+        room: round_down_to_mib(limit.total.saturating_sub(others).saturating_sub(at_start)),
+        held: limit.own.saturating_sub(at_start),
+        peak: peak.saturating_sub(at_start),
+    })
+}
+
+/// An out-of-memory the trial returned or panicked with: the figures its text states, or
+/// failing that what it used in the room it had (its peak as what it held at the failure),
+/// so that two children's figures read alike.
+fn out_of_memory(message: String, used: Option<Used>) -> Ended {
+    let stated = oom::figures(&message);
+    let figures = match used {
+        Some(used) if stated.total.is_none() && stated.free.is_none() => in_the_room(
+            Used {
+                held: used.peak,
+                ..used
+            },
+            stated.requested,
+        ),
+        _ => stated,
+    };
+    Ended::OutOfMemory { message, figures }
+}
+
+/// What an aborted child used: what it held at the abort beyond what it held at the start (its
+/// anonymous memory, against an address-space limit or the resident kinds), in the room it had.
+fn used_at_abort(at_abort: abort::AtAbort, limit: HostLimit, start: Own) -> Used {
+    let (kind, room) = match at_abort.address_space_limit {
+        // A limit in force at the abort binds, whichever bound at the start (the trial may
+        // have set it).
+        Some(total) => (
+            HostLimitKind::AddressSpace,
+            total.saturating_sub(start.virtual_size),
+        ),
+        None => (
+            limit.kind,
+            limit
+                .total
+                .saturating_sub(limit.in_use.saturating_sub(limit.own))
+                .saturating_sub(start.counted_by(limit.kind)),
+        ),
+    };
+    let held = at_abort.own.allocated_since(&start, kind);
+    Used {
+        room: round_down_to_mib(room),
+        held,
+        peak: held,
+    }
+}
+
+/// Children start alike but not to the byte, and a search reads two failures as one line only
+/// on the same total: the room is counted in whole MiB.
+fn round_down_to_mib(bytes: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    bytes / MIB * MIB
+}
+
+/// An out-of-memory's figures against the room a trial had: `free` is the room less what the
+/// trial held at the failure.
+fn in_the_room(used: Used, requested: Option<u64>) -> OutOfMemory {
+    OutOfMemory {
+        requested,
+        free: Some(used.room.saturating_sub(used.held)),
+        total: Some(used.room),
+        device: Some("cpu".to_owned()),
+    }
+}
+
+/// What the last child used, shared between a [`ChildTrial`] and the backend a search reads
+/// ([`ChildTrial::memory`]).
+#[derive(Debug, Clone, Default)]
+struct ChildMemory(Arc<Mutex<ChildFigures>>);
+
+#[derive(Debug, Default)]
+struct ChildFigures {
+    last: Option<Used>,
+    /// A child ended since the attempt started and no release came after it: its figures are
+    /// the attempt's end; otherwise what a fresh child has, all the room.
+    ended: bool,
+}
+
+impl ChildMemory {
+    fn ended(&self, used: Option<Used>) {
+        let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if used.is_some() {
+            figures.last = used;
+        }
+        figures.ended = true;
+    }
+
+    fn snapshot(&self, at_end: bool) -> MemorySnapshot {
+        let figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(used) = figures.last else {
+            return MemorySnapshot::default();
+        };
+        let (held, peak) = if at_end && figures.ended {
+            (used.held, Some(used.peak))
+        } else {
+            (0, None)
+        };
+        MemorySnapshot {
+            devices: vec![DeviceMemory {
+                device: "cpu".to_owned(),
+                total: used.room,
+                free: used.room.saturating_sub(held),
+                pool_reserved: Some(held),
+                pool_used: None,
+                peak,
+            }],
+        }
+    }
+}
+
+impl MemoryBackend for ChildMemory {
+    fn release(&self) -> Result<(), ReleaseError> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).ended = false;
+        Ok(())
+    }
+
+    fn memory(&self) -> MemorySnapshot {
+        self.snapshot(true)
+    }
+
+    fn start_attempt(&self) -> MemorySnapshot {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).ended = false;
+        self.snapshot(false)
+    }
+}
+
+/// A panic's message: the `&str` or `String` it carries.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a payload that is not text".to_owned())
+}
+
+/// What the child's stderr said of a failed allocation, and whether the pipe has closed.
+#[derive(Default)]
+struct AbortMessage {
+    /// The bytes of the last "memory allocation of N bytes failed"; whether the pipe closed.
+    state: Mutex<(Option<u64>, bool)>,
+    changed: Condvar,
+}
+
+impl AbortMessage {
+    /// Reads `line` for Rust's abort message ("memory allocation of N bytes failed"): the one
+    /// line of the child's output ever read, for a figure only, never for the outcome.
+    fn read(&self, line: &str) {
+        let requested = line
+            .trim()
+            .strip_prefix("memory allocation of ")
+            .and_then(|rest| rest.strip_suffix(" bytes failed"))
+            .and_then(|bytes| bytes.parse().ok());
+        if requested.is_some() {
+            self.state.lock().unwrap_or_else(PoisonError::into_inner).0 = requested;
+            self.changed.notify_all();
+        }
+    }
+
+    fn close(&self) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).1 = true;
+        self.changed.notify_all();
+    }
+
+    /// The bytes the abort message said, once the child has ended: waits until the pipe closes
+    /// or the message is there, at most `grace` (a process the child started may hold the pipe
+    /// open).
+    fn requested(&self, grace: Duration) -> Option<u64> {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, grace, |(requested, closed)| {
+                requested.is_none() && !*closed
+            })
+            .unwrap_or_else(PoisonError::into_inner);
+        state.0
+    }
+}
+
+/// Passes a pipe of the child's through, line by line, on a thread of its own that ends when
+/// the pipe closes (which a process the child started may put off: nothing waits for it).
+fn pass_through(
+    pipe: impl Read + Send + 'static,
+    write: impl Fn(&str) + Send + 'static,
+    abort_message: Option<Arc<AbortMessage>>,
+) -> std::io::Result<()> {
+    let forward = move || {
+        let mut reader = BufReader::new(pipe);
+        let mut line = Vec::new();
+        let mut passing = true;
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    let text = String::from_utf8_lossy(&line);
+                    // `print!` panics where this process's own output is closed (a pipe whose
+                    // reader left): the child's output is then read and dropped, so that the
+                    // child never blocks on a full pipe.
+                    if passing {
+                        passing = panic::catch_unwind(AssertUnwindSafe(|| write(&text))).is_ok();
+                    }
+                    if let Some(abort_message) = &abort_message {
+                        abort_message.read(&text);
+                    }
+                }
+            }
+        }
+        if let Some(abort_message) = &abort_message {
+            abort_message.close();
+        }
+    };
+    std::thread::Builder::new()
+        .name("batch-size-child-output".to_owned())
+        .spawn(forward)
+        .map(drop)
+}
+
+/// Removes the report's files when the trial is over, whichever way `run` returns.
+struct RemoveOnDrop(Vec<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn describe_status(status: ExitStatus) -> String {
+    match (status.code(), ended_by_signal(status)) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(how)) => how,
+        (None, None) => status.to_string(),
+    }
+}
+
+#[cfg(unix)]
+fn ended_by_signal(status: ExitStatus) -> Option<String> {
+    use std::os::unix::process::ExitStatusExt;
+    let signal = status.signal()?;
+    Some(match signal {
+        6 => "SIGABRT (a failed allocation aborts a Rust process)".to_owned(),
+        9 => "SIGKILL (the kernel's out-of-memory killer, or a kill)".to_owned(),
+        11 => "SIGSEGV".to_owned(),
+        other => format!("signal {other}"),
+    })
+}
+
+#[cfg(not(unix))]
+fn ended_by_signal(status: ExitStatus) -> Option<String> {
+    // Windows: an abort exits with code 3, a failed allocation with 0xC0000017 (no memory).
+    match status.code() {
+        Some(3) => Some("an abort".to_owned()),
+        Some(code) if code as u32 == 0xC000_0017 => Some("STATUS_NO_MEMORY".to_owned()),
+        _ => None,
+    }
+}
+
+/// The arguments, as a person would type them.
+struct Args<'a>(&'a [OsString]);
+
+impl fmt::Display for Args<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("no arguments");
+        }
+        for (index, arg) in self.0.iter().enumerate() {
+            if index > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{}", arg.to_string_lossy())?;
+        }
+        Ok(())
+    }
+}
+
+/// How a [`ChildTrial`] failed. [`Died`](Self::Died) and [`OutOfMemory`](Self::OutOfMemory)
+/// are out-of-memory (a search retries smaller); the others come back from a search unchanged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChildTrialError {
+    /// The child was ended by a signal after the trial started, before it reported how the
+    /// trial ended: counted as out-of-memory. Its figures, where the child left them: the bytes
+    /// Rust's abort message says it asked for, and what the child held at the abort, in the
+    /// room it had (the limit less what the process held before the trial).
+    #[error("the trial's child process at batch size {batch_size} was ended by {how}")]
+    Died {
+        /// The size the child ran.
+        batch_size: usize,
+        /// The signal.
+        how: String,
+        /// What makes it out-of-memory to the classification, with the figures.
+        #[source]
+        out_of_memory: OutOfMemory,
+    },
+    /// The child's trial returned or panicked with an out-of-memory.
+    #[error(
+        "the trial's child process at batch size {batch_size} ran out of memory{}: {message}",
+        FiguresFirst(figures)
+    )]
+    OutOfMemory {
+        /// The size the child ran.
+        batch_size: usize,
+        /// The error's or the panic's text, whole.
+        message: String,
+        /// The figures: those its text states, else the host's in the room the trial had.
+        #[source]
+        figures: OutOfMemory,
+    },
+    /// The child's trial returned an error, or panicked, otherwise: its text, whole.
+    #[error("the trial's child process at batch size {batch_size} failed: {message}")]
+    Failed {
+        /// The size the child ran.
+        batch_size: usize,
+        /// Its exit code.
+        status: Option<i32>,
+        /// The error's or the panic's text, whole.
+        message: String,
+    },
+    /// The child ended without starting the trial: its arguments did not lead it to
+    /// [`ChildTrial::serve`] for this trial (a test's name misspelt, `--ignored` missing, a
+    /// `main` that does not call `serve` first). Never a fit.
+    #[error(
+        "the trial's child process at batch size {batch_size} ended ({status}) without starting \
+         trial `{name}`: started with {}, it never reached ChildTrial::serve for it (check the \
+         test's exact name and --ignored, or that main calls serve first)",
+        Args(args)
+    )]
+    NotStarted {
+        /// The size asked for.
+        batch_size: usize,
+        /// The trial's name.
+        name: String,
+        /// The arguments the child was started with.
+        args: Vec<OsString>,
+        /// How it ended.
+        status: String,
+    },
+    /// The trial ran past [`ChildTrial::with_deadline`]; the child was killed.
+    #[error("the trial's child process at batch size {batch_size} ran past its deadline of {deadline:?} and was killed")]
+    DeadlinePassed {
+        /// The size the child ran.
+        batch_size: usize,
+        /// The deadline.
+        deadline: Duration,
+    },
+    /// The child could not write its report.
+    #[error("the trial's child process at batch size {batch_size} could not write its report to {}", path.display())]
+    NoReport {
+        /// The size the child ran.
+        batch_size: usize,
+        /// Where it was to write it.
+        path: PathBuf,
+    },
+    /// The child could not be started.
+    #[error("could not start the trial's child process: {0}")]
+    Start(#[source] std::io::Error),
+    /// Waiting for the child failed.
+    #[error("could not wait for the trial's child process: {0}")]
+    Wait(#[source] std::io::Error),
+    /// No size fit (what a search returns through this type).
+    #[error(transparent)]
+    NoSizeFits(#[from] NoExecutableBatchSize),
+}
+
+/// The figures of an out-of-memory first in its text, ` (out of device memory on cpu: tried
+/// to allocate ... with ... free of ...)`, so that a search reads them before any words of the
+/// message; nothing where there are none.
+struct FiguresFirst<'a>(&'a OutOfMemory);
+
+impl fmt::Display for FiguresFirst<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 == &OutOfMemory::new() {
+            return Ok(());
+        }
+        write!(f, " ({})", self.0)
+    }
+}

@@ -1,0 +1,161 @@
+//! candle on the CPU, an MLP's training step (784 → 2048 → 2048 → 10, forward and backward)
+//! under an address-space limit, sized through the attribute with a child per attempt, under
+//! `cargo test` without `--nocapture`: each failed size aborts its child, whose figures (the
+//! bytes its abort message asked for, what it held then) guide the search. The test then finds
+//! the largest size that fits in a fresh process by bisection and prints beside it the sizes of
+//! the attribute (with and without `release = trial.memory()`), halving's rung and the tuner
+//! (with and without the children's figures). Figures from one run are in docs/FRAMEWORKS.md.
+//!
+//! Ignored: a debug build's matrix products make each child take seconds. Run it in release
+//! (about 2 minutes, the build aside), `--nocapture` to see the table:
+//! `cargo test --release -p batch-size-examples --test candle_cpu_child_mlp -- --ignored mlp --nocapture`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+#[cfg(target_os = "linux")]
+#[path = "../../batch-size-runtime/tests/common/address_space.rs"]
+mod address_space;
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use batch_size_runtime::{
+        find_executable_batch_size, last_report, ChildTrial, ChildTrialError, Release, Tuner,
+    };
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use super::address_space;
+
+    /// Address space the child has beyond what it holds once started.
+    const ROOM: u64 = 384 << 20;
+
+    const STARTING: usize = 8192;
+
+    fn trial() -> ChildTrial {
+        ChildTrial::new("mlp_step").with_args(["--exact", "linux::child_mlp_step", "--ignored"])
+    }
+
+    /// One training step: forward, loss, backward.
+    fn step(batch_size: usize) -> candle_core::Result<()> {
+        let device = Device::Cpu;
+        let w1 = Var::randn(0f32, 0.02, (784, 2048), &device)?;
+        let w2 = Var::randn(0f32, 0.02, (2048, 2048), &device)?;
+        let w3 = Var::randn(0f32, 0.02, (2048, 10), &device)?;
+        let inputs = Tensor::randn(0f32, 1.0, (batch_size, 784), &device)?;
+        let hidden = inputs.matmul(w1.as_tensor())?.relu()?;
+        let hidden = hidden.matmul(w2.as_tensor())?.relu()?;
+        let logits = hidden.matmul(w3.as_tensor())?;
+        let loss = logits.sqr()?.mean_all()?;
+        let gradients = loss.backward()?;
+        let g1 = gradients.get(&w1).expect("w1 has a gradient");
+        let total = g1
+            .abs()?
+            .sum_all()?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
+        if !total.is_finite() {
+            candle_core::bail!("the gradient is not finite");
+        }
+        Ok(())
+    }
+
+    #[test]
+    #[ignore = "a child process of mlp_sized_in_children: run by it with --ignored"]
+    fn child_mlp_step() {
+        trial().serve(|batch_size| -> anyhow::Result<()> {
+            address_space::leave_room(ROOM)?;
+            step(batch_size)?;
+            Ok(())
+        });
+        panic!("run only as a ChildTrial's child: it sets the batch size");
+    }
+
+    #[find_executable_batch_size(starting = STARTING, release = Release::none())]
+    fn sized(batch_size: usize) -> Result<usize, ChildTrialError> {
+        trial().run(batch_size)
+    }
+
+    #[find_executable_batch_size(starting = STARTING, release = trial.memory())]
+    fn sized_with_figures(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+        trial.run(batch_size)
+    }
+
+    #[test]
+    #[ignore = "seconds a child in a debug build: run in release (see the file's docs)"]
+    fn mlp_sized_in_children() {
+        // One glibc arena: each thread's own arena reserves 64 MiB of address space when that
+        // thread first allocates, which makes the size that fits vary from child to child
+        // with the threads' timing. Set before the first child starts, the only thread here.
+        std::env::set_var("MALLOC_ARENA_MAX", "1");
+        let fitted = sized().unwrap();
+        let report = last_report().unwrap();
+        let attempts = report.attempts().count();
+        let smallest_failed = report
+            .attempts()
+            .filter(|attempt| !attempt.outcome.is_success())
+            .map(|attempt| attempt.batch_size)
+            .min()
+            .unwrap_or(STARTING + 1);
+        // The largest size that fits in a fresh process, between the fit and the failure.
+        let (mut fits, mut fails) = (fitted, smallest_failed);
+        while fails - fits > 1 {
+            let middle = fits + (fails - fits) / 2;
+            match trial().run(middle) {
+                Ok(_) => fits = middle,
+                Err(ChildTrialError::Died { .. }) => fails = middle,
+                Err(other) => panic!("{other}"),
+            }
+        }
+        let halving = (0..)
+            .map(|halvings| STARTING >> halvings)
+            .find(|&rung| rung <= fits)
+            .unwrap();
+        let table: Vec<String> = report
+            .attempts()
+            .map(|attempt| format!("{} {:?}", attempt.batch_size, attempt.outcome))
+            .collect();
+        // The tuner, which grows, with and without the children's figures.
+        let tuner = |release: Release| {
+            let tuned = Tuner::new()
+                .with_release(release)
+                .run(|batch_size| trial().run(batch_size))
+                .unwrap();
+            (tuned.batch_size(), tuned.report().len())
+        };
+        let blind = tuner(Release::none());
+        let figures_trial = trial();
+        let with_figures = {
+            let tuned = Tuner::new()
+                .with_release(figures_trial.memory())
+                .run(|batch_size| figures_trial.run(batch_size))
+                .unwrap();
+            (tuned.batch_size(), tuned.report().len())
+        };
+        // The attribute again, with the children's figures as its release.
+        let attribute_figures = sized_with_figures(&trial()).unwrap();
+        eprintln!(
+            "candle MLP on the CPU, {} MiB of address space, the largest size that fits {fits}:\n\
+             the attribute, a child per attempt: {fitted} in {attempts} attempts ({:.3}); \
+             with release = trial.memory(): {attribute_figures} ({:.3});\n\
+             halving's {halving} ({:.3}); the tuner: {} in {} trials ({:.3}), with the \
+             children's figures {} in {} trials ({:.3})\n{}",
+            ROOM >> 20,
+            fitted as f64 / fits as f64,
+            attribute_figures as f64 / fits as f64,
+            halving as f64 / fits as f64,
+            blind.0,
+            blind.1,
+            blind.0 as f64 / fits as f64,
+            with_figures.0,
+            with_figures.1,
+            with_figures.0 as f64 / fits as f64,
+            table.join("\n")
+        );
+        // Every child that aborted left its figures: what it asked for, what it held, its room.
+        for attempt in report
+            .attempts()
+            .filter(|attempt| !attempt.outcome.is_success())
+        {
+            assert!(attempt.requested.is_some(), "{attempt:?}");
+        }
+    }
+}
