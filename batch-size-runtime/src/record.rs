@@ -57,6 +57,13 @@ pub enum Outcome {
     },
     /// It panicked with something that is not out-of-memory: the panic was resumed.
     Panicked,
+    /// Its first step ran and reported itself ([`step_done`](crate::step_done)), and the step's
+    /// figures showed that a larger size fits: the attempt was ended there, and the function ran
+    /// again at `to`. The size fits (one step of it ran); `memory_at_end` holds the figures read.
+    Grew {
+        /// The size the function ran at next.
+        to: usize,
+    },
 }
 
 /// One call of the attempt.
@@ -128,6 +135,7 @@ impl fmt::Display for Attempt {
             Outcome::OutOfMemory { error } => write!(f, "out of memory ({error})")?,
             Outcome::Failed { error } => write!(f, "failed ({error})")?,
             Outcome::Panicked => f.write_str("panicked")?,
+            Outcome::Grew { to } => write!(f, "its first step fit; grown to {to}")?,
         }
         write!(f, " in {:.3?}", self.duration)
     }
@@ -356,7 +364,7 @@ impl SearchReport {
                         }),
                 );
             }
-            Outcome::Failed { .. } | Outcome::Panicked => {}
+            Outcome::Failed { .. } | Outcome::Panicked | Outcome::Grew { .. } => {}
         }
         match &mut self.last {
             // The first attempt goes in place: the common search of one attempt copies nothing.

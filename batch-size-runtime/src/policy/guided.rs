@@ -3,9 +3,9 @@
 //! taking more than three attempts more than halving.
 
 use super::evidence::Evidence;
-use super::{Decision, SizePolicy};
+use super::{Decision, GrowRule, SizePolicy, StepFigures};
 use crate::error::StopReason;
-use crate::memory::Bytes;
+use crate::memory::{Bytes, MemorySnapshot};
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Chooses each next size from the evidence of the failures so far, never ending below the size
@@ -441,9 +441,109 @@ fn ladder(first: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(first), |&rung| Some(rung / 2)).take_while(|&rung| rung > 0)
 }
 
+/// What a step measured: the attempt's own peak (the pool's peak less what the pool held in use
+/// at the attempt's start) against its room (free at the start, plus what the pool held there
+/// unallocated, which it reuses). `None` without a peak, or where the device changed.
+pub(crate) fn measured_step(
+    batch_size: usize,
+    at_start: Option<&MemorySnapshot>,
+    at_end: Option<&MemorySnapshot>,
+) -> Option<StepFigures> {
+    let start = at_start?.devices.first()?;
+    let end = at_end?.devices.first()?;
+    if start.total != end.total || start.total == 0 || batch_size == 0 {
+        return None;
+    }
+    let used_in_pool = start
+        .pool_used
+        .unwrap_or_else(|| start.total.saturating_sub(start.free));
+    let held_unallocated = start
+        .pool_reserved
+        .zip(start.pool_used)
+        .map_or(0, |(reserved, used)| reserved.saturating_sub(used));
+    let peak = end.peak?.saturating_sub(used_in_pool);
+    let room = start.free.saturating_add(held_unallocated).min(start.total);
+    (peak > 0 && room > 0).then_some(StepFigures::new(batch_size, peak, room))
+}
+
+/// The share of a size estimated from measured steps kept: a measured peak is the whole step,
+/// not a bound, so less is kept back than from a failure; what remains covers allocator
+/// rounding and steps that vary by a few percent.
+const GROWN_KEEP: f64 = 0.97;
+
+/// The size the measured steps point to: from one step, the size at which its peak would fill
+/// the room if it grew as the batch squared (the fastest growth the policy allows for; a linear
+/// step or a fixed part only fits more), so a grown size is never above the limit for such a
+/// step; from two steps at different sizes, the line through their peaks (`fixed + k × size`),
+/// or where the line bends up (a negative fixed part: a `batch²` term), the smaller of the
+/// line's size and a power law's through the two.
+fn grown_size(step: &StepFigures, earlier: &[StepFigures]) -> Option<usize> {
+    let (size, peak, room) = (step.batch_size as f64, step.peak as f64, step.room as f64);
+    let other = earlier
+        .iter()
+        .filter(|other| {
+            other.batch_size != step.batch_size
+                && (other.room as f64 - room).abs() <= 0.02 * room
+        })
+        .max_by_key(|other| other.batch_size);
+    let fit = match other {
+        None => size * (room / peak).sqrt(),
+        Some(other) => {
+            let (x0, y0) = (other.batch_size as f64, other.peak as f64);
+            let slope = (peak - y0) / (size - x0);
+            if slope <= 0.0 {
+                // The peak did not grow with the size: the figures cannot say how it grows.
+                return None;
+            }
+            let fixed = peak - slope * size;
+            let line = (room - fixed) / slope;
+            if fixed >= 0.0 {
+                line
+            } else {
+                let exponent = (peak / y0).ln() / (size / x0).ln();
+                let power = size * (room / peak).powf(1.0 / exponent.max(1.0));
+                line.min(power)
+            }
+        }
+    };
+    let fit = (fit * GROWN_KEEP).floor();
+    (fit.is_finite() && fit > size).then(|| fit.min(usize::MAX as f64) as usize)
+}
+
+/// The steps measured so far in this search: the attempts that grew.
+fn grown_steps(history: &SearchReport) -> impl Iterator<Item = (&Attempt, StepFigures)> {
+    history.attempts().filter_map(|attempt| {
+        matches!(attempt.outcome, Outcome::Grew { .. })
+            .then(|| {
+                measured_step(
+                    attempt.batch_size,
+                    attempt.memory_at_start.as_ref(),
+                    attempt.memory_at_end.as_ref(),
+                )
+            })
+            .flatten()
+            .map(|step| (attempt, step))
+    })
+}
+
 impl SizePolicy for Guided {
     fn accepts_every_success(&self) -> bool {
         true
+    }
+
+    /// After a step, the size its figures point to (see [`grown_size`]); not once a grown
+    /// size ran out of memory (the figures overshot once: the search returns to the size that
+    /// fit and stays).
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        let mut grew = false;
+        for attempt in history.attempts() {
+            grew |= matches!(attempt.outcome, Outcome::Grew { .. });
+            if grew && attempt.outcome.is_out_of_memory() {
+                return None;
+            }
+        }
+        let earlier: Vec<StepFigures> = grown_steps(history).map(|(_, step)| step).collect();
+        Some(Box::new(move |step| grown_size(step, &earlier)))
     }
 
     fn check(&self) -> Result<(), String> {
@@ -461,10 +561,37 @@ impl SizePolicy for Guided {
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
+        if let Outcome::Grew { to } = last.outcome {
+            self.rationale = Some(format!(
+                "the first step with batch size {} fit, and its peak says {to} fits",
+                last.batch_size
+            ));
+            return Decision::Try(to);
+        }
         if !matches!(last.outcome, Outcome::OutOfMemory { .. }) {
             return Decision::Accept;
         }
         let size = last.batch_size;
+        // A size grown to from measured steps failed: a later step needed more than the first
+        // (state created at the first optimizer step), so every measured step may understate
+        // the function. Back, once, to the size the search had reached before growing; a
+        // failure there is read as any other.
+        let failures_since_growing = history
+            .attempts()
+            .skip_while(|attempt| !matches!(attempt.outcome, Outcome::Grew { .. }))
+            .filter(|attempt| attempt.outcome.is_out_of_memory())
+            .count();
+        if failures_since_growing == 1 {
+            if let Some(before) = grown_steps(history)
+                .map(|(attempt, _)| attempt.batch_size)
+                .find(|&before| before < size)
+            {
+                self.rationale = Some(format!(
+                    "batch size {size}, grown to from measured steps, ran out of memory: back to {before}, the size before growing"
+                ));
+                return Decision::Try(before);
+            }
+        }
         let first = history
             .attempts()
             .next()

@@ -1,0 +1,241 @@
+//! `step_done()`: after the first step of an attempt, the search reads the step's peak and runs
+//! the function again at a larger size where the figures show one fits, below every failure;
+//! in every form the attribute accepts (any error type, sync and async, methods), never outside
+//! a search, never under an agreement, and with the user's own errors unchanged.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+#[path = "common/block_on.rs"]
+mod block_on;
+
+use batch_size_runtime::{
+    find_executable_batch_size, last_report, memory::SimulatedDevice, step_done, BatchSizeSearch,
+    OutOfMemory, Outcome, SearchReport,
+};
+use block_on::block_on;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// 2 GiB of weights, then 24 layers of 5 MiB a sample: each failure comes part-way through the
+/// step, so failures alone say little more than "smaller". 119 fit on 16 GiB.
+fn layered_step(device: &SimulatedDevice, batch_size: usize) -> Result<(), OutOfMemory> {
+    let mut held = vec![device.alloc(2 * GIB)?];
+    for _ in 0..24 {
+        held.push(device.alloc(batch_size as u64 * 5 * MIB)?);
+    }
+    Ok(())
+}
+
+const LAYERED_FIT: usize = 119;
+
+/// Memory freed within an attempt is reused at once, as PyTorch's allocator does, so that the
+/// function may run several steps.
+fn device() -> SimulatedDevice {
+    SimulatedDevice::new(16 * GIB)
+}
+
+fn grew(report: &SearchReport) -> usize {
+    report
+        .attempts()
+        .filter(|attempt| matches!(attempt.outcome, Outcome::Grew { .. }))
+        .count()
+}
+
+#[find_executable_batch_size(starting = 1000, release = device.clone())]
+fn train(batch_size: usize, device: &SimulatedDevice, calls: bool) -> Result<usize, OutOfMemory> {
+    for _step in 0..3 {
+        layered_step(device, batch_size)?;
+        if calls {
+            step_done();
+        }
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn the_call_grows_to_near_the_limit_where_failures_alone_do_not() {
+    let alone = train(&device(), false).unwrap();
+    let alone_report = last_report().unwrap();
+    assert_eq!(grew(&alone_report), 0);
+
+    let grown = train(&device(), true).unwrap();
+    let report = last_report().unwrap();
+    assert!(grew(&report) >= 1, "{report}");
+    assert!(grown <= LAYERED_FIT, "{report}");
+    assert!(grown as f64 >= 0.93 * LAYERED_FIT as f64, "{grown}: {report}");
+    assert!(grown > alone, "{grown} with the call, {alone} without");
+    // Every grown size is below every size that failed.
+    let failed = report.smallest_out_of_memory().unwrap();
+    assert!(report.attempts().all(|attempt| match attempt.outcome {
+        Outcome::Grew { to } => to < failed,
+        _ => true,
+    }));
+    // The attempt that grew says so, and the figures it read are kept.
+    let first_grown = report
+        .attempts()
+        .find(|attempt| matches!(attempt.outcome, Outcome::Grew { .. }))
+        .unwrap();
+    assert!(first_grown.memory_at_end.is_some());
+    assert!(first_grown.to_string().contains("grown to"), "{first_grown}");
+}
+
+#[test]
+fn nothing_happens_outside_a_search_or_after_the_first_step() {
+    step_done();
+    step_done();
+    // A search whose attempts call it many times: one growth at most per attempt.
+    let device = device();
+    let mut calls = 0;
+    let fitted = BatchSizeSearch::new(64)
+        .with_release(device.clone())
+        .run(|batch_size| -> anyhow::Result<usize> {
+            for _ in 0..5 {
+                layered_step(&device, batch_size)?;
+                calls += 1;
+                step_done();
+            }
+            Ok(batch_size)
+        })
+        .unwrap();
+    let report = last_report().unwrap();
+    // 64 fit: it grew, then ran whole at the size grown to.
+    assert!(fitted > 64 && fitted <= LAYERED_FIT, "{report}");
+    assert_eq!(
+        calls,
+        grew(&report) + 5,
+        "each grown attempt ends at its first step: {report}"
+    );
+}
+
+#[test]
+fn never_above_max() {
+    let device = device();
+    let fitted = BatchSizeSearch::new(40)
+        .with_max(50)
+        .with_release(device.clone())
+        .run(|batch_size| -> anyhow::Result<usize> {
+            layered_step(&device, batch_size)?;
+            step_done();
+            Ok(batch_size)
+        })
+        .unwrap();
+    assert_eq!(fitted, 50, "{}", last_report().unwrap());
+}
+
+#[test]
+fn without_figures_it_does_nothing() {
+    let device = device();
+    let fitted = BatchSizeSearch::new(64)
+        .run(|batch_size| -> anyhow::Result<usize> {
+            layered_step(&device, batch_size)?;
+            step_done();
+            Ok(batch_size)
+        })
+        .unwrap();
+    assert_eq!(fitted, 64);
+    assert_eq!(last_report().unwrap().len(), 1);
+}
+
+#[derive(Debug, thiserror::Error)]
+enum TrainError {
+    #[error(transparent)]
+    Memory(#[from] OutOfMemory),
+    #[error("corrupt shard")]
+    Corrupt,
+}
+
+#[find_executable_batch_size(starting = 64, release = device.clone())]
+fn fails_later(batch_size: usize, device: &SimulatedDevice) -> Result<usize, TrainError> {
+    layered_step(device, batch_size)?;
+    step_done();
+    if batch_size > 64 {
+        return Err(TrainError::Corrupt);
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn the_users_own_error_comes_back_unchanged_after_a_growth() {
+    let result = fails_later(&device());
+    assert!(matches!(result, Err(TrainError::Corrupt)), "{result:?}");
+    let report = last_report().unwrap();
+    assert!(grew(&report) >= 1, "{report}");
+}
+
+#[find_executable_batch_size(starting = 1000, release = device.clone())]
+async fn train_async(batch_size: usize, device: &SimulatedDevice) -> anyhow::Result<usize> {
+    for _step in 0..2 {
+        std::future::ready(()).await;
+        layered_step(device, batch_size)?;
+        step_done();
+    }
+    Ok(batch_size)
+}
+
+#[test]
+fn async_functions_grow() {
+    let fitted = block_on(train_async(&device())).unwrap();
+    let report = last_report().unwrap();
+    assert!(grew(&report) >= 1, "{report}");
+    assert!(
+        fitted <= LAYERED_FIT && fitted as f64 >= 0.93 * LAYERED_FIT as f64,
+        "{report}"
+    );
+}
+
+struct Trainer {
+    device: SimulatedDevice,
+    steps: usize,
+}
+
+impl Trainer {
+    #[find_executable_batch_size(starting = 1000, release = self.device.clone())]
+    fn train(&mut self, batch_size: usize) -> Result<usize, OutOfMemory> {
+        layered_step(&self.device, batch_size)?;
+        self.steps += 1;
+        step_done();
+        Ok(batch_size)
+    }
+}
+
+#[test]
+fn methods_grow() {
+    let mut trainer = Trainer {
+        device: device(),
+        steps: 0,
+    };
+    let fitted = trainer.train().unwrap();
+    let report = last_report().unwrap();
+    assert!(grew(&report) >= 1, "{report}");
+    assert!(fitted <= LAYERED_FIT && fitted as f64 >= 0.93 * LAYERED_FIT as f64);
+    assert_eq!(trainer.steps, grew(&report) + 1);
+}
+
+/// A step whose later steps need more than its first (Adam's moments appear at the first
+/// optimizer step): the size grown to from the first step fails in the second, and the search
+/// returns to the size it had reached before growing, with that one failure.
+#[test]
+fn a_grown_size_that_fails_returns_to_the_size_that_fit() {
+    let device = SimulatedDevice::new(16 * GIB);
+    let fitted = BatchSizeSearch::new(40)
+        .with_release(device.clone())
+        .run(|batch_size| -> anyhow::Result<usize> {
+            let _weights = device.alloc(2 * GIB)?;
+            let mut moments = None;
+            for _ in 0..2 {
+                let activations = device.alloc(batch_size as u64 * 190 * MIB)?;
+                drop(activations);
+                if moments.is_none() {
+                    moments = Some(device.alloc(6 * GIB)?);
+                }
+                step_done();
+            }
+            Ok(batch_size)
+        })
+        .unwrap();
+    let report = last_report().unwrap();
+    assert_eq!(report.out_of_memory_count(), 1, "{report}");
+    assert!(grew(&report) >= 1, "{report}");
+    assert_eq!(fitted, 40, "{report}");
+}
