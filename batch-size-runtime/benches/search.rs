@@ -382,13 +382,18 @@ fn growth_table() {
                 let halving = (rows[0].found, rows[0].attempts);
                 let cells: Vec<String> = rows
                     .iter()
-                    .map(|row| {
+                    .enumerate()
+                    .map(|(column, row)| {
                         let mut cell = format!(
                             "{} in {} ({:.2})",
                             row.found,
                             row.attempts,
                             row.found as f64 / fit as f64
                         );
+                        // The door this table is about: the sizes it ran.
+                        if column == 3 {
+                            cell.push_str(&format!(": {}", shown(&row.tried)));
+                        }
                         if row.found < halving.0 {
                             cell.push_str(" **below halving**");
                         }

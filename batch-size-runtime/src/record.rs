@@ -117,6 +117,10 @@ pub struct Attempt {
     /// The remedies in force during this attempt ("activation checkpointing, context length
     /// 1024"), where a search applies any ([`Remedies`](crate::remedies::Remedies)); `None` otherwise.
     pub remedies: Option<String>,
+    /// Whether the function reported a step with [`step_done`](crate::step_done) in an attempt
+    /// watched for growing before the attempt ended: where it then ran out of memory, a later
+    /// step needed more than the first.
+    pub first_step_done: bool,
 }
 
 impl fmt::Display for Attempt {

@@ -368,10 +368,11 @@ impl Search<'_> {
         StepWatch::new(batch_size, at_start.clone(), self.release.clone(), ceiling, rule)
     }
 
-    /// The running attempt's watch, for the driver to put in place while it runs.
+    /// The running attempt's watch, for the driver to put in place while it runs; the search
+    /// keeps it to record whether the first step ran.
     #[inline]
-    pub(crate) fn step_watch(&mut self) -> Option<Arc<StepWatch>> {
-        self.watch.take()
+    pub(crate) fn step_watch(&self) -> Option<Arc<StepWatch>> {
+        self.watch.clone()
     }
 
     /// The attempt's first step fit and its figures showed room for `grown.to`: the attempt is
@@ -379,7 +380,6 @@ impl Search<'_> {
     /// lent the rule) answers the next size, held to the engine's rules. A policy that answers
     /// no larger size runs the size that fit again.
     fn record_growth(&mut self, grown: Grown) {
-        self.watch = None;
         let mut attempt = self.finish_attempt(Outcome::Grew { to: grown.to });
         attempt.memory_at_end = non_empty(grown.memory);
         let number = attempt.number;
@@ -518,6 +518,7 @@ impl Search<'_> {
             requested: None,
             rationale: self.rationale.take(),
             remedies,
+            first_step_done: self.watch.take().is_some_and(|watch| watch.measured()),
         }
     }
 

@@ -139,6 +139,11 @@ impl StepWatch {
         })
     }
 
+    /// Whether the attempt's first step was reported.
+    pub(crate) fn measured(&self) -> bool {
+        self.measured.load(Ordering::Relaxed)
+    }
+
     #[cold]
     #[inline(never)]
     fn first_step(&self) {

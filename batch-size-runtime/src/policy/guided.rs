@@ -543,7 +543,14 @@ impl SizePolicy for Guided {
             }
         }
         let earlier: Vec<StepFigures> = grown_steps(history).map(|(_, step)| step).collect();
-        Some(Box::new(move |step| grown_size(step, &earlier)))
+        // No closer to a size that failed than the margin kept from the estimate: a failure
+        // just above a curved step's estimate says the curve bends there.
+        let below_failures = history
+            .smallest_out_of_memory()
+            .map_or(usize::MAX, |failed| (failed as f64 * GROWN_KEEP) as usize);
+        Some(Box::new(move |step| {
+            grown_size(step, &earlier).map(|size| size.min(below_failures))
+        }))
     }
 
     fn check(&self) -> Result<(), String> {
@@ -582,14 +589,20 @@ impl SizePolicy for Guided {
             .filter(|attempt| attempt.outcome.is_out_of_memory())
             .count();
         if failures_since_growing == 1 {
-            if let Some(before) = grown_steps(history)
+            let mut measured = grown_steps(history)
                 .map(|(attempt, _)| attempt.batch_size)
-                .find(|&before| before < size)
-            {
+                .filter(|&before| before < size);
+            let back = if last.first_step_done {
+                measured.next().map(|before| (before, "the size before growing"))
+            } else {
+                // It failed within its first step: the largest step measured ran that step.
+                measured.max().map(|largest| (largest, "the largest size whose first step ran"))
+            };
+            if let Some((back, which)) = back {
                 self.rationale = Some(format!(
-                    "batch size {size}, grown to from measured steps, ran out of memory: back to {before}, the size before growing"
+                    "batch size {size}, grown to from measured steps, ran out of memory: back to {back}, {which}"
                 ));
-                return Decision::Try(before);
+                return Decision::Try(back);
             }
         }
         let first = history

@@ -342,6 +342,7 @@ mod tests {
             requested: None,
             rationale: None,
             remedies: None,
+            first_step_done: false,
         }
     }
 
