@@ -469,7 +469,7 @@ pub(crate) fn measured_step(
 /// The share of a size estimated from measured steps kept: a measured peak is the whole step,
 /// not a bound, so less is kept back than from a failure; what remains covers allocator
 /// rounding and steps that vary by a few percent.
-const GROWN_KEEP: f64 = 0.97;
+pub(crate) const GROWN_KEEP: f64 = 0.97;
 
 /// The size the measured steps point to: from one step, the size at which its peak would fill
 /// the room if it grew as the batch squared (the fastest growth the policy allows for; a linear
@@ -477,7 +477,7 @@ const GROWN_KEEP: f64 = 0.97;
 /// step; from two steps at different sizes, the line through their peaks (`fixed + k × size`),
 /// or where the line bends up (a negative fixed part: a `batch²` term), the smaller of the
 /// line's size and a power law's through the two.
-fn grown_size(step: &StepFigures, earlier: &[StepFigures]) -> Option<usize> {
+pub(crate) fn grown_size(step: &StepFigures, earlier: &[StepFigures]) -> Option<usize> {
     let (size, peak, room) = (step.batch_size as f64, step.peak as f64, step.room as f64);
     let other = earlier
         .iter()
