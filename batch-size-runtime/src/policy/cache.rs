@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::memory::{MemorySnapshot, Release};
 use crate::policy::LadderControl;
-use crate::policy::{grown_size, measured_step, StepFigures};
+use crate::policy::{growth_shown, grown_size, measured_step, reached_by_failures, StepFigures};
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{CacheHit, Outcome, SearchReport};
 
@@ -93,6 +93,10 @@ pub struct CacheEntry {
     /// peak at `fits` it gives the step's line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub other_step: Option<(usize, u64)>,
+    /// A failure above `fits` and the bytes it had reached of its own, `(size, bytes)`: the one
+    /// that reached the most for its size. It tells a step that grows faster than a line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reached: Option<(usize, u64)>,
 }
 
 static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
@@ -308,6 +312,7 @@ impl CacheSlot {
             peak_at_fits: None,
             room: None,
             other_step: None,
+            failure_reached: None,
         });
     }
 
@@ -531,6 +536,12 @@ impl<P: SizePolicy> Cached<P> {
             .filter_map(measured)
             .max_by_key(|step| step.batch_size)
             .map(|step| (step.batch_size, step.peak));
+        // The failure that reached the most for its size, this search's or the entry's.
+        let failure_reached = reached_by_failures(history)
+            .into_iter()
+            .chain(earlier.and_then(|entry| entry.failure_reached))
+            .filter(|&(failed, _)| failed > fits)
+            .max_by(|a, b| (a.1 as f64 / a.0 as f64).total_cmp(&(b.1 as f64 / b.0 as f64)));
         let earlier_step = earlier
             .filter(|entry| entry.fits != fits && failed_at.is_none_or(|failed| entry.fits < failed))
             .and_then(|entry| Some((entry.fits, entry.peak_at_fits?)));
@@ -545,6 +556,7 @@ impl<P: SizePolicy> Cached<P> {
             peak_at_fits: at_fits.map(|step| step.peak),
             room: at_fits.map(|step| step.room),
             other_step: at_fits.and(grown.or(earlier_step)),
+            failure_reached,
         };
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
         self.slot.write(entry);
@@ -558,8 +570,9 @@ impl<P: SizePolicy> Cached<P> {
 }
 
 /// The size a cached entry's figures give in `room_now`: the step's line where the entry keeps
-/// two measured steps, else its peak at the size that fit grown as the default policy grows after
-/// a step; at least a few percent above the size that fit, below the size that failed there by
+/// two measured steps, else its peak at the size that fit grown as a line through it with a
+/// fixed part of zero or more (as the batch squared where a kept failure reached more than such
+/// a line does); at least a few percent above the size that fit, below the size that failed there by
 /// the estimate's margin, and never above `starting`. `None` where the figures give nothing
 /// larger, or are missing.
 fn figures_start(entry: &CacheEntry, room_now: u64, starting: usize) -> Option<usize> {
@@ -573,7 +586,8 @@ fn figures_start(entry: &CacheEntry, room_now: u64, starting: usize) -> Option<u
     let ceiling = entry.failed_at.map_or(starting, |failed| {
         (failed as f64 * super::guided::GROWN_KEEP) as usize
     });
-    let size = grown_size(&step, &other)?.min(ceiling).min(starting);
+    let exponent = growth_shown(&step, entry.failure_reached.as_slice());
+    let size = grown_size(&step, &other, exponent)?.min(ceiling).min(starting);
     (size as f64 >= entry.fits as f64 * 1.03 && size > entry.fits).then_some(size)
 }
 

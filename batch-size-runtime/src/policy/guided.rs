@@ -477,7 +477,11 @@ pub(crate) const GROWN_KEEP: f64 = 0.97;
 /// step; from two steps at different sizes, the line through their peaks (`fixed + k × size`),
 /// or where the line bends up (a negative fixed part: a `batch²` term), the smaller of the
 /// line's size and a power law's through the two.
-pub(crate) fn grown_size(step: &StepFigures, earlier: &[StepFigures]) -> Option<usize> {
+pub(crate) fn grown_size(
+    step: &StepFigures,
+    earlier: &[StepFigures],
+    exponent: f64,
+) -> Option<usize> {
     let (size, peak, room) = (step.batch_size as f64, step.peak as f64, step.room as f64);
     let other = earlier
         .iter()
@@ -487,7 +491,7 @@ pub(crate) fn grown_size(step: &StepFigures, earlier: &[StepFigures]) -> Option<
         })
         .max_by_key(|other| other.batch_size);
     let fit = match other {
-        None => size * (room / peak).sqrt(),
+        None => size * (room / peak).powf(1.0 / exponent),
         Some(other) => {
             let (x0, y0) = (other.batch_size as f64, other.peak as f64);
             let slope = (peak - y0) / (size - x0);
@@ -508,6 +512,32 @@ pub(crate) fn grown_size(step: &StepFigures, earlier: &[StepFigures]) -> Option<
     };
     let fit = (fit * GROWN_KEEP).floor();
     (fit.is_finite() && fit > size).then(|| fit.min(usize::MAX as f64) as usize)
+}
+
+/// Each failure of `history` with a device total, and the bytes it had reached of its own.
+pub(crate) fn reached_by_failures(history: &SearchReport) -> Vec<(usize, u64)> {
+    failures(history)
+        .iter()
+        .filter(|failure| failure.total.is_some())
+        .map(|failure| (failure.size, failure.reached()))
+        .collect()
+}
+
+/// How fast a step measured at one size may grow (the exponent of the size): linear (1) unless
+/// a failure above it had reached more than a line through the measured peak with a fixed
+/// part of zero or more can reach there (`peak × failed / size`), which only a step that grows
+/// faster does; then the batch squared (2), the fastest growth the policy allows for.
+pub(crate) fn growth_shown(step: &StepFigures, failures: &[(usize, u64)]) -> f64 {
+    let faster = failures.iter().any(|&(failed, reached)| {
+        failed > step.batch_size
+            && reached as f64 * PROOF_TOLERANCE
+                > step.peak as f64 * failed as f64 / step.batch_size as f64
+    });
+    if faster {
+        GROWTH_EXPONENT_BOUND
+    } else {
+        1.0
+    }
 }
 
 /// The steps measured so far in this search: the attempts that grew.
@@ -549,7 +579,7 @@ impl SizePolicy for Guided {
             .smallest_out_of_memory()
             .map_or(usize::MAX, |failed| (failed as f64 * GROWN_KEEP) as usize);
         Some(Box::new(move |step| {
-            grown_size(step, &earlier).map(|size| size.min(below_failures))
+            grown_size(step, &earlier, GROWTH_EXPONENT_BOUND).map(|size| size.min(below_failures))
         }))
     }
 
