@@ -239,3 +239,37 @@ fn a_grown_size_that_fails_returns_to_the_size_that_fit() {
     assert!(grew(&report) >= 1, "{report}");
     assert_eq!(fitted, 40, "{report}");
 }
+
+/// Under an agreement between ranks, no rank grows: each would measure its own step and grow on
+/// its own, and the ranks would run different sizes. Every rank keeps the agreed size.
+#[test]
+fn no_rank_grows_under_an_agreement() {
+    use batch_size_runtime::agree::{Agree, ThreadRanks};
+    use batch_size_runtime::policy::Guided;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let (sender, receiver) = mpsc::channel();
+    let world = ThreadRanks::with_timeout(2, Duration::from_secs(10));
+    for (collective, capacity) in world.into_iter().zip([200u64 << 20, 120 << 20]) {
+        let sender = sender.clone();
+        std::thread::spawn(move || {
+            let device = SimulatedDevice::new(capacity);
+            let result = BatchSizeSearch::new(32)
+                .with_release(device.clone())
+                .with_policy(Agree::new(Guided::new(), collective))
+                .run(|size| -> anyhow::Result<usize> {
+                    let _activations = device.alloc(size as u64 * MIB)?;
+                    step_done();
+                    Ok(size)
+                });
+            let grown = last_report().map_or(0, |report| grew(&report));
+            let _ = sender.send((result.map_err(|error| error.to_string()), grown));
+        });
+    }
+    drop(sender);
+    for _ in 0..2 {
+        let (result, grown) = receiver.recv_timeout(Duration::from_secs(20)).unwrap();
+        assert_eq!((result, grown), (Ok(32), 0));
+    }
+}
