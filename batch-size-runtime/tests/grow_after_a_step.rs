@@ -332,3 +332,34 @@ fn a_growth_is_logged_at_info_not_warn() {
         "{seen:#?}"
     );
 }
+
+/// `EffectiveBatch` and `Chunked` grow from their steps' figures themselves: `step_done` in
+/// them ends nothing.
+#[test]
+fn effective_batch_and_chunked_are_left_alone() {
+    let device = device();
+    let mut runner = batch_size_runtime::EffectiveBatch::new(64).with_release(device.clone());
+    runner
+        .step(|plan| -> anyhow::Result<()> {
+            layered_step(&device, plan.micro())?;
+            step_done();
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(grew(runner.last_step_report()), 0);
+    assert_eq!(runner.plan().micro(), 64);
+
+    let items: Vec<u32> = (0..256).collect();
+    let mut sizes = Vec::new();
+    batch_size_runtime::Chunked::new(items.len())
+        .with_starting(32)
+        .with_release(device.clone())
+        .for_each(|chunk| -> anyhow::Result<()> {
+            layered_step(&device, chunk.len())?;
+            sizes.push(chunk.len());
+            step_done();
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(sizes.iter().sum::<usize>(), items.len(), "every item once: {sizes:?}");
+}

@@ -327,6 +327,12 @@ impl<P: SizePolicy> PolicyWrapper for Probing<P> {
         }
     }
 
+    /// A runner that learns grows from its steps' figures itself, between steps: `step_done`
+    /// ends no attempt of it.
+    fn grow_after_a_step(&self, _history: &SearchReport) -> Option<crate::policy::GrowRule> {
+        None
+    }
+
     /// The figures of each step's success are what the runner learns from: one reading of
     /// the allocator's counters (no synchronize), only where it learns.
     fn reads_memory_after_success(&self) -> bool {
