@@ -367,9 +367,23 @@ fn growth_table() {
     println!("|---|---|---|{}", "---|".repeat(DOORS.len()));
     // Per door: (utilisation, worst, runs, failures, cases, below halving, over halving + 3)
     // for the benchmark's shapes [0] and the new ones [1].
-    let mut totals = vec![[(0.0f64, f64::INFINITY, 0usize, 0usize, 0usize, 0usize, 0usize); 2]; DOORS.len()];
+    let mut totals = vec![
+        [(
+            0.0f64,
+            f64::INFINITY,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+            0usize
+        ); 2];
+        DOORS.len()
+    ];
     let mut case = 0;
-    for (set, workloads) in [&Workload::ALL[..], &Workload::NEW[..]].into_iter().enumerate() {
+    for (set, workloads) in [&Workload::ALL[..], &Workload::NEW[..]]
+        .into_iter()
+        .enumerate()
+    {
         for &workload in workloads {
             let fit = workload.largest_fit(1.0);
             for factor in STARTS {

@@ -59,7 +59,10 @@ fn a_rerun_starts_at_the_size_the_kept_figures_give() {
     let (first, _) = layered("figures rerun", &dir, 1000);
     let (_, kept) = entry(&dir);
     assert_eq!(kept.fits, first);
-    assert!(kept.peak_at_fits.is_some() && kept.room == Some(16 * GIB), "{kept:?}");
+    assert!(
+        kept.peak_at_fits.is_some() && kept.room == Some(16 * GIB),
+        "{kept:?}"
+    );
 
     // Figures from one step: the peak grown as a line with a fixed part of zero or more, which
     // never overshoots such a step.
@@ -70,7 +73,10 @@ fn a_rerun_starts_at_the_size_the_kept_figures_give() {
     // Two measured steps give the line: near the limit, still in one run.
     let (third, tried) = layered("figures rerun", &dir, 1000);
     assert_eq!(tried, [third], "one run");
-    assert!(third <= FIT && third as f64 >= 0.95 * FIT as f64, "{second} then {third}");
+    assert!(
+        third <= FIT && third as f64 >= 0.95 * FIT as f64,
+        "{second} then {third}"
+    );
 }
 
 #[test]
@@ -88,7 +94,11 @@ fn a_figures_start_that_fails_returns_to_the_cached_size_and_is_never_run_again(
     clear_process_cache(); // read the edited file
 
     let (second, tried) = layered("figures fail", &dir, 1000);
-    assert_eq!(tried.len(), 2, "one failure, then the cached size: {tried:?}");
+    assert_eq!(
+        tried.len(),
+        2,
+        "one failure, then the cached size: {tried:?}"
+    );
     assert!(tried[0] > FIT, "{tried:?}");
     assert_eq!((tried[1], second), (first, first));
     let (_, kept) = entry(&dir);

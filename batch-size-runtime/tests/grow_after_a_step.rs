@@ -63,7 +63,10 @@ fn the_call_grows_to_near_the_limit_where_failures_alone_do_not() {
     let report = last_report().unwrap();
     assert!(grew(&report) >= 1, "{report}");
     assert!(grown <= LAYERED_FIT, "{report}");
-    assert!(grown as f64 >= 0.93 * LAYERED_FIT as f64, "{grown}: {report}");
+    assert!(
+        grown as f64 >= 0.93 * LAYERED_FIT as f64,
+        "{grown}: {report}"
+    );
     assert!(grown > alone, "{grown} with the call, {alone} without");
     // Every grown size is below every size that failed.
     let failed = report.smallest_out_of_memory().unwrap();
@@ -77,7 +80,10 @@ fn the_call_grows_to_near_the_limit_where_failures_alone_do_not() {
         .find(|attempt| matches!(attempt.outcome, Outcome::Grew { .. }))
         .unwrap();
     assert!(first_grown.memory_at_end.is_some());
-    assert!(first_grown.to_string().contains("grown to"), "{first_grown}");
+    assert!(
+        first_grown.to_string().contains("grown to"),
+        "{first_grown}"
+    );
 }
 
 #[test]
@@ -323,8 +329,9 @@ fn a_growth_is_logged_at_info_not_warn() {
     });
     let seen = infos.0.lock().unwrap().clone();
     assert!(
-        seen.iter().any(|(level, message)| *level == tracing::Level::INFO
-            && message.contains("the first step with batch size 64")),
+        seen.iter()
+            .any(|(level, message)| *level == tracing::Level::INFO
+                && message.contains("the first step with batch size 64")),
         "{seen:#?}"
     );
     assert!(
@@ -361,5 +368,9 @@ fn effective_batch_and_chunked_are_left_alone() {
             Ok(())
         })
         .unwrap();
-    assert_eq!(sizes.iter().sum::<usize>(), items.len(), "every item once: {sizes:?}");
+    assert_eq!(
+        sizes.iter().sum::<usize>(),
+        items.len(),
+        "every item once: {sizes:?}"
+    );
 }

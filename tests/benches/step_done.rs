@@ -18,19 +18,20 @@ fn after_the_first_step(c: &mut Criterion) {
     // A watched attempt (the default policy, a device with figures) whose first step filled the
     // device: the first call measures and finds no larger size; every later call is timed.
     let device = SimulatedDevice::new(1 << 30);
-    let result: anyhow::Result<()> = BatchSizeSearch::new(8)
-        .with_release(device.clone())
-        .run(|batch_size| {
-            let _held = device.alloc((batch_size as u64) << 27)?; // the whole device at 8
-            step_done();
-            c.bench_function("step_done after the first step", |b| {
-                b.iter(|| {
-                    step_done();
-                    black_box(())
-                })
+    let result: anyhow::Result<()> =
+        BatchSizeSearch::new(8)
+            .with_release(device.clone())
+            .run(|batch_size| {
+                let _held = device.alloc((batch_size as u64) << 27)?; // the whole device at 8
+                step_done();
+                c.bench_function("step_done after the first step", |b| {
+                    b.iter(|| {
+                        step_done();
+                        black_box(())
+                    })
+                });
+                Ok(())
             });
-            Ok(())
-        });
     assert!(result.is_ok(), "{result:?}");
 }
 

@@ -16,5 +16,5 @@ pub(crate) use active::{ActivePolicy, Hooks};
 pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
-pub use step::step_done;
 pub(crate) use settings::{settings_setters, Invalid, Settings};
+pub use step::step_done;

@@ -365,7 +365,13 @@ impl Search<'_> {
             return None;
         }
         let rule = self.policy.grow_after_a_step(&self.report)?;
-        StepWatch::new(batch_size, at_start.clone(), self.release.clone(), ceiling, rule)
+        StepWatch::new(
+            batch_size,
+            at_start.clone(),
+            self.release.clone(),
+            ceiling,
+            rule,
+        )
     }
 
     /// The running attempt's watch, for the driver to put in place while it runs; the search

@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::memory::{MemorySnapshot, Release};
 use crate::policy::LadderControl;
-use crate::policy::{growth_shown, grown_size, measured_step, reached_by_failures, StepFigures};
+use crate::policy::{grown_size, growth_shown, measured_step, reached_by_failures, StepFigures};
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{CacheHit, Outcome, SearchReport};
 
@@ -543,7 +543,9 @@ impl<P: SizePolicy> Cached<P> {
             .filter(|&(failed, _)| failed > fits)
             .max_by(|a, b| (a.1 as f64 / a.0 as f64).total_cmp(&(b.1 as f64 / b.0 as f64)));
         let earlier_step = earlier
-            .filter(|entry| entry.fits != fits && failed_at.is_none_or(|failed| entry.fits < failed))
+            .filter(|entry| {
+                entry.fits != fits && failed_at.is_none_or(|failed| entry.fits < failed)
+            })
             .and_then(|entry| Some((entry.fits, entry.peak_at_fits?)));
         let entry = CacheEntry {
             key: self.slot.key.clone(),
@@ -587,7 +589,9 @@ fn figures_start(entry: &CacheEntry, room_now: u64, starting: usize) -> Option<u
         (failed as f64 * super::guided::GROWN_KEEP) as usize
     });
     let exponent = growth_shown(&step, entry.failure_reached.as_slice());
-    let size = grown_size(&step, &other, exponent)?.min(ceiling).min(starting);
+    let size = grown_size(&step, &other, exponent)?
+        .min(ceiling)
+        .min(starting);
     (size as f64 >= entry.fits as f64 * 1.03 && size > entry.fits).then_some(size)
 }
 

@@ -486,8 +486,7 @@ pub(crate) fn grown_size(
     let other = earlier
         .iter()
         .filter(|other| {
-            other.batch_size != step.batch_size
-                && (other.room as f64 - room).abs() <= 0.02 * room
+            other.batch_size != step.batch_size && (other.room as f64 - room).abs() <= 0.02 * room
         })
         .max_by_key(|other| other.batch_size);
     let fit = match other {
@@ -623,10 +622,14 @@ impl SizePolicy for Guided {
                 .map(|(attempt, _)| attempt.batch_size)
                 .filter(|&before| before < size);
             let back = if last.first_step_done {
-                measured.next().map(|before| (before, "the size before growing"))
+                measured
+                    .next()
+                    .map(|before| (before, "the size before growing"))
             } else {
                 // It failed within its first step: the largest step measured ran that step.
-                measured.max().map(|largest| (largest, "the largest size whose first step ran"))
+                measured
+                    .max()
+                    .map(|largest| (largest, "the largest size whose first step ran"))
             };
             if let Some((back, which)) = back {
                 self.rationale = Some(format!(

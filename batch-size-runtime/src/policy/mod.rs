@@ -100,7 +100,7 @@ pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
 pub(crate) use cache::{CacheSettings, CacheSlot, Cached};
 pub use evidence::Evidence;
 pub use guided::Guided;
-pub(crate) use guided::{growth_shown, grown_size, measured_step, reached_by_failures};
+pub(crate) use guided::{grown_size, growth_shown, measured_step, reached_by_failures};
 pub(crate) use remediate::{Applied, LadderControl, Remediate};
 pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};
 pub(crate) use wrapper::{holds_inner, PolicyWrapper};

@@ -298,7 +298,11 @@ impl Workload {
                 hold(device, held, 2 * GIB)?;
                 (0..10).try_for_each(|_| {
                     hold(device, held, size * 3 * MIB)?;
-                    hold(device, held, ((size as f64).powf(1.5) * 0.5 * MIB as f64) as u64)
+                    hold(
+                        device,
+                        held,
+                        ((size as f64).powf(1.5) * 0.5 * MIB as f64) as u64,
+                    )
                 })
             }
         }
