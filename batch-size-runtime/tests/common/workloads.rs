@@ -353,6 +353,7 @@ pub fn noise(attempt: u64) -> f64 {
 /// The device without its readings: errors keep their text (bytes asked for, free, total), the
 /// release still works, the memory backend reports nothing.
 #[derive(Debug)]
+#[allow(dead_code)] // not every binary that includes this file runs the text-only door
 pub struct TextOnly(pub SimulatedDevice);
 
 impl MemoryBackend for TextOnly {
