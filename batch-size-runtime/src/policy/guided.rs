@@ -48,6 +48,14 @@ use crate::record::{Attempt, Outcome, SearchReport};
 ///   device had free: that allocation does not depend on the batch size and does not fit at any.
 ///   A text that repeats the same figures at every size proves nothing: it follows the ladder.
 ///
+/// - **After a step that ran.** Where the function reports its steps
+///   ([`step_done`](crate::step_done)), the first step of an attempt is measured (its own peak
+///   against its room) and the attempt grows to the size that fills the room: from one step, the
+///   peak grown as the batch squared (never above the limit of a step that grows no faster); from
+///   two, their line; 3 % kept back and 3 % below every failure; at most three times. A grown size
+///   that fails sends the search back once, to the largest size whose first step ran (or, where
+///   the failure came after the first step, to the size before growing).
+///
 /// Without figures (an error that gives none and no memory backend readings) it halves exactly:
 /// 128, 64, 32, ...
 ///
@@ -560,7 +568,8 @@ impl SizePolicy for Guided {
         true
     }
 
-    /// After a step, the size its figures point to (see [`grown_size`]); not once a grown
+    /// After a step, the size its figures point to: from one step, its peak grown as the batch
+    /// squared; from two, their line (the policy's docs say more); not once a grown
     /// size ran out of memory (the figures overshot once: the search returns to the size that
     /// fit and stays).
     fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
