@@ -42,7 +42,8 @@ thread_local! {
 /// and a flag: a few nanoseconds), on a thread the attempt did not start (call it where the
 /// step's loop runs), without the release's figures (a release that reads none, a backend
 /// without a peak), under an agreement between ranks (each rank would grow on its own), with a
-/// policy that does not grow (only the default, `Guided`, does), in a build with
+/// policy that does not grow (only the default, `Guided`, does), in a loop of your own around
+/// [`Search`](crate::Search) (nothing puts the attempt in place), in a build with
 /// `panic = "abort"`, and in `EffectiveBatch` and `Chunked`, which learn from their steps
 /// without it.
 ///
