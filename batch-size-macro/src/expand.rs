@@ -547,7 +547,7 @@ mod tests {
             },
         );
         // The whole expansion, pinned: the protocol (begin, classify, record, release, decide)
-        // lives in the runtime's `drive!`; the macro writes the search, the re-borrows and the
+        // lives in the runtime's `drive_attempts!`; the macro writes the search, the re-borrows and the
         // body as a closure.
         let expected = r#"fn train(limit: usize) -> anyhow::Result<usize> {
     ::batch_size_runtime::__private::drive_attempts!(

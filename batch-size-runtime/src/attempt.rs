@@ -12,6 +12,11 @@ use crate::error::{KeptError, NoExecutableBatchSize};
 ///
 /// Sealed: the two blanket implementations are the whole list, so that a bound on it says
 /// exactly which error types a runner takes.
+#[diagnostic::on_unimplemented(
+    message = "`AttemptError` is sealed: `{Self}` cannot be given it by hand",
+    label = "not an error type a runner takes",
+    note = "a runner takes `std::error::Error + Send + Sync + 'static` types, `anyhow::Error` and `Box<dyn std::error::Error + Send + Sync>`, with `From<NoExecutableBatchSize>`: implement `std::error::Error` for `{Self}` instead"
+)]
 pub trait InspectError<Marker>:
     Sized + 'static + InspectableError + sealed::Sealed<Marker>
 {
@@ -89,16 +94,8 @@ where
 /// value. The marker type parameter is inferred; you never write it. It is what lets one
 /// signature take both kinds without overlapping impls (`anyhow::Error` is not an `Error`).
 ///
-/// Sealed: the types above are the whole list, and no other implementation can be written.
-///
-/// ```compile_fail
-/// use batch_size_runtime::{AttemptError, NoExecutableBatchSize};
-/// struct Mine;
-/// enum MyMarker {}
-/// impl AttemptError<MyMarker> for Mine {
-///     fn no_size_fits(_: NoExecutableBatchSize) -> Self { Mine }
-/// }
-/// ```
+/// Sealed: the types above are the whole list, and no other implementation can be written
+/// (`tests/ui/fail/sealed_attempt_error.rs` shows the error, which says so).
 #[diagnostic::on_unimplemented(
     message = "a batch-size runner cannot take `{Self}` as the closure's error type",
     label = "the closure's error type",

@@ -44,7 +44,7 @@ impl<R, E> Finished<R, E> {
 }
 
 /// Runs the search: the attempt's value, or `give_up`'s when no size fits. What the attribute
-/// expands into (through `drive!`, which picks `classify` and `give_up` from the return type).
+/// expands into (through `drive_attempts!`, which picks `classify` and `give_up` from the return type).
 #[inline]
 pub fn drive<R, C, G>(
     search: Search<'_>,

@@ -12,7 +12,7 @@ mod search;
 mod settings;
 pub(crate) mod step;
 
-pub(crate) use active::{ActivePolicy, Hooks};
+pub(crate) use active::{ActivePolicy, Clock, Hooks};
 pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use super::step::{self, Grown, StepWatch, MAX_GROWTHS};
-use super::{ActivePolicy, Hooks, Settings};
+use super::{ActivePolicy, Hooks, Invalid, Settings};
 use crate::agree::Agree;
 use crate::engine::dispatch::OomRules;
 use crate::error::KeptError;
@@ -114,6 +114,11 @@ impl<'r> Search<'r> {
             None => ActivePolicy::Shrink(std::mem::take(&mut settings.shrink)),
         };
         let ladder = settings.remedies.take();
+        // Remedies are not agreed between ranks: refused wherever the agreement sits, in the
+        // settings or inside the runner's policy (uneven shares agree in theirs).
+        if ladder.is_some() && (settings.agreement.is_some() || policy.agrees_with_others()) {
+            settings.invalidate(Invalid::RemediesWithAgreement);
+        }
         if let Some(control) = &ladder {
             policy = ActivePolicy::Custom(Box::new(Remediate::new(
                 policy,
@@ -123,22 +128,19 @@ impl<'r> Search<'r> {
                 settings.label,
             )));
         }
-        if let Some(cache) = settings.cache.take().filter(|cache| !cache.key.is_empty()) {
-            // Without a key the cache's settings hold only a folder: nothing is cached.
-            let release = settings.release.take().unwrap_or_default();
+        if let Some(cache) = settings.cache().cloned() {
             let cached = Cached::new(
                 policy,
                 cache,
                 settings.label,
                 starting,
                 settings.min,
-                &release,
+                &settings.release,
                 ladder,
             );
             // Read from the wrapper before it is lent to the loop: no hook asks it later.
             settings.cache_offer = cached.offer();
             policy = ActivePolicy::Custom(Box::new(cached));
-            settings.release = Some(release);
         }
         if let Some(collective) = settings.agreement.take() {
             policy = ActivePolicy::Custom(Box::new(Agree::new(policy, collective)));
@@ -167,7 +169,6 @@ impl<'r> Search<'r> {
         } = settings;
         // No size above `with_max` or above what the batch-size parameter's type holds.
         let max_size = max.unwrap_or(usize::MAX).min(type_max);
-        let release = release.unwrap_or_default();
         let next = if let Some(why) = invalid {
             Next::Stop(StopReason::InvalidConfiguration(why.to_string()))
         } else if starting == 0 {
@@ -597,14 +598,27 @@ impl Search<'_> {
                 // and its readings are its own. The next chunk or step is new work and keeps
                 // the pool: a synchronize drains the queue and a trim makes the next chunk
                 // allocate from the driver again, for nothing.
-                if !self.policy.each_success_is_new_work() {
+                if self.policy.each_success_is_new_work() {
+                    tracing::debug!(
+                        function = self.label,
+                        next_batch_size = *next,
+                        "attempt succeeded; the policy continues"
+                    )
+                } else {
                     self.release_before_next_attempt();
+                    // A trial (the tuner's): each is told as it runs, so that a long tuning
+                    // shows its progress.
+                    if let Some(attempt) = self.report.last() {
+                        tracing::info!(
+                            function = self.label,
+                            batch_size = attempt.batch_size,
+                            next_batch_size = *next,
+                            attempt = attempt.number,
+                            "trial at batch size {} ran; next trial at {next}",
+                            attempt.batch_size
+                        );
+                    }
                 }
-                tracing::debug!(
-                    function = self.label,
-                    next_batch_size = *next,
-                    "attempt succeeded; the policy continues"
-                )
             }
             Next::Stop(_) | Next::Ended => {}
         }

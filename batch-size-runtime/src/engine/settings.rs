@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::agree::Collective;
 use crate::engine::Hooks;
 use crate::memory::Release;
-use crate::policy::{CacheSettings, Guided, LadderControl, Reduction, SizePolicy};
+use crate::policy::{CacheSettings, CacheSlot, Guided, LadderControl, Reduction, SizePolicy};
 use crate::record::CacheHit;
 
 /// A setting that cannot produce a size, found when it was set and reported when the runner
@@ -104,8 +104,9 @@ pub(crate) struct Settings<'r> {
     /// A policy of the user's or a runner's instead (`with_policy`): the shrink setters choose
     /// the shrink rule again.
     pub(crate) policy: Option<Box<dyn SizePolicy + 'r>>,
-    /// `None` until chosen: the default is built only where a runner needs it.
-    pub(crate) release: Option<Release>,
+    /// What gives memory back between attempts and reads the figures ([`Release::default`],
+    /// CUDA's, until one is chosen: a process-wide static, nothing built per search).
+    pub(crate) release: Release,
     /// Where the sizes that fit are remembered, if anywhere.
     pub(crate) cache: Option<CacheSettings>,
     /// The other ranks the runner agrees with, if any (each runner says at what: an attempt, a
@@ -119,7 +120,8 @@ pub(crate) struct Settings<'r> {
     pub(crate) learn: bool,
     /// Clean searches before a runner of many searches grows back blindly (0: never).
     pub(crate) grow_after: usize,
-    /// The name in the logs.
+    /// The name in the logs: the one given (`with_label`, the attribute's function name), else
+    /// the user's work's (see [`name_the_work`](Self::name_the_work)).
     pub(crate) label: &'static str,
     /// The per-search hooks (`when`, `notify`, `on_report`, a clock); boxed and absent until
     /// one is set: the common search carries one pointer, not four.
@@ -143,14 +145,14 @@ impl Default for Settings<'_> {
             max_attempts: None,
             shrink: Reduction::default(),
             policy: None,
-            release: None,
+            release: Release::default(),
             cache: None,
             agreement: None,
             remedies: None,
             restart_after_remedy: None,
             learn: true,
             grow_after: 0,
-            label: "batch_size_search",
+            label: DEFAULT_LABEL,
             hooks: None,
             first_fit_at_debug: false,
             cache_offer: None,
@@ -217,14 +219,31 @@ impl<'r> Settings<'r> {
         self.hooks.get_or_insert_with(Box::default)
     }
 
-    /// The cache, where a key was given (a folder alone caches nothing).
+    /// The cache, where a key was given (a folder alone caches nothing): the one filter every
+    /// runner opens its cache through.
     pub(crate) fn cache(&self) -> Option<&CacheSettings> {
         self.cache.as_ref().filter(|cache| !cache.key.is_empty())
     }
 
+    /// The cache slot of a runner of many searches (`door`, for `what`), where a key was
+    /// given: opened with this runner's release, which reads the device it is kept for.
+    pub(crate) fn open_cache(&self, door: &'static str, what: &str) -> Option<CacheSlot> {
+        self.cache()
+            .map(|cache| CacheSlot::for_runner(cache, door, what, &self.release))
+    }
+
+    /// Names the logs after the user's work where no label was given: the path of the function
+    /// that `work` was written in (its closure's type name, less `::{{closure}}`), so that a
+    /// tuner run from `tune_classifier` logs `function="my_crate::tune_classifier"`.
+    pub(crate) fn name_the_work<W>(&mut self, _work: &W) {
+        if self.label == DEFAULT_LABEL {
+            self.label = work_name::<W>().unwrap_or(DEFAULT_LABEL);
+        }
+    }
+
     /// What a runner of many searches hands each of them: the bounds (`max` caps the first
-    /// size, a cached one included), the cap on attempts, the release and the first setting
-    /// found unusable. Its size rule it lends to its own policy; its agreement and remedies it
+    /// size, a cached one included), the cap on attempts, the release, the label and the first
+    /// setting found unusable. Its size rule it lends to its own policy; its agreement and remedies it
     /// lends where its searches use them (a step's search agrees, a chunk's policy agrees
     /// itself); its cache is its own ([`CacheSlot`](crate::policy::CacheSlot)).
     pub(crate) fn lend_to_search(&self, search: &mut Settings<'_>) {
@@ -232,28 +251,44 @@ impl<'r> Settings<'r> {
         search.max = self.max;
         search.max_attempts = self.max_attempts;
         search.release = self.release.clone();
+        search.label = self.label;
         search.invalid = self.invalid.clone();
         search.first_fit_at_debug = true;
     }
 
-    /// Checks what only the whole can say: `max` against `min`, remedies against an
-    /// agreement. Run where a search starts, before any of the user's code.
+    /// Checks what only the whole can say: `max` against `min`. Run where a search starts,
+    /// before any of the user's code (remedies against an agreement are checked there too,
+    /// against what the search's policy does: [`Search::start`](crate::Search)).
     pub(crate) fn check(&mut self) {
         if let Some(max) = self.max {
             if max < self.min {
                 self.invalidate(Invalid::MaxBelowMin { min: self.min, max });
             }
         }
-        if self.remedies.is_some() && self.agreement.is_some() {
-            self.invalidate(Invalid::RemediesWithAgreement);
-        }
     }
+}
+
+/// The label of a search no one named, and no work could name.
+pub(crate) const DEFAULT_LABEL: &str = "batch_size_search";
+
+/// The path of the function a closure of type `W` was written in (`crate::module::function`),
+/// or a function item's own path; `None` where nothing is left to name.
+fn work_name<W>() -> Option<&'static str> {
+    let mut name = std::any::type_name::<W>();
+    while let Some(outer) = name.strip_suffix("::{{closure}}") {
+        name = outer;
+    }
+    // A closure's type name may carry generic arguments of its function: not part of a name.
+    let name = name.split('<').next().unwrap_or(name);
+    (!name.is_empty()).then_some(name)
 }
 
 /// The setters of the settings' groups, for a runner that holds `settings: Settings`. Each is
 /// written and documented once, with one example run on each runner that has it.
 ///
 /// - `bounds`: `with_min`, `with_max`;
+/// - `label`: `with_label`;
+/// - `clock`: `with_clock`;
 /// - `release`: `with_release`, `with_cache`, `with_cache_dir`;
 /// - `shrink`: `with_factor`, `with_reduce`, `with_margin`;
 /// - `learning`: `with_convergence`, `with_grow_after`;
@@ -298,7 +333,7 @@ macro_rules! settings_setters {
                 /// [`MemoryBackend`](crate::memory::MemoryBackend); default:
                 /// [`Release::cuda()`](crate::Release::cuda)).
                 fn with_release(release: impl Into<crate::memory::Release>)
-                    |settings| settings.release = Some(release.into()));
+                    |settings| settings.release = release.into());
 
             settings_setters!(@setter $new, "with_cache(\"my-model on a100\")",
                 /// Remembers the size that fit under `key` (with what the runner runs and the
@@ -344,6 +379,34 @@ macro_rules! settings_setters {
                 /// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)).
                 /// Selects the guided policy if another was chosen.
                 fn with_margin(margin: f64) |settings| settings.set_margin(margin));
+        }
+    };
+    ($runner:ident $(<$life:lifetime>)?, $new:literal, label) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            settings_setters!(@setter $new, "with_label(\"train_gpt2\")",
+                /// The name its log lines carry (`function="train_gpt2"`). Default: the path of
+                /// the function your closure is written in (`my_crate::train`), as the
+                /// attribute logs the function it annotates.
+                fn with_label(label: &'static str) |settings| settings.label = label);
+        }
+    };
+    ($runner:ident <$life:lifetime>, $new:literal, clock) => {
+        settings_setters!(@clock $runner<$life>, $new, $life);
+    };
+    ($runner:ident, $new:literal, clock) => {
+        settings_setters!(@clock $runner, $new, 'static);
+    };
+    (@clock $runner:ident $(<$life:lifetime>)?, $new:literal, $bound:lifetime) => {
+        impl$(<$life>)? $runner$(<$life>)? {
+            settings_setters!(@setter $new, "with_clock(|| std::time::Duration::from_millis(1))",
+                /// What times the attempts ([`Attempt::duration`](crate::Attempt::duration): a
+                /// tuner's trials and their throughput, the steps whose uneven shares follow
+                /// speed): the time since any fixed instant, read before and after each
+                /// (default: [`Instant`](std::time::Instant)). A simulated clock makes throughput
+                /// and balance testable without real speeds; one that synchronizes the device
+                /// first makes it exact where the device runs asynchronously.
+                fn with_clock(clock: impl FnMut() -> std::time::Duration + Send + $bound)
+                    |settings| settings.hooks_mut().clock = Some(Box::new(clock)));
         }
     };
     ($runner:ident $(<$life:lifetime>)?, $new:literal, learning) => {

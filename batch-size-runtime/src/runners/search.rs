@@ -16,7 +16,6 @@
 //! ```
 
 use std::error::Error;
-use std::time::Duration;
 
 use crate::attempt::AttemptError;
 use crate::engine::dispatch::{Kept, LastError, PanicOnly};
@@ -67,6 +66,8 @@ settings_setters!(
     BatchSizeSearch<'r>,
     "BatchSizeSearch::new(64)",
     bounds,
+    label,
+    clock,
     release,
     shrink,
     agreement
@@ -122,20 +123,6 @@ impl<'r> BatchSizeSearch<'r> {
     #[inline]
     pub fn with_max_attempts(mut self, max_attempts: usize) -> Self {
         self.settings.set_max_attempts(max_attempts);
-        self
-    }
-
-    /// Names the search in its logs (the attribute passes the function's name).
-    ///
-    /// ```
-    /// # use batch_size_runtime::BatchSizeSearch;
-    /// // Its logs say `function="train_epoch"`.
-    /// let search = BatchSizeSearch::new(8).with_label("train_epoch");
-    /// assert_eq!(search.call(|batch_size| batch_size).unwrap(), 8);
-    /// ```
-    #[inline]
-    pub fn with_label(mut self, label: &'static str) -> Self {
-        self.settings.label = label;
         self
     }
 
@@ -303,10 +290,11 @@ impl<'r> BatchSizeSearch<'r> {
     /// });
     /// assert_eq!(fitted.unwrap(), 4);
     /// ```
-    pub fn call<T, F>(self, attempt: F) -> Result<T, NoExecutableBatchSize>
+    pub fn call<T, F>(mut self, attempt: F) -> Result<T, NoExecutableBatchSize>
     where
         F: FnMut(usize) -> T,
     {
+        self.settings.name_the_work(&attempt);
         match drive_ended(
             self.start(),
             &PanicOnly::new(),
@@ -347,11 +335,15 @@ impl<'r> BatchSizeSearch<'r> {
     /// assert_eq!(fitted?, 8);
     /// # Ok::<(), Error>(())
     /// ```
-    pub async fn run_async<T, E, M, Fut>(self, attempt: impl FnMut(usize) -> Fut) -> Result<T, E>
+    pub async fn run_async<T, E, M, Fut>(
+        mut self,
+        attempt: impl FnMut(usize) -> Fut,
+    ) -> Result<T, E>
     where
         Fut: std::future::Future<Output = Result<T, E>>,
         E: AttemptError<M>,
     {
+        self.settings.name_the_work(&attempt);
         let attempt = driver::Returning(attempt);
         drive_async(
             self.start(),
@@ -385,21 +377,15 @@ impl<'r> BatchSizeSearch<'r> {
         (result, report)
     }
 
-    /// Times attempts with `clock` instead of the wall clock (a runner's simulated clock), for
-    /// [`Attempt::duration`](crate::Attempt::duration).
-    pub(crate) fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
-        self.settings.hooks_mut().clock = Some(Box::new(clock));
-        self
-    }
-
     /// [`run`](Self::run) for a runner of this crate: the result and the report as values,
     /// nothing published to `last_report()` (the runner's public edge does that).
     #[inline]
-    pub(crate) fn run_reporting<T, E, M, F>(self, attempt: F) -> (Result<T, E>, SearchReport)
+    pub(crate) fn run_reporting<T, E, M, F>(mut self, attempt: F) -> (Result<T, E>, SearchReport)
     where
         F: FnMut(usize) -> Result<T, E>,
         E: AttemptError<M>,
     {
+        self.settings.name_the_work(&attempt);
         drive_reporting(
             self.start(),
             Kept::<E, M>::new(),

@@ -148,6 +148,7 @@ settings_setters!(
     Chunked<'r>,
     "Chunked::new(1000)",
     bounds,
+    label,
     release,
     shrink,
     learning,
@@ -285,6 +286,7 @@ impl<'r> Chunked<'r> {
     where
         E: AttemptError<M>,
     {
+        self.settings.name_the_work(&work);
         let mut outputs = Vec::with_capacity(self.total);
         self.drive(|range| {
             let values = work(range.clone()).map_err(ChunkAttempt::Work)?;
@@ -312,6 +314,7 @@ impl<'r> Chunked<'r> {
     where
         E: AttemptError<M>,
     {
+        self.settings.name_the_work(&work);
         self.drive(|range| work(range).map_err(ChunkAttempt::Work))
     }
 
@@ -363,12 +366,14 @@ impl<'r> Chunked<'r> {
         let (run_ref, outputs_ref, on_chunk_ref) = (&run, &outputs, &on_chunk);
         let attempt = Returning(move |budget| {
             let (range, cost) = begin_chunk(cost_of, total, run_ref, budget);
+            let running = Running::new(run_ref, range.clone(), budget, cost);
             let pending = work(range.clone());
             async move {
                 let outcome = match pending.await {
                     Ok(values) => keep_outputs(&mut lock_any(outputs_ref), range.clone(), values),
                     Err(error) => Err(ChunkAttempt::Work(error)),
                 };
+                running.ended();
                 let mut on_chunk = lock_any(on_chunk_ref);
                 Self::end_chunk(run_ref, &mut on_chunk, range, budget, cost, outcome.is_ok());
                 outcome
@@ -423,23 +428,22 @@ impl<'r> Chunked<'r> {
         };
         self.settings.check();
         if self.cache.is_none() {
-            if let Some(settings) = self.settings.cache() {
-                // The budget learned does not depend on how many items are left: a run resumed
-                // over the rest of a dataset finds its entry.
-                let release = self.settings.release.clone().unwrap_or_default();
-                let what = if self.cost.is_some() {
-                    "cost budget"
-                } else {
-                    "items"
-                };
-                self.cache = Some(CacheSlot::for_runner(settings, "chunked", what, &release));
-            }
+            // The budget learned does not depend on how many items are left: a run resumed
+            // over the rest of a dataset finds its entry.
+            let what = if self.cost.is_some() {
+                "cost budget"
+            } else {
+                "items"
+            };
+            self.cache = self.settings.open_cache("chunked", what);
         }
         let cached = self.cache.as_ref().and_then(CacheSlot::fits);
-        let starting = cached
-            .or(self.starting)
-            .unwrap_or(whole)
-            .clamp(1, whole.max(1));
+        let starting = match cached.or(self.starting) {
+            // Refused by the search as every runner's first size of 0 is.
+            Some(0) => 0,
+            Some(starting) => starting.clamp(1, whole.max(1)),
+            None => whole.max(1),
+        };
         let mut grow = GrowBack::new(
             self.settings.grow_after,
             self.settings.max.unwrap_or(usize::MAX),
@@ -458,10 +462,11 @@ impl<'r> Chunked<'r> {
             // The chunks agree themselves, between chunks: the search does not wrap them.
             agreement: self.settings.agreement.clone(),
         };
-        let mut search = BatchSizeSearch::new(starting)
-            .with_label("chunked")
-            .with_policy(policy);
+        let mut search = BatchSizeSearch::new(starting).with_policy(policy);
         self.settings.lend_to_search(&mut search.settings);
+        // Fewer items (or less cost) left than `min`: one chunk holds them all, and nothing
+        // smaller is tried.
+        search.settings.min = search.settings.min.min(whole.max(1));
         search
     }
 
@@ -474,42 +479,86 @@ impl<'r> Chunked<'r> {
         cost: u64,
         done: bool,
     ) {
-        let mut run = lock(run);
-        run.records.push(ChunkRecord {
-            range: range.clone(),
+        let progress = record_chunk(run, range, budget, cost, done);
+        if let (Some(progress), Some(on_chunk)) = (progress, on_chunk.as_mut()) {
+            on_chunk(&progress);
+        }
+    }
+}
+
+/// Records how a chunk ended (a panic's unwinding included: see [`Running`]); where it
+/// completed, moves the progress past it and returns the progress to tell.
+fn record_chunk(
+    run: &Mutex<Run>,
+    range: Range<usize>,
+    budget: usize,
+    cost: u64,
+    done: bool,
+) -> Option<ChunkProgress> {
+    let mut run = lock(run);
+    run.records.push(ChunkRecord {
+        range: range.clone(),
+        budget,
+        cost,
+        done,
+    });
+    run.chunks_run += 1;
+    let Run {
+        records, thin_at, ..
+    } = &mut *run;
+    record::thin_out(records, thin_at, |chunk| chunk.done);
+    if done {
+        run.progress.completed = range.end;
+        Some(ChunkProgress {
+            completed: run.progress.completed,
+            total: run.progress.total,
+            retries: run.retries,
+        })
+    } else {
+        run.retries += 1;
+        // The engine's WARN says the chunk ran out of memory and what comes next: one WARN
+        // a failure.
+        tracing::debug!(
+            items = ?range,
             budget,
             cost,
-            done,
-        });
-        run.chunks_run += 1;
-        let Run {
-            records, thin_at, ..
-        } = &mut *run;
-        record::thin_out(records, thin_at, |chunk| chunk.done);
-        if done {
-            run.progress.completed = range.end;
-            let progress = ChunkProgress {
-                completed: run.progress.completed,
-                total: run.progress.total,
-                retries: run.retries,
-            };
-            drop(run);
-            if let Some(on_chunk) = on_chunk.as_mut() {
-                on_chunk(&progress);
-            }
-        } else {
-            run.retries += 1;
-            // The engine's WARN says the chunk ran out of memory and what comes next: one WARN
-            // a failure.
-            tracing::debug!(
-                items = ?range,
-                budget,
-                cost,
-                "chunk of items {range:?} did not complete; it is redone smaller if it ran out of memory"
-            );
+            "chunk of items {range:?} did not complete; it is redone smaller if it ran out of memory"
+        );
+        None
+    }
+}
+
+/// A chunk while its work runs. Where the work panics (an out-of-memory raised as a panic, which
+/// the engine classifies), the unwinding drops it, and the chunk is recorded as not done, as a
+/// returned error's is: [`Chunked::chunks`] holds every chunk that ran, however it ended.
+struct Running<'a> {
+    run: &'a Mutex<Run>,
+    chunk: Option<(Range<usize>, usize, u64)>,
+}
+
+impl<'a> Running<'a> {
+    fn new(run: &'a Mutex<Run>, range: Range<usize>, budget: usize, cost: u64) -> Self {
+        Running {
+            run,
+            chunk: Some((range, budget, cost)),
         }
     }
 
+    /// The work returned: its outcome is recorded by the caller, with what it returned.
+    fn ended(mut self) {
+        self.chunk = None;
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if let Some((range, budget, cost)) = self.chunk.take() {
+            record_chunk(self.run, range, budget, cost, false);
+        }
+    }
+}
+
+impl<'r> Chunked<'r> {
     /// With a cache: the budget the run settled on (its last chunk that completed, where it
     /// filled its budget), and the smallest budget above it that ran out of memory.
     fn remember_budget(&mut self) {
@@ -616,7 +665,9 @@ impl<'r> Chunked<'r> {
             LastError::AsSource,
             |budget| {
                 let (range, cost) = begin_chunk(cost_of, total, &run, budget);
+                let running = Running::new(&run, range.clone(), budget, cost);
                 let outcome = work(range.clone());
+                running.ended();
                 Self::end_chunk(&run, &mut on_chunk, range, budget, cost, outcome.is_ok());
                 outcome
             },

@@ -10,7 +10,6 @@ use crate::engine::{settings_setters, Invalid, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
-use crate::opaque::Opaque;
 use crate::policy::CacheSlot;
 use crate::record::SearchReport;
 use crate::remedies::Remedies;
@@ -26,7 +25,7 @@ mod shares;
 
 use even_split::EvenSplit;
 pub use plan::{BatchPlan, MicroBatch};
-use shares::{Clock, Shares};
+use shares::Shares;
 
 /// A step that needed a smaller micro-batch, and the sizes it tried.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,7 +111,6 @@ pub struct EffectiveBatch<'r> {
     /// With uneven shares: this rank's part of the global batch, and what it measured.
     uneven: bool,
     shares: Option<Shares<'r>>,
-    clock: Option<Opaque<Clock<'r>>>,
     /// The plan of the last step that ran (what `step_then`'s `apply` gets).
     last_plan: Option<BatchPlan>,
     /// The micro size the search starts again from after a remedy (the first step's).
@@ -123,6 +121,8 @@ settings_setters!(
     EffectiveBatch<'r>,
     "EffectiveBatch::new(256)",
     bounds,
+    label,
+    clock,
     release,
     shrink,
     learning,
@@ -153,7 +153,6 @@ impl<'r> EffectiveBatch<'r> {
             last_report: SearchReport::default(),
             uneven: false,
             shares: None,
-            clock: None,
             last_plan: None,
             first_micro: effective,
         }
@@ -268,27 +267,6 @@ impl<'r> EffectiveBatch<'r> {
         self
     }
 
-    /// The measure of time the shares are balanced by: a function returning the time now
-    /// (default: the wall clock). Only the successful attempt of each step is timed. Give a
-    /// simulated clock to test or show the balance without real speeds.
-    ///
-    /// ```
-    /// use std::sync::atomic::{AtomicU64, Ordering};
-    /// use std::sync::Arc;
-    /// use std::time::Duration;
-    /// # use batch_size_runtime::EffectiveBatch;
-    /// let simulated = Arc::new(AtomicU64::new(0)); // nanoseconds, advanced by your step
-    /// let time = Arc::clone(&simulated);
-    /// let runner = EffectiveBatch::new(64)
-    ///     .with_uneven_shares()
-    ///     .with_clock(move || Duration::from_nanos(time.load(Ordering::Relaxed)));
-    /// # let _ = runner;
-    /// ```
-    pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'r) -> Self {
-        self.clock = Some(Opaque(Box::new(clock)));
-        self
-    }
-
     /// This rank's samples of the global batch for the next step: `0..effective` without
     /// [`with_uneven_shares`](Self::with_uneven_shares) (or before the first step with it,
     /// when the number of ranks is not yet known: even shares then).
@@ -385,12 +363,12 @@ impl<'r> EffectiveBatch<'r> {
         self.started = true;
         self.grow = GrowBack::new(self.settings.grow_after, self.effective);
         self.convergence = Convergence::new(self.settings.learn);
-        if let Some(settings) = self.settings.cache() {
-            let release = self.settings.release.clone().unwrap_or_default();
-            let what = format!("effective {}", self.effective);
-            let cache = CacheSlot::for_runner(settings, "effective_batch", &what, &release);
+        let what = format!("effective {}", self.effective);
+        if let Some(cache) = self.settings.open_cache("effective_batch", &what) {
             if let Some(fits) = cache.fits() {
-                let fits = fits.clamp(self.settings.min, self.effective.max(1));
+                // Never above the batch; below `min` only where the batch is: the step's
+                // search then says `min` is out of reach, as it does without an entry.
+                let fits = fits.max(self.settings.min).min(self.effective.max(1));
                 self.micro = fits;
                 self.next_micro = fits;
             }
@@ -421,7 +399,9 @@ impl<'r> EffectiveBatch<'r> {
         let (start, fallback) = self.convergence.start(length, kept);
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
-        let mut search = BatchSizeSearch::new(start).with_label("effective_batch");
+        // A first micro size of 0 is refused as every runner refuses a first size of 0.
+        let start = if self.first_micro == 0 { 0 } else { start };
+        let mut search = BatchSizeSearch::new(start);
         self.settings.lend_to_search(&mut search.settings);
         if self.effective == 0 {
             search.invalidate(Invalid::EffectiveIsZero);
@@ -437,7 +417,8 @@ impl<'r> EffectiveBatch<'r> {
                 ranks: world,
             });
         }
-        // The step's search applies the remedies (and refuses them with an agreement).
+        // The step's search applies the remedies (and refuses them beside an agreement, in its
+        // settings or in its policy).
         if let Some(remedies) = &self.settings.remedies {
             search.settings.remedies = Some(Arc::clone(remedies));
             search.settings.restart_after_remedy = Some(self.first_micro.min(length).max(1));
@@ -595,6 +576,7 @@ impl<'r> EffectiveBatch<'r> {
         F: FnMut(&BatchPlan) -> Result<T, E>,
         E: AttemptError<M>,
     {
+        self.settings.name_the_work(&body);
         let effective = self.effective;
         if self.uneven && self.shares.is_none() {
             let (rank, world) = self
@@ -602,7 +584,14 @@ impl<'r> EffectiveBatch<'r> {
                 .agreement
                 .as_ref()
                 .map_or((0, 1), |c| (c.rank(), c.world_size()));
-            self.shares = Some(Shares::even(effective, rank, world).with_clock(self.clock.take()));
+            self.shares = Some(
+                Shares::even(effective, rank, world).with_clock(
+                    self.settings
+                        .hooks
+                        .as_mut()
+                        .and_then(|hooks| hooks.clock.take()),
+                ),
+            );
         }
         let share = self.share();
         // Only a step whose shares follow speed is timed: the plain path reads no clock.

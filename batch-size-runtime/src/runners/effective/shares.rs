@@ -16,6 +16,7 @@
 //!
 //! Shares change between steps, never inside one.
 
+use crate::engine::Clock;
 use crate::opaque::Opaque;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -30,10 +31,6 @@ pub(crate) const REBALANCE_ABOVE: f64 = 0.03;
 /// Steps of one configuration a rank's throughput is averaged over.
 const WINDOW: usize = 4;
 
-/// The measure of time a runner reads around each step: the wall clock, or the caller's (a
-/// simulated clock in tests and examples).
-pub(crate) type Clock<'r> = Box<dyn FnMut() -> Duration + Send + 'r>;
-
 /// The shares of one global batch and what this rank measured.
 #[derive(Debug)]
 pub(crate) struct Shares<'r> {
@@ -41,6 +38,7 @@ pub(crate) struct Shares<'r> {
     rank: usize,
     lengths: Vec<usize>,
     throughput: Throughput,
+    /// The runner's clock (`with_clock`), else the wall clock from `origin`.
     clock: Option<Opaque<Clock<'r>>>,
     origin: Instant,
 }
@@ -68,8 +66,8 @@ impl<'r> Shares<'r> {
         }
     }
 
-    pub(crate) fn with_clock(mut self, clock: Option<Opaque<Clock<'r>>>) -> Self {
-        self.clock = clock;
+    pub(crate) fn with_clock(mut self, clock: Option<Clock<'r>>) -> Self {
+        self.clock = clock.map(Opaque);
         self
     }
 

@@ -50,7 +50,7 @@ pub(super) fn size_from_dry_runs(
     budget: u64,
     min: usize,
     max: Option<usize>,
-    margin: f64,
+    headroom: f64,
 ) -> Option<DrySizing> {
     let cap = |size: usize| max.map_or(size, |max| size.min(max));
     let first = cap(min.max(FIRST_PROBE));
@@ -113,7 +113,7 @@ pub(super) fn size_from_dry_runs(
         return None;
     }
     Some(DrySizing {
-        batch_size: super::search::kept_size(fit, margin, min.max(1)),
+        batch_size: super::search::kept_size(fit, headroom, min.max(1)),
         probes,
         budget,
         fit,
@@ -127,7 +127,7 @@ pub(super) fn dry_sizing<T, E>(
     trial: &mut impl FnMut(usize) -> Result<T, E>,
     min: usize,
     max: Option<usize>,
-    margin: f64,
+    headroom: f64,
 ) -> Option<DrySizing> {
     let budget = dry_run.budget()?;
     let mut measure = |size: usize| {
@@ -145,7 +145,7 @@ pub(super) fn dry_sizing<T, E>(
         }
         peak.filter(|_| ran)
     };
-    let sizing = size_from_dry_runs(&mut measure, budget, min, max, margin);
+    let sizing = size_from_dry_runs(&mut measure, budget, min, max, headroom);
     dry_run.finish();
     match &sizing {
         Some(sizing) => tracing::info!(batch_size = sizing.batch_size, "{sizing}"),
@@ -178,7 +178,7 @@ impl DryRunPolicy {
 }
 
 impl DryRunPolicy {
-    /// The margin's size the ordinary search below the dry runs' size kept, once it ran (0
+    /// The headroom's size the ordinary search below the dry runs' size kept, once it ran (0
     /// when the dry runs' size ran, or nothing was kept).
     pub(super) fn kept_size(&self) -> usize {
         self.fallback.as_ref().map_or(0, TunerPolicy::kept_size)

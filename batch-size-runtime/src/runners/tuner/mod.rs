@@ -4,8 +4,6 @@
 //! headroom; then keep the headroom, and run that size too. It times every trial, so that it can also name
 //! the fastest size (samples per second), and return it instead of the largest.
 
-use std::time::Duration;
-
 use crate::attempt::AttemptError;
 use crate::engine::{settings_setters, Invalid, Settings};
 #[allow(unused_imports)] // for the docs' links
@@ -14,7 +12,7 @@ use crate::error::StopReason;
 use crate::memory::Release;
 use crate::opaque::Opaque;
 use crate::policy::{CacheSlot, Cached, SizePolicy};
-use crate::record::SearchReport;
+use crate::record::{CacheHit, SearchReport};
 use crate::runners::search::BatchSizeSearch;
 
 // One concept a file: the search (a size policy) and what the trials measure of speed.
@@ -22,10 +20,10 @@ mod dry_run;
 mod search;
 mod throughput;
 
-use crate::memory::DryRun;
+use crate::memory::{DryRun, DrySizing};
 use dry_run::DryRunPolicy;
 
-use search::{kept_size, largest_below_failures, TunerPolicy};
+use search::{kept_size, largest_below_failures, Goal, TunerPolicy};
 use throughput::{fastest, throughput};
 
 /// Finds the largest batch size whose trial runs, in few trials.
@@ -83,13 +81,17 @@ pub struct Tuner {
     max_trials: usize,
     choice: Choice,
     tolerance: f64,
-    clock: Option<Opaque<Clock>>,
     fixed_memory: Option<u64>,
     /// Sizes from dry runs first, where a framework has them.
     dry_run: Option<Opaque<Box<dyn DryRun>>>,
 }
 
-type Clock = Box<dyn FnMut() -> Duration + Send>;
+/// How the trials ended: the search's result and report, and the cache slot with what it served.
+struct Trials<T, E> {
+    result: Result<T, E>,
+    report: SearchReport,
+    cache: Option<(CacheSlot, Option<CacheHit>)>,
+}
 
 /// Which size a [`Tuner`] returns as [`Tuned::batch_size`].
 ///
@@ -240,7 +242,7 @@ impl Default for Tuner {
         Tuner::new()
     }
 }
-settings_setters!(Tuner, "Tuner::new()", bounds, release);
+settings_setters!(Tuner, "Tuner::new()", bounds, label, release, clock);
 
 impl Tuner {
     /// A tuner with the defaults.
@@ -257,7 +259,6 @@ impl Tuner {
             max_trials: 25,
             choice: Choice::Largest,
             tolerance: 0.02,
-            clock: None,
             fixed_memory: None,
             dry_run: None,
         }
@@ -346,12 +347,18 @@ impl Tuner {
         self
     }
 
-    /// At most this many trials (default 25, as Lightning).
+    /// At most this many trials (default 25, as Lightning). Every trial is spent: the last
+    /// is kept back only to confirm the headroom's size below the largest that ran, where that
+    /// size has not run; otherwise it searches too, aimed at a size kept with the headroom, so
+    /// that its success is the answer (and its failure leaves the size that ran before it).
+    /// The size returned always ran, below every size that failed.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
-    /// let tuned = Tuner::new().with_max_trials(3).run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert!(tuned.report().len() <= 3);
+    /// // From 4, two trials that fit: the second grows past the first.
+    /// let tuned = Tuner::new().with_min(4).with_max_trials(2).run(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(tuned.report().len(), 2);
+    /// assert!(tuned.batch_size() > 4);
     /// # Ok::<(), anyhow::Error>(())
     /// ```
     pub fn with_max_trials(mut self, max_trials: usize) -> Self {
@@ -394,26 +401,6 @@ impl Tuner {
         self
     }
 
-    /// What times the trials: the time since any fixed instant, read before and after each
-    /// trial (default: [`Instant`](std::time::Instant)). A simulated clock makes throughput testable; a clock that
-    /// synchronizes the device first makes it exact where the device runs asynchronously.
-    ///
-    /// ```
-    /// # use std::time::Duration;
-    /// # use batch_size_runtime::Tuner;
-    /// let mut now = Duration::ZERO;
-    /// let tuned = Tuner::new()
-    ///     .with_max(4)
-    ///     .with_clock(move || { now += Duration::from_secs(1); now })
-    ///     .run(|_| Ok::<_, anyhow::Error>(()))?;
-    /// assert_eq!(tuned.throughput()[0], (1, 1.0)); // one sample a second
-    /// # Ok::<(), anyhow::Error>(())
-    /// ```
-    pub fn with_clock(mut self, clock: impl FnMut() -> Duration + Send + 'static) -> Self {
-        self.clock = Some(Opaque(Box::new(clock)));
-        self
-    }
-
     /// Runs the trials. Takes the error types every runner takes ([`AttemptError`] and
     /// `From<NoExecutableBatchSize>`): a trial that fails with an error that is not
     /// out-of-memory ends the tuning and the error comes back unchanged; a panic that is not
@@ -425,88 +412,137 @@ impl Tuner {
     /// let error = Tuner::new().run(|_| -> anyhow::Result<()> { anyhow::bail!("no data") }).unwrap_err();
     /// assert_eq!(error.to_string(), "no data"); // your error, not a string in another one
     /// ```
-    pub fn run<T, E, M>(self, mut trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
+    pub fn run<T, E, M>(mut self, mut trial: impl FnMut(usize) -> Result<T, E>) -> Result<Tuned, E>
     where
         E: AttemptError<M>,
     {
-        let mut settings = self.settings;
-        let (headroom, tolerance, min) = (self.headroom, self.tolerance, settings.min);
-        // Every setting is checked before any of your code runs, the dry run's trials included.
-        settings.check();
-        if !(headroom.is_finite() && (0.0..1.0).contains(&headroom)) {
-            settings.invalidate(Invalid::Headroom(headroom));
-        }
-        if !(tolerance.is_finite() && (0.0..1.0).contains(&tolerance)) {
-            settings.invalidate(Invalid::Tolerance(tolerance));
-        }
-        if self.max_trials == 0 {
-            settings.invalidate(Invalid::MaxTrialsIsZero);
-        }
-        // The tuner's policy, lent to the search: what it learned is read from it afterwards.
-        let mut policy = TunerPolicy::new(
-            min,
-            settings.max,
-            headroom,
-            self.max_trials,
-            self.choice,
-            tolerance,
-        )
-        .with_fixed_memory(self.fixed_memory);
-        // The tuner's settings are the search's, but for its own policy: the cache under the
-        // tuner's key (the fastest size is another answer than the largest: another entry).
-        if let (Some(cache), Choice::Fastest) = (&mut settings.cache, self.choice) {
-            cache.key = format!("{} | fastest", cache.key);
-        }
-        // Sizing from dry runs, where asked for: their size first, the ordinary search capped
-        // below it if it runs out of memory.
-        let sizing = match (&self.dry_run, self.choice) {
-            (Some(Opaque(dry_run)), Choice::Largest) if settings.invalid.is_none() => {
-                dry_run::dry_sizing(dry_run.as_ref(), &mut trial, min, settings.max, headroom)
-            }
-            _ => None,
-        };
-        let mut dry_policy = sizing.map(|sizing| {
-            let below = TunerPolicy::new(
-                min,
-                Some(sizing.batch_size.saturating_sub(1).max(min)),
-                headroom,
-                self.max_trials,
-                self.choice,
-                tolerance,
-            )
-            .with_fixed_memory(self.fixed_memory);
-            DryRunPolicy::new(sizing, below, min)
+        self.settings.name_the_work(&trial);
+        self.check();
+        let mut policy = self.policy(self.settings.max);
+        let mut dry_policy = self.dry_sizing(&mut trial).map(|sizing| {
+            let below = self.policy(Some(
+                sizing.batch_size.saturating_sub(1).max(self.settings.min),
+            ));
+            DryRunPolicy::new(sizing, below, self.settings.min)
         });
-        // The cache is the tuner's own wrapper, lent to the search with the policy: what it
-        // served, and the entry to keep the tuner's result with, are read from it afterwards.
-        let cache = settings.cache.take().filter(|cache| !cache.key.is_empty());
-        let release = settings.release.take().unwrap_or_default();
-        settings.release = Some(release.clone());
-        let mut search = BatchSizeSearch::new(min).with_label("tuner");
-        search.settings = settings;
-        // Each trial is timed by the search, with the tuner's clock where one was given: the
-        // durations are in the report, for the policy and for the throughput below.
-        if let Some(Opaque(clock)) = self.clock {
-            search = search.with_clock(clock);
-        }
         let sizes: &mut dyn SizePolicy = match &mut dry_policy {
             Some(dry_policy) => dry_policy,
             None => &mut policy,
         };
-        let (result, report, mut slot, hit) = match cache {
-            Some(cache) => {
-                let mut cached = Cached::new(sizes, cache, "tuner", min, min, &release, None);
-                search.settings.cache_offer = cached.offer();
-                let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
-                let (slot, hit) = cached.into_slot();
-                (result, report, Some(slot), hit)
+        let min = self.settings.min;
+        let trials = self.trials(sizes, trial);
+        trials.result?;
+        let kept = dry_policy
+            .as_ref()
+            .map_or(policy.kept_size(), DryRunPolicy::kept_size);
+        Ok(self.conclude(trials.report, trials.cache, kept, min))
+    }
+
+    /// Every setting checked before any of your code runs, the dry run's trials included.
+    fn check(&mut self) {
+        let settings = &mut self.settings;
+        settings.check();
+        if !(self.headroom.is_finite() && (0.0..1.0).contains(&self.headroom)) {
+            settings.invalidate(Invalid::Headroom(self.headroom));
+        }
+        if !(self.tolerance.is_finite() && (0.0..1.0).contains(&self.tolerance)) {
+            settings.invalidate(Invalid::Tolerance(self.tolerance));
+        }
+        if self.max_trials == 0 {
+            settings.invalidate(Invalid::MaxTrialsIsZero);
+        }
+    }
+
+    /// The tuner's search policy, never above `max`: lent to the search, and what it learned
+    /// read from it afterwards.
+    fn policy(&self, max: Option<usize>) -> TunerPolicy {
+        TunerPolicy::new(Goal {
+            min: self.settings.min,
+            max,
+            headroom: self.headroom,
+            max_trials: self.max_trials,
+            choice: self.choice,
+            tolerance: self.tolerance,
+        })
+        .with_fixed_memory(self.fixed_memory)
+    }
+
+    /// Sizing from dry runs, where asked for (and the settings hold): their size first, the
+    /// ordinary search capped below it if it runs out of memory.
+    fn dry_sizing<T, E>(&self, trial: &mut impl FnMut(usize) -> Result<T, E>) -> Option<DrySizing> {
+        match (&self.dry_run, self.choice) {
+            (Some(Opaque(dry_run)), Choice::Largest) if self.settings.invalid.is_none() => {
+                dry_run::dry_sizing(
+                    dry_run.as_ref(),
+                    trial,
+                    self.settings.min,
+                    self.settings.max,
+                    self.headroom,
+                )
             }
-            None => {
-                let (result, report) = search.with_policy(sizes).run_with_report(trial);
-                (result, report, None, None)
+            _ => None,
+        }
+    }
+
+    /// Runs the trials: the search with the tuner's settings (moved into it) and `sizes` lent
+    /// to it, behind
+    /// the tuner's own cache wrapper where a key was given (the fastest size is another answer
+    /// than the largest: another entry), each trial timed with the tuner's clock.
+    fn trials<T, E, M>(
+        &mut self,
+        sizes: &mut dyn SizePolicy,
+        trial: impl FnMut(usize) -> Result<T, E>,
+    ) -> Trials<T, E>
+    where
+        E: AttemptError<M>,
+    {
+        let mut settings = std::mem::take(&mut self.settings);
+        let cache = settings.cache().cloned().map(|mut cache| {
+            if self.choice == Choice::Fastest {
+                cache.key = format!("{} | fastest", cache.key);
             }
+            cache
+        });
+        settings.cache = None;
+        let (min, release) = (settings.min, settings.release.clone());
+        let mut search = BatchSizeSearch {
+            starting: min,
+            settings,
         };
-        result?;
+        // Each trial is timed by the search, with the tuner's clock where one was given (it
+        // travels in the settings): the durations are in the report, for the policy and for
+        // the throughput.
+        let Some(cache) = cache else {
+            let (result, report) = search.with_policy(sizes).run_with_report(trial);
+            return Trials {
+                result,
+                report,
+                cache: None,
+            };
+        };
+        let mut cached = Cached::new(sizes, cache, "tuner", min, min, &release, None);
+        search.settings.cache_offer = cached.offer();
+        let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
+        Trials {
+            result,
+            report,
+            cache: Some(cached.into_slot()),
+        }
+    }
+
+    /// What the trials found: the largest (`kept`, the policy's headroom size, where it ran),
+    /// the fastest, and the entry kept for the next run.
+    fn conclude(
+        &self,
+        report: SearchReport,
+        cache: Option<(CacheSlot, Option<CacheHit>)>,
+        kept: usize,
+        min: usize,
+    ) -> Tuned {
+        let (mut slot, hit) = match cache {
+            Some((slot, hit)) => (Some(slot), hit),
+            None => (None, None),
+        };
         let ran_largest = largest_below_failures(&report).unwrap_or(0);
         let batch_size = report.batch_size().unwrap_or(ran_largest);
         // A rerun from the cache ran one size: what was measured is in the entry, and what the
@@ -519,29 +555,32 @@ impl Tuner {
                 let largest = slot
                     .as_ref()
                     .and_then(CacheSlot::largest)
-                    .unwrap_or_else(|| kept_size(largest_fit, headroom, min));
+                    .unwrap_or_else(|| kept_size(largest_fit, self.headroom, min));
                 (largest_fit, largest.max(batch_size))
             }
-            None => match dry_policy
-                .as_ref()
-                .map_or(policy.kept_size(), DryRunPolicy::kept_size)
-            {
+            None => match kept {
                 0 => (ran_largest, batch_size),
                 kept => (ran_largest, kept),
             },
+        };
+        // Where the budget's last trial failed above the largest kept (the search then ended
+        // on a failure), the largest is the answer: it ran, below that failure.
+        let batch_size = match (report.batch_size(), self.choice) {
+            (None, Choice::Largest) if hit.is_none() && largest > 0 => largest,
+            _ => batch_size,
         };
         if let Some(slot) = slot.as_mut().filter(|_| hit.is_none()) {
             slot.set_largest(largest);
         }
         let throughput = throughput(&report);
-        let fastest = fastest(&throughput, largest, tolerance).unwrap_or(largest);
-        Ok(Tuned {
+        let fastest = fastest(&throughput, largest, self.tolerance).unwrap_or(largest);
+        Tuned {
             batch_size,
             largest,
             largest_fit,
             fastest,
             throughput,
             report,
-        })
+        }
     }
 }

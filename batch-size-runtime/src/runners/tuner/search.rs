@@ -1,97 +1,126 @@
 //! The tuner's search, as a size policy: bracket the largest size that fits (grow, jump to
-//! the fitted limit, bisect), confirm the margin's size, and for the fastest size descend by
+//! the fitted limit, bisect), confirm the headroom's size, and for the fastest size descend by
 //! powers of two; never keep a size above one that failed.
 
 use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
-use crate::policy::{Decision, SizePolicy};
+use crate::policy::{Decision, Evidence, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 use crate::runners::learn::fit::{
     failure_above, growth_in_attempt, peak_bytes, peak_resolution, points_up_to, used_at_start,
     MemoryFit, Point, GENTLER,
 };
 
-/// The size kept with the margin below `largest`.
-pub(super) fn kept_size(largest: usize, margin: f64, min: usize) -> usize {
-    let target = ((largest as f64) * (1.0 - margin)).floor() as usize;
+mod aim;
+
+/// The size kept with the headroom below `largest`.
+pub(super) fn kept_size(largest: usize, headroom: f64, min: usize) -> usize {
+    let target = ((largest as f64) * (1.0 - headroom)).floor() as usize;
     target.max(min).min(largest)
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 enum Phase {
     /// Bracketing the largest size that fits: growing, jumping to the fitted limit, bisecting.
+    #[default]
     Searching,
-    /// The margin's size is being confirmed.
+    /// The headroom's size is being confirmed.
     Confirming,
-    /// For the fastest size: powers of two below the margin's size, downwards.
+    /// For the fastest size: powers of two below the headroom's size, downwards.
     Descending,
     /// The fastest size runs last, so that it is the search's answer (and the cache's).
     Final,
 }
 
-#[derive(Debug)]
-pub(super) struct TunerPolicy {
-    min: usize,
-    max: Option<usize>,
-    margin: f64,
-    max_trials: usize,
+/// What the search knows of the bracket it is in: started afresh (its default) where a trial
+/// failed below a size that ran, since what ran before had other memory free.
+#[derive(Debug, Default)]
+struct Bracket {
     phase: Phase,
-    choice: Choice,
-    tolerance: f64,
-    /// The margin's size, once it ran.
+    /// The headroom's size, once it ran.
     kept: usize,
-    /// While descending: the last size measured.
-    below: usize,
     /// The last size the memory fit chose, and whether it expected that trial to fit.
     guess: Option<(usize, bool)>,
+    /// Once bracketed: the bracket's width in ratio (ln(high / low)) when the fit chose the
+    /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
+    /// Brent's method: two trials at least halve the bracket, whatever the fit says.
+    guessed_in: Option<f64>,
+    /// The size of the last aim, until its outcome is scored, and whether a fit through two
+    /// sizes chose it (only such a trial confirms the fit's headroom).
+    aimed: Option<(usize, bool)>,
+    /// The bytes the fit that chose the last aim predicted at its size, where a failure above
+    /// bent that fit.
+    predicted: Option<f64>,
+    /// The gentler slope's size (see [`gentler`](TunerPolicy::gentler)), until it has run,
+    /// and the smaller size of the line across the jump that chose it.
+    gentler_aim: Option<(usize, f64)>,
+    /// Where the gentler slope's size ran: the size below which a part appeared (the smaller
+    /// size of the line across the jump). From then on the fit's line is drawn through the
+    /// sizes above it only (see [`fit`](TunerPolicy::fit)).
+    jump_above: Option<f64>,
+    /// The size the fit kept from a line drawn far below it, while the size a headroom above
+    /// it runs to measure the slope there (see [`near_check`](TunerPolicy::near_check)).
+    far_check: Option<usize>,
+}
+
+/// What the tuner is asked for: never below `min` nor above `max`, the `headroom` kept below
+/// the largest size that ran, in at most `max_trials` trials; for `choice`, within `tolerance`
+/// of the best speed, which the search's report gives (each trial's duration).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Goal {
+    /// No size below it is tried; the first trial runs it.
+    pub(super) min: usize,
+    /// No size above it is tried (`with_max`, or the dry runs' size less one).
+    pub(super) max: Option<usize>,
+    /// The share kept below the largest size that ran (`with_headroom`).
+    pub(super) headroom: f64,
+    /// At most this many trials (`with_max_trials`).
+    pub(super) max_trials: usize,
+    /// The largest size, or the fastest.
+    pub(super) choice: Choice,
+    /// For the fastest: how far below the best samples a second a size may be.
+    pub(super) tolerance: f64,
+}
+
+#[derive(Debug)]
+pub(super) struct TunerPolicy {
+    goal: Goal,
+    /// The bracket's state: the phase, the size kept, the fit's last guess and aim.
+    bracket: Bracket,
+    /// While descending: the last size measured.
+    below: usize,
     /// Before any failure: trials the fit got wrong the costly way (expected to fail, they
-    /// fit, or they fit with more than the margin to spare). Each doubles the least step above
-    /// the largest success, so that a fit that does not describe the trial costs a few trials,
-    /// not a crawl.
+    /// fit, or they fit with more than the headroom to spare). Each doubles the least step
+    /// above the largest success, so that a fit that does not describe the trial costs a few
+    /// trials, not a crawl.
     misses: u32,
     /// Trials the fit expected to fit that failed. At two the fit is dropped for bisection:
     /// what fails is not explained by the memory the trials use (a limit that is not the
     /// device's memory, an allocator that cannot use all of it).
     overshoots: u32,
-    /// Once bracketed: the bracket's width in ratio (ln(high / low)) when the fit chose the
-    /// last trial. A fit's trial that did not halve it is followed by a bisection, as in
-    /// Brent's method: two trials at least halve the bracket, whatever the fit says.
-    guessed_in: Option<f64>,
     /// Why the last decision went below a size that had run, when it did.
     rationale: Option<String>,
     /// Bytes the user declared the trial allocates whatever its size (weights, gradients, an
     /// optimizer's state allocated inside it): with one size run, the line's part at size 0.
     fixed_memory: Option<u64>,
-    /// Trials the memory fit chose directly (probes and aims at its margin's size).
+    /// Trials the memory fit chose directly (probes and aims at its headroom's size).
     aims: u32,
-    /// The size of the last aim, until its outcome is scored, and whether a fit through two
-    /// sizes chose it (only such a trial confirms the fit's margin).
-    aimed: Option<(usize, bool)>,
-    /// The bytes the fit that chose the last aim predicted at its size, where a failure above
-    /// bent that fit.
-    predicted: Option<f64>,
     /// Aims that ran with more room than the resolution: each doubles the least step above
     /// them, so that a fit that misses (a part that appears above some size) costs a few
     /// trials, not a crawl.
     aim_misses: u32,
-    /// An aim judged by a line from far below it was followed by that line's size: from then
-    /// on an aim within the resolution of the fit's size is the answer.
+    /// An aim judged by a line from far below it was followed by that line's size (or the
+    /// size a headroom above it ran): from then on an aim within the resolution of the fit's
+    /// size is the answer.
     ran_past_far_line: bool,
-    /// The gentler slope's size (see [`gentler`](Self::gentler)), until it has run, and the
-    /// smaller size of the line across the jump that chose it.
-    gentler_aim: Option<(usize, f64)>,
-    /// Where the gentler slope's size ran: the size below which a part appeared (the smaller
-    /// size of the line across the jump). From then on the fit's line is drawn through the
-    /// sizes above it only (see [`fit`](Self::fit)).
-    jump_above: Option<f64>,
     /// The fit no longer chooses sizes: it failed twice, had a failed size fitting, or took
-    /// [`MOST_AIMS`] trials. Bisection (or the margin below the largest that ran) follows.
+    /// [`MOST_AIMS`] trials. Bisection (or the headroom below the largest that ran) follows.
     aiming_over: bool,
 }
 
 /// At most this many trials chosen by the fit's aim (the second probe, the aim, corrections);
-/// then the search bisects, or keeps the margin below the largest size that ran.
+/// then the search bisects, or keeps the headroom below the largest size that ran.
 const MOST_AIMS: u32 = 5;
 
 /// Sizes this far apart with the same peak: the trial does not run at its size. Far enough
@@ -172,48 +201,27 @@ fn power_of_two_below(size: usize) -> usize {
 }
 
 impl TunerPolicy {
-    /// The search from `min` (never above `max`), keeping `margin` below the largest size
-    /// that ran, in at most `max_trials` trials; for `choice`, within `tolerance` of the best
-    /// speed, which the search's report gives (each trial's duration).
-    pub(super) fn new(
-        min: usize,
-        max: Option<usize>,
-        margin: f64,
-        max_trials: usize,
-        choice: Choice,
-        tolerance: f64,
-    ) -> Self {
+    /// The search for `goal`.
+    pub(super) fn new(goal: Goal) -> Self {
         TunerPolicy {
-            min,
-            max,
-            margin,
-            max_trials,
-            phase: Phase::Searching,
-            choice,
-            tolerance,
-            kept: 0,
+            goal,
+            bracket: Bracket::default(),
             below: 0,
-            guess: None,
             misses: 0,
             overshoots: 0,
-            guessed_in: None,
             rationale: None,
             fixed_memory: None,
             aims: 0,
-            aimed: None,
-            predicted: None,
             aim_misses: 0,
             ran_past_far_line: false,
-            gentler_aim: None,
-            jump_above: None,
             aiming_over: false,
         }
     }
 
-    /// The margin's size, once its trial ran (0 before, and after a failure below it): read by
+    /// The headroom's size, once its trial ran (0 before, and after a failure below it): read by
     /// the tuner when the search, to which it lent this policy, has returned.
     pub(super) fn kept_size(&self) -> usize {
-        self.kept
+        self.bracket.kept
     }
 
     /// Bytes the trial allocates whatever its size, as the user declared them.
@@ -222,318 +230,15 @@ impl TunerPolicy {
         self
     }
 
-    /// Memory against the size, from the trials since the memory last changed: the line
-    /// through two sizes that ran (bent by a third below them and by the smallest failure
-    /// above), or through one size and what was in use before it (plus the fixed bytes the user
-    /// declared). `true` with two sizes: only then does the fit judge a trial's margin.
-    ///
-    /// Where a jump was detected and the gentler slope's size ran past it, the line is drawn
-    /// through the sizes past the jump only, however close they are: a line from below the
-    /// jump is steeper than the memory on the aim's side, and would keep the size below the
-    /// one that just ran (the search would swing between the two).
-    fn fit(&self, history: &SearchReport, low: usize) -> Option<(MemoryFit, bool)> {
-        let since = since_memory_changed(history);
-        let attempts = || history.attempts().skip(since);
-        let failure = failure_above(attempts(), low);
-        if let Some(edge) = self.jump_above {
-            let points = points_up_to(attempts(), low);
-            if let Some(fit) = MemoryFit::past_an_edge(&points, edge, failure) {
-                return Some((fit, true));
-            }
-        }
-        let mut points = points_up_to(attempts(), low);
-        // Where a size between half and seven eighths of the largest ran, the line is drawn
-        // over that span only: probes far below show mostly what does not grow, and may be of
-        // another regime (a workspace chosen by size); the span is still wide enough that an
-        // allocator's rounding and noise move its slope little.
-        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
-        let local = |size: usize| {
-            size.saturating_mul(2) >= top && size.saturating_mul(8) <= top.saturating_mul(7)
-        };
-        if points.iter().any(|point| local(point.size)) {
-            points.retain(|point| point.size == top || local(point.size));
-        }
-        if let Some(fit) = MemoryFit::bent_by_points(&points, failure) {
-            return Some((
-                self.steeper_from_noise(history, fit, &points, failure),
-                true,
-            ));
-        }
-        let (attempt, point) = attempts()
-            .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size == low)
-            .filter_map(|attempt| {
-                let (peak, total) = peak_bytes(attempt)?;
-                Some((
-                    attempt,
-                    Point {
-                        size: low,
-                        peak,
-                        total,
-                    },
-                ))
-            })
-            .last()?;
-        let start = used_at_start(attempt)?;
-        let declared = self.fixed_memory.and_then(|fixed| {
-            MemoryFit::through_start(point, start.saturating_add(fixed), failure)
-        });
-        declared
-            .or_else(|| MemoryFit::through_start(point, start, failure))
-            .map(|fit| (fit, false))
-    }
-
-    /// Where the figures resolve growth only above some bytes (the host's, see
-    /// [`peak_resolution`]) and the fit's smaller size grew no more than that: the line drawn
-    /// as steep as that size's error allows (the largest point counted that much higher), so
-    /// that the first aim errs below the limit. The next fit, from a size that grew past the
-    /// resolution, is drawn as measured.
-    fn steeper_from_noise(
-        &self,
-        history: &SearchReport,
-        fit: MemoryFit,
-        points: &[Point],
-        failure: Option<(usize, u64)>,
-    ) -> MemoryFit {
-        let Some(resolution) = history.last().map(peak_resolution).filter(|&r| r > 0) else {
-            return fit;
-        };
-        let smaller_is_noise = history
-            .attempts()
-            .filter(|attempt| attempt.outcome.is_success())
-            .filter(|attempt| attempt.batch_size as f64 == fit.smaller())
-            .filter_map(growth_in_attempt)
-            .any(|growth| growth <= resolution);
-        let top = points.iter().map(|point| point.size).max().unwrap_or(0);
-        if !smaller_is_noise {
-            return fit;
-        }
-        let raised: Vec<Point> = points
-            .iter()
-            .map(|&point| Point {
-                peak: if point.size == top {
-                    point.peak.saturating_add(resolution)
-                } else {
-                    point.peak
-                },
-                ..point
-            })
-            .collect();
-        MemoryFit::bent_by_points(&raised, failure).unwrap_or(fit)
-    }
-
-    /// Where the fit's slope is [`GENTLER`] times that of the sizes up to its smaller or more, and no
-    /// size failed: the margin's size with the gentler slope from the largest. Two sizes far
-    /// apart cannot tell a bend (a `size²` term) from a part that appears above some size and
-    /// does not grow (a workspace chosen by size): the bend would be right, the jump leaves
-    /// room the steep line never shows. The gentler size is tried; a failure there bends the
-    /// fit, a success puts a size on the same side of the jump.
-    fn gentler(
-        &self,
-        history: &SearchReport,
-        low: usize,
-        fit: &MemoryFit,
-        high: Option<usize>,
-    ) -> Option<usize> {
-        if high.is_some() {
-            return None;
-        }
-        let slope = gentler_slope_below(history, low, fit)?;
-        let filling = fit.with_slope(slope, None)?.size_filling_device()?;
-        let mut size = (filling * (1.0 - self.margin)).floor() as usize;
-        if let Some(max) = self.max {
-            size = size.min(kept_size(max, self.margin, self.min));
-        }
-        // A size at or below the largest that ran has had its trial: its peak is in the fit.
-        Some(self.cap(size.min(low.saturating_mul(FARTHEST_JUMP)))).filter(|&size| size > low)
-    }
-
-    /// Where the fit's line is drawn from a size under half the largest and the sizes up to
-    /// that one grew [`GENTLER`] times more gently (a part appeared between: a workspace chosen
-    /// by size), and the gentler slope's size is too close to try: three quarters of the
-    /// largest, so that the line is drawn on the aim's side of the jump (see
-    /// [`fit`](Self::fit)). The line across the jump is steeper than the memory above it by an
-    /// amount no two sizes near the aim have measured.
-    fn beside_the_aim(
-        &self,
-        history: &SearchReport,
-        low: usize,
-        fit: &MemoryFit,
-        high: Option<usize>,
-    ) -> Option<usize> {
-        if high.is_some() || fit.smaller() * 2.0 >= low as f64 {
-            return None;
-        }
-        gentler_slope_below(history, low, fit)?;
-        let size = low.saturating_mul(3) / 4;
-        (size as f64 > fit.smaller()).then_some(size)
-    }
-
-    /// The fit's own choice: the size that keeps the margin below the size it predicts fills
-    /// the device, run to confirm it. A trial that ran there (within the resolution below it)
-    /// is the answer; one that fit with more room, or less, is followed by the fit's new size;
-    /// one that failed bends the fit. `None` where the figures give no fit (the search grows
-    /// and bisects as without figures), or once the fit stops choosing (see
-    /// [`aiming_over`](Self::aiming_over)).
-    fn aim(
-        &mut self,
-        history: &SearchReport,
-        last: &Attempt,
-        low: usize,
-        high: Option<usize>,
-    ) -> Option<Decision> {
-        if self.aiming_over {
-            return None;
-        }
-        let aimed = self
-            .aimed
-            .take()
-            .filter(|&(size, _)| size == last.batch_size);
-        if aimed.is_some() && !last.outcome.is_success() {
-            self.overshoots += 1;
-        }
-        let predicted = self.predicted.take().filter(|_| aimed.is_some());
-        if let Some((size, edge)) = self.gentler_aim.take() {
-            if last.batch_size == size && last.outcome.is_success() {
-                self.jump_above = Some(edge);
-            }
-        }
-        let (fit, measured) = self.fit(history, low)?;
-        let filling = fit.size_filling_device().filter(|&size| size >= 1.0);
-        let contradicted = match (filling, high) {
-            (Some(filling), Some(high)) => filling >= high as f64,
-            (None, _) => true,
-            _ => false,
-        };
-        if contradicted || self.overshoots >= 2 || self.bend_refuted(last, predicted, &fit) {
-            // What fails is not what the fit explains (a limit that is not the memory, an
-            // allocator that cannot use all of it, a part that appears above some size), or it
-            // does not settle: bisect.
-            self.aiming_over = true;
-            self.overshoots = self.overshoots.max(2);
-            return Some(match high {
-                Some(high) if high - low > self.resolution(low) => {
-                    Decision::Try(geometric_middle(low, high))
-                }
-                _ => self.finish(history),
-            });
-        }
-        let filling = filling.unwrap_or(low as f64);
-        let mut target = ((filling * (1.0 - self.margin)).floor() as usize).max(self.min);
-        if let Some(max) = self.max {
-            target = target.min(kept_size(max, self.margin, self.min));
-        }
-        if let Some(high) = high {
-            target = target.min(high.saturating_sub(1)).max(self.min);
-        }
-        let ran = last.outcome.is_success() && last.batch_size <= low;
-        let judged = measured || self.fixed_memory.is_some();
-        let confirms = ran && aimed.is_some_and(|(_, judged)| judged);
-        let resolution = self.resolution(last.batch_size);
-        if confirms && last.batch_size <= target {
-            // A line drawn from a size under half the aim measured its slope far from it:
-            // whatever appears between (a workspace chosen by size, small tensors rounded up
-            // to whole blocks) counts as growth, and the refit predicts less room than there
-            // is, by an amount no trial has measured. Its size, when above the aim, runs once
-            // before the resolution's slack is taken as well.
-            let far = fit.smaller() * 2.0 < last.batch_size as f64;
-            let slack = if far && !self.ran_past_far_line {
-                0
-            } else {
-                resolution
-            };
-            if last.batch_size.saturating_add(slack) >= target {
-                // The fit's size ran, and the fit with its own peak keeps the margin there:
-                // the answer, unless the sizes below it grew far more gently (see
-                // [`gentler`](Self::gentler)): then that slope's size is tried first.
-                let gentler = self
-                    .gentler(history, low, &fit, high)
-                    .filter(|&size| size > last.batch_size.saturating_add(resolution));
-                if let Some(size) = gentler {
-                    self.aims += 1;
-                    self.aimed = Some((size, true));
-                    self.gentler_aim = Some((size, fit.smaller()));
-                    return Some(Decision::Try(size));
-                }
-                // A measurement below a size that ran, not an aim: it counts as none.
-                if let Some(size) = self.beside_the_aim(history, low, &fit, high) {
-                    self.aimed = Some((size, true));
-                    return Some(Decision::Try(size));
-                }
-                return Some(self.kept(history, last.batch_size));
-            }
-            if last.batch_size.saturating_add(resolution) >= target {
-                self.ran_past_far_line = true;
-            } else {
-                self.aim_misses += 1;
-            }
-        }
-        if self.aims >= MOST_AIMS {
-            // As many aims and not settled. Where the fit's size is below a size that ran, it
-            // runs, and its trial is the answer; else the estimate keeps moving up (a part
-            // that appears above some size, an allocator's rounding): the search brackets the
-            // limit with trials, as before the fit aimed.
-            self.aiming_over = true;
-            if judged && target < low {
-                self.phase = Phase::Confirming;
-                return Some(Decision::Try(target));
-            }
-            return None;
-        }
-        let next = if judged {
-            // After a miss, at least a step above it that doubles with each miss.
-            let step = resolution
-                .saturating_mul(1usize.checked_shl(self.aim_misses).unwrap_or(usize::MAX));
-            if target > last.batch_size && self.aim_misses > 0 {
-                target.max(last.batch_size.saturating_add(step))
-            } else {
-                target
-            }
-        } else {
-            // One size ran: the line through the memory before it counts every byte the trial
-            // allocated as growing with its size; it is a probe of at least `GROWTH` times, so
-            // that the second point is on a wide span.
-            target.max(low.saturating_mul(GROWTH))
-        };
-        let next = self
-            .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
-            .min(high.map_or(usize::MAX, |high| high.saturating_sub(1)))
-            .max(self.min);
-        if next == last.batch_size && last.outcome.is_success() && judged {
-            // The fit's size is the one that just ran: nothing else to try.
-            return Some(self.kept(history, next));
-        }
-        self.aims += 1;
-        self.aimed = Some((next, judged));
-        self.predicted = high.map(|_| fit.bytes(next as f64));
-        Some(Decision::Try(next))
-    }
-
-    /// Whether the last aim ran with a peak well below what the fit that chose it predicted
-    /// (by more than a quarter of the margin's bytes there), that fit being bent by a failure
-    /// above. A `size²` term shows in the sizes below the failure as the bend predicts; a part
-    /// that appears only above some size (a workspace chosen by size, a buffer allocated late)
-    /// bends the fit through the failure as if it were one, and the fit then predicts far less
-    /// room than there is below the failure: bisecting between the two finds it.
-    fn bend_refuted(&self, last: &Attempt, predicted: Option<f64>, fit: &MemoryFit) -> bool {
-        let Some(predicted) = predicted else {
-            return false;
-        };
-        let Some((peak, _)) = peak_bytes(last).filter(|_| last.outcome.is_success()) else {
-            return false;
-        };
-        let tolerance = self.margin / 4.0 * last.batch_size as f64 * fit.per_sample();
-        (peak as f64) < predicted - tolerance
-    }
-
     fn cap(&self, size: usize) -> usize {
-        self.max.map_or(size, |max| size.min(max))
+        self.goal.max.map_or(size, |max| size.min(max))
     }
 
     /// Whether the fit's last guess held: a failure where it expected a fit is an overshoot; a
-    /// fit where it expected a failure, or a fit with more than the margin to spare by the
+    /// fit where it expected a failure, or a fit with more than the headroom to spare by the
     /// fit's own new reckoning, is a miss.
     fn score_guess(&mut self, last: &Attempt, limit: Option<usize>) {
-        let Some((size, expected_to_fit)) = self.guess.take() else {
+        let Some((size, expected_to_fit)) = self.bracket.guess.take() else {
             return;
         };
         if last.batch_size != size {
@@ -543,46 +248,110 @@ impl TunerPolicy {
             self.overshoots += u32::from(expected_to_fit);
             return;
         }
-        let spare = limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.margin));
+        let spare =
+            limit.is_some_and(|limit| limit as f64 > size as f64 * (1.0 + self.goal.headroom));
         if !expected_to_fit || spare {
             self.misses += 1;
         }
     }
 
     /// How close the largest success and the smallest failure must be for the search to stop:
-    /// a quarter of the margin (at least 1), so that the margin's size stays within about 1 %
-    /// of the largest that fits less the margin. Bisecting further would refine a size the
-    /// margin then takes 5 % off.
+    /// a quarter of the headroom (at least 1), so that the headroom's size stays within about 1 %
+    /// of the largest that fits less the headroom. Bisecting further would refine a size the
+    /// headroom then takes 5 % off.
     fn resolution(&self, low: usize) -> usize {
-        ((low as f64 * self.margin / 4.0).floor() as usize).max(1)
+        ((low as f64 * self.goal.headroom / 4.0).floor() as usize).max(1)
     }
 
-    /// The end of the search for the largest: the margin's size if it has not run yet.
+    /// The end of the search for the largest: the headroom's size if it has not run yet. With
+    /// no trial left to run it, the largest size that ran where it ran last (the headroom is
+    /// lost, not the size's trial), else the largest that ran at or below the headroom's size
+    /// (or, where none did, the largest that ran): the answer always ran.
     fn finish(&mut self, history: &SearchReport) -> Decision {
         let largest = largest_below_failures(history).unwrap_or(0);
-        let target = kept_size(largest, self.margin, self.min);
+        let target = kept_size(largest, self.goal.headroom, self.goal.min);
         if target == 0 {
             return Decision::Accept;
         }
         if ran_last(history, target) {
             return self.kept(history, target);
         }
-        self.phase = Phase::Confirming;
+        if history.len() >= self.goal.max_trials {
+            return self.out_of_trials(history, largest, target);
+        }
+        self.bracket.phase = Phase::Confirming;
         Decision::Try(target)
     }
 
-    /// The margin's size ran: the answer, or the start of the search for the fastest.
+    /// No trial left to confirm the headroom's size `target` below `largest`: the answer is a
+    /// size that ran since the memory last changed, below every failure: `largest` where it
+    /// ran last (the headroom is lost, not the size's trial), else the largest at or below
+    /// `target`, else the largest. Where none ran since, nothing is kept: the engine runs
+    /// below the failure, and its size is the answer.
+    fn out_of_trials(&mut self, history: &SearchReport, largest: usize, target: usize) -> Decision {
+        if ran_last(history, largest) {
+            return self.kept(history, largest);
+        }
+        let since = since_memory_changed(history);
+        let smallest_failure = smallest_failure(history);
+        let ran: Vec<usize> = history
+            .attempts()
+            .skip(since)
+            .filter(|attempt| attempt.outcome.is_success())
+            .map(|attempt| attempt.batch_size)
+            .filter(|&size| size < smallest_failure)
+            .collect();
+        let below_target = ran.iter().copied().filter(|&size| size <= target).max();
+        match below_target.or_else(|| ran.iter().copied().max()) {
+            Some(size) => self.kept(history, size),
+            None => {
+                self.bracket.kept = 0;
+                Decision::Accept
+            }
+        }
+    }
+
+    /// The budget's last trial, where the headroom's size below the largest that ran has run
+    /// already: the search's next size, less the headroom where the fit did not aim it with the
+    /// headroom taken, so that its success is the answer; its failure leaves the headroom's size
+    /// that ran. Nothing larger to try: the search ends.
+    fn last_trial(&mut self, history: &SearchReport, decision: Decision, low: usize) -> Decision {
+        let Decision::Try(next) = decision else {
+            return decision;
+        };
+        if self.bracket.phase != Phase::Searching {
+            return decision;
+        }
+        let aimed_with_headroom = self
+            .bracket
+            .aimed
+            .is_some_and(|(size, judged)| size == next && judged);
+        let answer = if aimed_with_headroom {
+            next
+        } else {
+            kept_size(next, self.goal.headroom, self.goal.min)
+        };
+        if answer <= kept_size(low, self.goal.headroom, self.goal.min) {
+            return self.finish(history);
+        }
+        self.bracket.aimed = None;
+        self.bracket.guess = None;
+        self.bracket.phase = Phase::Confirming;
+        Decision::Try(answer)
+    }
+
+    /// The headroom's size ran: the answer, or the start of the search for the fastest.
     fn kept(&mut self, history: &SearchReport, size: usize) -> Decision {
-        self.kept = size;
-        if self.choice == Choice::Largest {
+        self.bracket.kept = size;
+        if self.goal.choice == Choice::Largest {
             return Decision::Accept;
         }
-        self.phase = Phase::Descending;
+        self.bracket.phase = Phase::Descending;
         self.below = size;
         self.descend(history)
     }
 
-    /// Powers of two below the margin's size, downwards, until one is slower than the best by
+    /// Powers of two below the headroom's size, downwards, until one is slower than the best by
     /// more than the tolerance; sizes measured already are not run again.
     fn descend(&mut self, history: &SearchReport) -> Decision {
         if history
@@ -600,23 +369,23 @@ impl TunerPolicy {
         };
         let best = throughput
             .iter()
-            .filter(|(size, _)| *size <= self.kept)
+            .filter(|(size, _)| *size <= self.bracket.kept)
             .map(|(_, rate)| *rate)
             .fold(0.0, f64::max);
         loop {
-            if self.below < self.kept
-                && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.tolerance))
+            if self.below < self.bracket.kept
+                && rate(self.below).is_some_and(|rate| rate < best * (1.0 - self.goal.tolerance))
             {
                 return self.conclude(history);
             }
             let next = power_of_two_below(self.below);
-            if next < self.min || next == 0 {
+            if next < self.goal.min || next == 0 {
                 return self.conclude(history);
             }
             self.below = next;
             if rate(next).is_none() {
                 // One trial is kept for the fastest size.
-                if history.len() + 2 > self.max_trials {
+                if history.len() + 2 > self.goal.max_trials {
                     return self.conclude(history);
                 }
                 return Decision::Try(next);
@@ -626,18 +395,19 @@ impl TunerPolicy {
 
     /// The fastest size runs last, unless it just ran or no trial is left.
     fn conclude(&mut self, history: &SearchReport) -> Decision {
-        let chosen = fastest(&throughput(history), self.kept, self.tolerance).unwrap_or(self.kept);
-        if ran_last(history, chosen) || history.len() >= self.max_trials {
+        let chosen = fastest(&throughput(history), self.bracket.kept, self.goal.tolerance)
+            .unwrap_or(self.bracket.kept);
+        if ran_last(history, chosen) || history.len() >= self.goal.max_trials {
             return Decision::Accept;
         }
-        self.phase = Phase::Final;
+        self.bracket.phase = Phase::Final;
         Decision::Try(chosen)
     }
 }
 
 impl SizePolicy for TunerPolicy {
     fn first(&mut self, starting: usize) -> Decision {
-        Decision::Try(self.cap(starting.max(self.min)))
+        Decision::Try(self.cap(starting.max(self.goal.min)))
     }
 
     fn reads_memory_after_success(&self) -> bool {
@@ -666,23 +436,16 @@ impl SizePolicy for TunerPolicy {
                  searching below {}",
                 last.batch_size, last.batch_size
             ));
-            self.phase = Phase::Searching;
-            self.kept = 0;
-            self.guess = None;
-            self.guessed_in = None;
-            self.aimed = None;
-            self.predicted = None;
-            self.gentler_aim = None;
-            self.jump_above = None;
+            self.bracket = Bracket::default();
         }
-        match self.phase {
+        match self.bracket.phase {
             Phase::Confirming if last.outcome.is_success() => {
                 return self.kept(history, last.batch_size)
             }
             Phase::Final if last.outcome.is_success() => return Decision::Accept,
             Phase::Descending if last.outcome.is_success() => return self.descend(history),
             // A failure after the search is below a size that ran: searched again above.
-            _ => self.phase = Phase::Searching,
+            _ => self.bracket.phase = Phase::Searching,
         }
         // The smallest failure: the largest success is taken below it.
         let high = history
@@ -695,17 +458,44 @@ impl SizePolicy for TunerPolicy {
             // as a shrinking search would.
             let failed = high.unwrap_or(last.batch_size);
             return match last.outcome {
-                Outcome::OutOfMemory { .. } if failed / 2 >= self.min => Decision::Try(failed / 2),
+                _ if history.len() >= self.goal.max_trials => {
+                    Decision::Stop(StopReason::MaxAttempts(history.len()))
+                }
+                Outcome::OutOfMemory { .. } if failed / 2 >= self.goal.min => {
+                    Decision::Try(failed / 2)
+                }
                 _ => Decision::Stop(StopReason::BelowMinimum {
                     next: failed / 2,
-                    min: self.min,
+                    min: self.goal.min,
                 }),
             };
         };
-        // One trial is kept for the margin's size.
-        if history.len() + 1 >= self.max_trials {
+        // One trial is kept back for the headroom's size, unless that size has run already:
+        // then the last trial is the search's too, aimed where its success is the answer.
+        let left = self.goal.max_trials.saturating_sub(history.len());
+        let headroom_ran =
+            ran_below_failures(history, kept_size(low, self.goal.headroom, self.goal.min));
+        if left == 0 || (left == 1 && !headroom_ran) {
             return self.finish(history);
         }
+        let decision = self.search(history, last, low, high);
+        if left == 1 {
+            return self.last_trial(history, decision, low);
+        }
+        decision
+    }
+}
+
+impl TunerPolicy {
+    /// The next trial while bracketing the largest size that fits, between `low` (the largest
+    /// that ran below every failure) and `high` (the smallest failure).
+    fn search(
+        &mut self,
+        history: &SearchReport,
+        last: &Attempt,
+        low: usize,
+        high: Option<usize>,
+    ) -> Decision {
         if high.is_none() && growth_unresolved(history) {
             // A small step in a large process: grown until its growth shows, never fitted
             // from the noise (a line through it would jump by its whims, or not at all).
@@ -718,7 +508,7 @@ impl SizePolicy for TunerPolicy {
         if let Some(decision) = self.aim(history, last, low, high) {
             return decision;
         }
-        if self.max.is_some_and(|max| low >= max) {
+        if self.goal.max.is_some_and(|max| low >= max) {
             return self.finish(history);
         }
         let resolution = self.resolution(low);
@@ -749,13 +539,14 @@ impl SizePolicy for TunerPolicy {
             (Some(limit), Some(high)) => {
                 let width = (high as f64 / low as f64).ln();
                 if self
+                    .bracket
                     .guessed_in
                     .take()
                     .is_some_and(|before| width > before / 2.0)
                 {
                     geometric_middle(low, high)
                 } else {
-                    self.guessed_in = Some(width);
+                    self.bracket.guessed_in = Some(width);
                     guess = Some(limit);
                     limit.max(low.saturating_add(resolution))
                 }
@@ -764,7 +555,7 @@ impl SizePolicy for TunerPolicy {
             // than one just above it (it fails at its first large allocation).
             (None, None) => low.saturating_mul(GROWTH),
             (None, Some(high)) => {
-                self.guessed_in = None;
+                self.bracket.guessed_in = None;
                 geometric_middle(low, high)
             }
         };
@@ -772,7 +563,7 @@ impl SizePolicy for TunerPolicy {
         if next <= low {
             return self.finish(history);
         }
-        self.guess = guess.map(|limit| (next, next <= limit));
+        self.bracket.guess = guess.map(|limit| (next, next <= limit));
         Decision::Try(next)
     }
 }
@@ -802,15 +593,30 @@ fn ran_last(history: &SearchReport, size: usize) -> bool {
         .is_some_and(|last| last.outcome.is_success() && last.batch_size == size)
 }
 
-/// The largest size that ran below every size that failed: what the tuner counts as fitting.
-/// A size that ran before a smaller one failed does not count (the memory it had is gone).
-pub(super) fn largest_below_failures(history: &SearchReport) -> Option<usize> {
-    let smallest_failure = history
+/// Whether `size` ran below every size that failed, since the memory last changed.
+fn ran_below_failures(history: &SearchReport, size: usize) -> bool {
+    let smallest_failure = smallest_failure(history);
+    size < smallest_failure
+        && history
+            .attempts()
+            .skip(since_memory_changed(history))
+            .any(|attempt| attempt.outcome.is_success() && attempt.batch_size == size)
+}
+
+/// The smallest size that ran out of memory (`usize::MAX` where none did).
+fn smallest_failure(history: &SearchReport) -> usize {
+    history
         .attempts()
         .filter(|attempt| attempt.outcome.is_out_of_memory())
         .map(|attempt| attempt.batch_size)
         .min()
-        .unwrap_or(usize::MAX);
+        .unwrap_or(usize::MAX)
+}
+
+/// The largest size that ran below every size that failed: what the tuner counts as fitting.
+/// A size that ran before a smaller one failed does not count (the memory it had is gone).
+pub(super) fn largest_below_failures(history: &SearchReport) -> Option<usize> {
+    let smallest_failure = smallest_failure(history);
     history
         .attempts()
         .filter(|attempt| attempt.outcome.is_success() && attempt.batch_size < smallest_failure)
@@ -865,7 +671,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_margin_is_taken_off_and_never_below_min() {
+    fn the_headroom_is_taken_off_and_never_below_min() {
         assert_eq!(kept_size(100, 0.05, 1), 95);
         assert_eq!(kept_size(10, 0.5, 8), 8);
         assert_eq!(kept_size(3, 0.05, 8), 3, "never above the size that ran");
