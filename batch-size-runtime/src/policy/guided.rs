@@ -450,8 +450,9 @@ fn ladder(first: usize) -> impl Iterator<Item = usize> {
 }
 
 /// What a step measured: the attempt's own peak (the pool's peak less what the pool held in use
-/// at the attempt's start) against its room (free at the start, plus what the pool held there
-/// unallocated, which it reuses). `None` without a peak, or where the device changed.
+/// at the attempt's start, or the process where the backend counts no pool use) against its
+/// room (free at the start, plus what the pool held there unallocated, which it reuses). `None`
+/// without a peak, or where the device changed.
 pub(crate) fn measured_step(
     batch_size: usize,
     at_start: Option<&MemorySnapshot>,
@@ -462,8 +463,11 @@ pub(crate) fn measured_step(
     if start.total != end.total || start.total == 0 || batch_size == 0 {
         return None;
     }
+    // The peak counts what its pool had in use at the start: CUDA's and the simulated device's
+    // pool count what is allocated, the host's counts what the process holds (no pool in use).
     let used_in_pool = start
         .pool_used
+        .or(start.pool_reserved)
         .unwrap_or_else(|| start.total.saturating_sub(start.free));
     let held_unallocated = start
         .pool_reserved
@@ -737,5 +741,70 @@ impl SizePolicy for Guided {
 
     fn rationale(&self) -> Option<String> {
         self.rationale.clone()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::memory::DeviceMemory;
+
+    const GIB: u64 = 1 << 30;
+
+    fn snapshot(
+        free: u64,
+        pool_reserved: Option<u64>,
+        pool_used: Option<u64>,
+        peak: Option<u64>,
+    ) -> MemorySnapshot {
+        MemorySnapshot {
+            devices: vec![DeviceMemory {
+                device: "d".to_owned(),
+                total: 80 * GIB,
+                free,
+                pool_reserved,
+                pool_used,
+                peak,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_step_is_measured_against_what_its_pool_had_in_use() {
+        // CUDA: 6 GiB allocated and 2 GiB cached in the pool at the start, which it reuses.
+        let start = snapshot(70 * GIB, Some(8 * GIB), Some(6 * GIB), Some(6 * GIB));
+        let end = snapshot(50 * GIB, Some(30 * GIB), Some(6 * GIB), Some(30 * GIB));
+        let step = measured_step(64, Some(&start), Some(&end)).unwrap();
+        assert_eq!((step.peak, step.room), (24 * GIB, 72 * GIB));
+        // The host: what the process holds, and its resident peak; no pool use counted.
+        let start = snapshot(70 * GIB, Some(GIB), None, Some(GIB));
+        let end = snapshot(66 * GIB, Some(GIB), None, Some(5 * GIB));
+        let step = measured_step(64, Some(&start), Some(&end)).unwrap();
+        assert_eq!((step.peak, step.room), (4 * GIB, 70 * GIB));
+        // No peak, or another device: nothing measured.
+        let no_peak = snapshot(66 * GIB, Some(GIB), None, None);
+        assert!(measured_step(64, Some(&start), Some(&no_peak)).is_none());
+        assert!(measured_step(64, None, Some(&end)).is_none());
+    }
+
+    #[test]
+    fn one_step_grows_as_the_batch_squared_and_two_give_the_line() {
+        // One step at 64 using a quarter of the room: twice the size at most (as size²), less
+        // the 3 % kept back.
+        let one = StepFigures::new(64, 4 * GIB, 16 * GIB);
+        assert_eq!(grown_size(&one, &[], GROWTH_EXPONENT_BOUND), Some(124));
+        // As a line with no fixed part: four times, less 3 %.
+        assert_eq!(grown_size(&one, &[], 1.0), Some(248));
+        // Two steps: 2 GiB fixed and 32 MiB a sample; the line meets 16 GiB at 448.
+        let earlier = StepFigures::new(32, 3 * GIB, 16 * GIB);
+        let step = StepFigures::new(64, 4 * GIB, 16 * GIB);
+        assert_eq!(
+            grown_size(&step, &[earlier], GROWTH_EXPONENT_BOUND),
+            Some(434)
+        );
+        // A peak that did not grow with the size says nothing.
+        let flat = StepFigures::new(64, 3 * GIB, 16 * GIB);
+        assert_eq!(grown_size(&flat, &[earlier], GROWTH_EXPONENT_BOUND), None);
     }
 }
