@@ -374,3 +374,28 @@ fn effective_batch_and_chunked_are_left_alone() {
         "every item once: {sizes:?}"
     );
 }
+
+/// A panic of the user's own, after a growth, comes back with its own payload.
+#[test]
+fn the_users_own_panic_comes_back_unchanged_after_a_growth() {
+    std::panic::set_hook(Box::new(|_| {})); // keep the test's output clean
+    let device = device();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        BatchSizeSearch::new(64).with_release(device.clone()).run(
+            |batch_size| -> anyhow::Result<usize> {
+                layered_step(&device, batch_size)?;
+                step_done();
+                if batch_size > 64 {
+                    std::panic::panic_any(41_u32);
+                }
+                Ok(batch_size)
+            },
+        )
+    }));
+    let _ = std::panic::take_hook();
+    let payload = caught.unwrap_err();
+    assert_eq!(payload.downcast_ref::<u32>(), Some(&41));
+    let report = last_report().unwrap();
+    assert!(grew(&report) >= 1, "{report}");
+    assert_eq!(report.last().unwrap().outcome, Outcome::Panicked);
+}
