@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use batch_size_runtime::policy::{Decision, Factor, Guided, Halve, SizePolicy};
 use batch_size_runtime::{
-    memory::SimulatedDevice, BatchSizeSearch, Choice, OutOfMemory, Outcome, SearchReport, Tuner,
+    memory::SimulatedDevice, step_done, BatchSizeSearch, Choice, OutOfMemory, Outcome,
+    SearchReport, Tuner,
 };
 
 #[path = "../tests/common/workloads.rs"]
@@ -292,7 +293,182 @@ fn cached_rerun(workload: Workload, tuner: bool) -> usize {
     attempts
 }
 
+/// The doors of the growth table, in its column order.
+const DOORS: [&str; 6] = [
+    "halving",
+    "x0.9",
+    "default",
+    "default + step_done",
+    "cache, 2nd run (+ step_done)",
+    "cache, 2nd run (alone)",
+];
+
+/// One search of the growth table: `door` on `workload` from `start`, the function calling
+/// `step_done()` after its step where `calls`, the cache on under `key` where given. `first`
+/// numbers the attempts for the noisy workload's noise.
+fn search_once(
+    workload: Workload,
+    start: usize,
+    policy: &str,
+    calls: bool,
+    key: Option<&str>,
+    first: u64,
+) -> Row {
+    let device = workload.device();
+    let attempt_number = AtomicU64::new(first);
+    let mut search = BatchSizeSearch::new(start).with_release(device.clone());
+    search = match policy {
+        "halving" => search.with_policy(Halve),
+        "x0.9" => search.with_policy(Factor(0.9)),
+        _ => search,
+    };
+    if let Some(key) = key {
+        search = search.with_cache(key.to_owned());
+    }
+    let (found, report) = search.run_with_report(|size| -> anyhow::Result<usize> {
+        let n = attempt_number.fetch_add(1, Ordering::Relaxed);
+        workload.step(&device, size as u64, noise(n))?;
+        if calls {
+            step_done();
+        }
+        Ok(size)
+    });
+    Row {
+        tried: report
+            .attempts()
+            .map(|attempt| attempt.batch_size)
+            .collect(),
+        found: found.unwrap_or(0),
+        attempts: report.len(),
+        failures: report.out_of_memory_count(),
+    }
+}
+
+fn door(workload: Workload, start: usize, door: &str, case: usize) -> Row {
+    match door {
+        "halving" | "x0.9" => search_once(workload, start, door, false, None, 0),
+        "default" => search_once(workload, start, door, false, None, 0),
+        "default + step_done" => search_once(workload, start, door, true, None, 0),
+        _ => {
+            let calls = door.contains("step_done");
+            let key = format!("growth table {case} {calls}");
+            search_once(workload, start, door, calls, Some(&key), 0);
+            search_once(workload, start, door, calls, Some(&key), 1000)
+        }
+    }
+}
+
+/// The growth table: every door on the benchmark's shapes and on shapes written for it
+/// ([`Workload::NEW`]), from starts 1.25 to 16¼ times the fit; then the means, for the
+/// benchmark's shapes, the new ones, and all.
+fn growth_table() {
+    const STARTS: [f64; 6] = [1.25, 1.7, 2.5, 4.25, 8.5, 16.25];
+    println!("| workload | start | fits | {} |", DOORS.join(" | "));
+    println!("|---|---|---|{}", "---|".repeat(DOORS.len()));
+    // Per door: (utilisation, worst, runs, failures, cases, below halving, over halving + 3)
+    // for the benchmark's shapes [0] and the new ones [1].
+    let mut totals = vec![
+        [(
+            0.0f64,
+            f64::INFINITY,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+            0usize
+        ); 2];
+        DOORS.len()
+    ];
+    let mut case = 0;
+    for (set, workloads) in [&Workload::ALL[..], &Workload::NEW[..]]
+        .into_iter()
+        .enumerate()
+    {
+        for &workload in workloads {
+            let fit = workload.largest_fit(1.0);
+            for factor in STARTS {
+                let start = ((fit as f64 * factor).round() as usize).max(fit + 1);
+                case += 1;
+                let rows: Vec<Row> = DOORS
+                    .iter()
+                    .map(|name| door(workload, start, name, case))
+                    .collect();
+                let halving = (rows[0].found, rows[0].attempts);
+                let cells: Vec<String> = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(column, row)| {
+                        let mut cell = format!(
+                            "{} in {} ({:.2})",
+                            row.found,
+                            row.attempts,
+                            row.found as f64 / fit as f64
+                        );
+                        // The door this table is about: the sizes it ran.
+                        if column == 3 {
+                            cell.push_str(&format!(": {}", shown(&row.tried)));
+                        }
+                        if row.found < halving.0 {
+                            cell.push_str(" **below halving**");
+                        }
+                        cell
+                    })
+                    .collect();
+                println!(
+                    "| {} | {start} | {fit} | {} |",
+                    workload.name(),
+                    cells.join(" | ")
+                );
+                for (total, row) in totals.iter_mut().zip(&rows) {
+                    let total = &mut total[set];
+                    let utilisation = row.found as f64 / fit as f64;
+                    total.0 += utilisation;
+                    total.1 = total.1.min(utilisation);
+                    total.2 += row.attempts;
+                    total.3 += row.failures;
+                    total.4 += 1;
+                    total.5 += usize::from(row.found < halving.0);
+                    total.6 += usize::from(row.attempts > halving.1 + 3);
+                }
+            }
+        }
+    }
+    println!();
+    println!("| door | shapes | mean utilisation | worst | mean runs | mean OOM failures | below halving's size | over halving's runs + 3 |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (name, total) in DOORS.iter().zip(&totals) {
+        let all = (
+            total[0].0 + total[1].0,
+            total[0].1.min(total[1].1),
+            total[0].2 + total[1].2,
+            total[0].3 + total[1].3,
+            total[0].4 + total[1].4,
+            total[0].5 + total[1].5,
+            total[0].6 + total[1].6,
+        );
+        for (shapes, t) in [("benchmark's", total[0]), ("new", total[1]), ("all", all)] {
+            let cases = t.4.max(1) as f64;
+            println!(
+                "| {name} | {shapes} | {:.3} | {:.3} | {:.2} | {:.2} | {} of {} | {} of {} |",
+                t.0 / cases,
+                t.1,
+                t.2 as f64 / cases,
+                t.3 as f64 / cases,
+                t.5,
+                t.4,
+                t.6,
+                t.4
+            );
+        }
+    }
+    println!();
+}
+
 fn main() {
+    growth_table();
+    if std::env::args().any(|arg| arg == "--growth-only") {
+        return;
+    }
     let policies = [
         "halving",
         "x0.9",

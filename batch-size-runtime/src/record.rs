@@ -57,6 +57,13 @@ pub enum Outcome {
     },
     /// It panicked with something that is not out-of-memory: the panic was resumed.
     Panicked,
+    /// Its first step ran and reported itself ([`step_done`](crate::step_done)), and the step's
+    /// figures showed that a larger size fits: the attempt was ended there, and the function ran
+    /// again at `to`. The size fits (one step of it ran); `memory_at_end` holds the figures read.
+    Grew {
+        /// The size the function ran at next.
+        to: usize,
+    },
 }
 
 /// One call of the attempt.
@@ -110,6 +117,10 @@ pub struct Attempt {
     /// The remedies in force during this attempt ("activation checkpointing, context length
     /// 1024"), where a search applies any ([`Remedies`](crate::remedies::Remedies)); `None` otherwise.
     pub remedies: Option<String>,
+    /// Whether the function reported a step with [`step_done`](crate::step_done) in an attempt
+    /// watched for growing before the attempt ended: where it then ran out of memory, a later
+    /// step needed more than the first.
+    pub first_step_done: bool,
 }
 
 impl fmt::Display for Attempt {
@@ -128,6 +139,7 @@ impl fmt::Display for Attempt {
             Outcome::OutOfMemory { error } => write!(f, "out of memory ({error})")?,
             Outcome::Failed { error } => write!(f, "failed ({error})")?,
             Outcome::Panicked => f.write_str("panicked")?,
+            Outcome::Grew { to } => write!(f, "its first step fit; grown to {to}")?,
         }
         write!(f, " in {:.3?}", self.duration)
     }
@@ -356,7 +368,7 @@ impl SearchReport {
                         }),
                 );
             }
-            Outcome::Failed { .. } | Outcome::Panicked => {}
+            Outcome::Failed { .. } | Outcome::Panicked | Outcome::Grew { .. } => {}
         }
         match &mut self.last {
             // The first attempt goes in place: the common search of one attempt copies nothing.

@@ -109,6 +109,34 @@ fn on_every_benchmark_workload_never_below_halving_nor_over_its_attempts_plus_th
     println!("mean utilisation {mean:.3}, {extra:.2} attempts more than halving on the mean");
 }
 
+/// On the shapes written after the policy ([`Workload::NEW`]), from 1.25 to 16¼ times the fit:
+/// never below halving's size, never more than three attempts more.
+#[test]
+fn on_shapes_it_was_not_written_against_never_below_halving_nor_over_its_attempts_plus_three() {
+    for workload in Workload::NEW {
+        let name = workload.name();
+        let fit = workload.largest_fit(1.0);
+        let step = |device: &SimulatedDevice, size: u64, _: u64| workload.step(device, size, 1.0);
+        for factor in [1.25, 1.7, 2.5, 4.25, 8.5, 16.25] {
+            let start = ((fit as f64 * factor).round() as usize).max(fit + 1);
+            let halving = search(start, Halve, true, &workload.device(), step);
+            let guided = search(start, Guided::new(), true, &workload.device(), step);
+            assert!(
+                guided.0 >= halving.0 && guided.0 <= fit,
+                "{name} from {start}: {} (halving {}, fit {fit})",
+                guided.0,
+                halving.0
+            );
+            assert!(
+                guided.1 <= halving.1 + 3,
+                "{name} from {start}: {} attempts, halving {}",
+                guided.1,
+                halving.1
+            );
+        }
+    }
+}
+
 /// A step of random shape: a fixed part, layers that each keep a linear and a batch² part,
 /// then a tail; the order the memory is allocated in is the same at every size.
 #[derive(Debug, Clone)]

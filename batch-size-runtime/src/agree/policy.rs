@@ -97,6 +97,13 @@ impl<P: SizePolicy, C: Collective> PolicyWrapper for Agree<P, C> {
         true
     }
 
+    /// No growing after a step under an agreement: each rank measures its own step and would
+    /// grow on its own, and a rank that grew would leave the others waiting in the agreement's
+    /// round. Every rank keeps the agreed size.
+    fn grow_after_a_step(&self, _history: &SearchReport) -> Option<crate::policy::GrowRule> {
+        None
+    }
+
     fn accepts_every_success(&self) -> bool {
         false
     }

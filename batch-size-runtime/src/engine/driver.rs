@@ -7,7 +7,7 @@
 use std::fmt;
 use std::future::Future;
 
-use super::Search;
+use super::{step, Search};
 use crate::attempt::InspectableError;
 use crate::engine::dispatch::{Classify, GiveUp, Judged, LastError};
 use crate::error::NoExecutableBatchSize;
@@ -150,7 +150,9 @@ fn run_loop<R, C: Classify<R>>(
             Ok(batch_size) => batch_size,
             Err(ended) => return ended,
         };
-        if let Some(ended) = driver.record(unwind::catch_attempt(|| attempt(batch_size))) {
+        let watch = driver.search.step_watch();
+        let outcome = step::watching(watch, || unwind::catch_attempt(|| attempt(batch_size)));
+        if let Some(ended) = driver.record(outcome) {
             return ended;
         }
     }
@@ -169,7 +171,9 @@ async fn run_loop_async<R, C: Classify<R>>(
             Ok(batch_size) => batch_size,
             Err(ended) => return ended,
         };
-        if let Some(ended) = driver.record(CatchUnwind::new(attempt.start(batch_size)).await) {
+        let watch = driver.search.step_watch();
+        let attempt = step::Watched::new(attempt.start(batch_size), watch);
+        if let Some(ended) = driver.record(CatchUnwind::new(attempt).await) {
             return ended;
         }
     }

@@ -10,9 +10,11 @@ pub(crate) mod dispatch;
 pub(crate) mod driver;
 mod search;
 mod settings;
+pub(crate) mod step;
 
 pub(crate) use active::{ActivePolicy, Clock, Hooks};
 pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
 pub(crate) use settings::{settings_setters, Invalid, Settings};
+pub use step::step_done;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use super::step::{self, Grown, StepWatch, MAX_GROWTHS};
 use super::{ActivePolicy, Hooks, Invalid, Settings};
 use crate::agree::Agree;
 use crate::engine::dispatch::OomRules;
@@ -97,6 +98,10 @@ pub struct Search<'r> {
     /// a proposal the engine turns into another size (one above `with_max` runs below the
     /// failure) never repeats a size that ran, yet may repeat for ever.
     proposed_after_failure: Vec<(usize, usize)>,
+    /// What the running attempt's first step is measured against, until the driver takes it.
+    watch: Option<Arc<StepWatch>>,
+    /// How many attempts ended to grow after their first step.
+    growths: usize,
 }
 
 impl<'r> Search<'r> {
@@ -209,6 +214,8 @@ impl<'r> Search<'r> {
             first_fit_at_debug,
             cache_offer,
             proposed_after_failure: Vec::new(),
+            watch: None,
+            growths: 0,
         }
     }
 }
@@ -351,6 +358,9 @@ impl Search<'_> {
         match std::mem::replace(&mut self.next, Next::Ended) {
             Next::Size(batch_size) => {
                 let memory_at_start = non_empty(self.release.start_attempt());
+                self.watch = memory_at_start
+                    .as_ref()
+                    .and_then(|at_start| self.watch_for(batch_size, at_start));
                 self.running = Some(Running {
                     batch_size,
                     started: Instant::now(),
@@ -372,6 +382,76 @@ impl Search<'_> {
                 ))
             }
         }
+    }
+
+    /// A watch over the attempt about to run at `batch_size`, for [`step_done`](crate::step_done),
+    /// where the policy grows after a step and a larger size is allowed: below every failure,
+    /// within `max`, with attempts left for the grown size and a return to this one, and a
+    /// growth left. Only an attempt with memory figures is watched.
+    fn watch_for(&self, batch_size: usize, at_start: &MemorySnapshot) -> Option<Arc<StepWatch>> {
+        let ceiling = self
+            .smallest_failed
+            .map_or(self.max_size, |failed| failed.saturating_sub(1))
+            .min(self.max_size);
+        let room_for_attempts = self
+            .max_attempts
+            .is_none_or(|max| self.report.len() + 3 <= max);
+        if self.growths >= MAX_GROWTHS
+            || !room_for_attempts
+            || ceiling < step::least_growth(batch_size)
+            || self.policy.agrees_with_others()
+        {
+            return None;
+        }
+        let rule = self.policy.grow_after_a_step(&self.report)?;
+        StepWatch::new(
+            batch_size,
+            at_start.clone(),
+            self.release.clone(),
+            ceiling,
+            rule,
+        )
+    }
+
+    /// The running attempt's watch, for the driver to put in place while it runs; the search
+    /// keeps it to record whether the first step ran.
+    #[inline]
+    pub(crate) fn step_watch(&self) -> Option<Arc<StepWatch>> {
+        self.watch.clone()
+    }
+
+    /// The attempt's first step fit and its figures showed room for `grown.to`: the attempt is
+    /// recorded as grown, memory is released as after an out-of-memory, and the policy (which
+    /// lent the rule) answers the next size, held to the engine's rules. A policy that answers
+    /// no larger size runs the size that fit again.
+    fn record_growth(&mut self, grown: Grown) {
+        let mut attempt = self.finish_attempt(Outcome::Grew { to: grown.to });
+        attempt.memory_at_end = non_empty(grown.memory);
+        let number = attempt.number;
+        self.report.push(attempt);
+        self.growths += 1;
+        self.release_before_next_attempt();
+        let decision = match self.policy.after(&self.report) {
+            Decision::Try(size) if size > grown.from => Decision::Try(size),
+            _ => Decision::Try(grown.from),
+        };
+        self.rationale = self.policy.rationale();
+        self.next = self.within_the_rules(decision);
+        if let Next::Size(next) = &self.next {
+            tracing::info!(
+                function = self.label,
+                batch_size = grown.from,
+                next_batch_size = *next,
+                attempt = number,
+                peak = %Bytes(grown.step.peak),
+                room = %Bytes(grown.step.room),
+                "the first step with batch size {} used {} of {}: running again with {next}",
+                grown.from,
+                Bytes(grown.step.peak),
+                Bytes(grown.step.room),
+            );
+        }
+        self.notify_last();
     }
 
     /// Whether the policy accepted the latest success: the search is over, with that size.
@@ -483,6 +563,7 @@ impl Search<'_> {
             requested: None,
             rationale: self.rationale.take(),
             remedies,
+            first_step_done: self.watch.take().is_some_and(|watch| watch.measured()),
         }
     }
 
@@ -631,6 +712,11 @@ impl Search<'_> {
     /// [`panicked`](Self::panicked) for the engine's driver. A panic that is not out-of-memory
     /// leaves every caller by unwinding: its report is published on the way out.
     pub(crate) fn record_panic(&mut self, payload: PanicPayload) {
+        // The end of an attempt that grows after its first step (`step_done`), not a panic.
+        let payload = match payload.downcast::<Grown>() {
+            Ok(grown) => return self.record_growth(*grown),
+            Err(payload) => payload,
+        };
         match self.rules().classify_panic(&*payload) {
             Some(found) => self.record_out_of_memory(found, None),
             None => {

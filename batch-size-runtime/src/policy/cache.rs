@@ -49,8 +49,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::memory::{MemorySnapshot, Release};
 use crate::policy::LadderControl;
+use crate::policy::{grown_size, growth_shown, measured_step, reached_by_failures, StepFigures};
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
-use crate::record::{CacheHit, SearchReport};
+use crate::record::{CacheHit, Outcome, SearchReport};
 
 /// The environment variable that names the cache's folder when none is given.
 pub const CACHE_DIR_VARIABLE: &str = "BATCH_SIZE_CACHE_DIR";
@@ -80,6 +81,22 @@ pub struct CacheEntry {
     /// (`null`: not in force; 1 for a switch; a knob's value), restored with the size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remedies: Option<Vec<Option<usize>>>,
+    /// What the step needed at `fits`: its own peak (bytes), where the search read it (a
+    /// release with figures). A rerun starts at the size it and [`room`](Self::room) give.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_at_fits: Option<u64>,
+    /// The bytes the step could use when `peak_at_fits` was read: the device's total less what
+    /// was in use before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub room: Option<u64>,
+    /// Another step measured in the same search, at another size: `(size, own peak)`. With the
+    /// peak at `fits` it gives the step's line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub other_step: Option<(usize, u64)>,
+    /// A failure above `fits` and the bytes it had reached of its own, `(size, bytes)`: the one
+    /// that reached the most for its size. It tells a step that grows faster than a line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reached: Option<(usize, u64)>,
 }
 
 static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
@@ -113,6 +130,11 @@ pub(crate) struct Cached<P> {
     remedies: Option<Arc<dyn LadderControl>>,
     /// Set when the search ran the cached size and returned it.
     hit: Option<CacheHit>,
+    /// Where the entry kept what the step needed: the size its figures give in the room there
+    /// is now, above the size that fit, where the search starts instead.
+    figures_start: Option<usize>,
+    /// Why the latest decision was the wrapper's own.
+    rationale: Option<String>,
 }
 
 impl<P: fmt::Debug> fmt::Debug for Cached<P> {
@@ -287,6 +309,10 @@ impl CacheSlot {
             failed_at,
             free_when_written: self.free_now,
             remedies: None,
+            peak_at_fits: None,
+            room: None,
+            other_step: None,
+            failure_reached: None,
         });
     }
 
@@ -418,11 +444,16 @@ impl<P: SizePolicy> Cached<P> {
             hit: None,
             from_cache: false,
             remedies,
+            figures_start: None,
+            rationale: None,
         };
         // Decided here, once, with the remedies restored: the search's first size is the
         // cached one, and the engine knows it before the first attempt (`offer`).
         if let Some(entry) = cached.slot.entry.clone() {
             cached.from_cache = !cached.more_room(&entry) && cached.restore_remedies(&entry);
+            if cached.from_cache && shrinking {
+                cached.figures_start = figures_start(&entry, cached.slot.free_now, starting);
+            }
         }
         cached
     }
@@ -432,7 +463,7 @@ impl<P: SizePolicy> Cached<P> {
     pub(crate) fn offer(&self) -> Option<(usize, CacheHit)> {
         let entry = self.slot.entry.as_ref().filter(|_| self.from_cache)?;
         Some((
-            entry.fits,
+            self.figures_start.unwrap_or(entry.fits),
             CacheHit {
                 largest_fit: entry.largest_fit,
             },
@@ -483,6 +514,39 @@ impl<P: SizePolicy> Cached<P> {
         let largest = earlier
             .filter(|entry| entry.fits == fits && entry.largest_fit == largest_fit)
             .and_then(|entry| entry.largest);
+        // What the step needed at the size that fit (the success's figures, read after it),
+        // and another step measured at another size for the line: a growth's in this search,
+        // else the earlier entry's own measurement at the size that fit then.
+        let measured = |attempt: &crate::record::Attempt| {
+            measured_step(
+                attempt.batch_size,
+                attempt.memory_at_start.as_ref(),
+                attempt.memory_at_end.as_ref(),
+            )
+        };
+        let at_fits = history
+            .last()
+            .filter(|last| last.outcome.is_success() && last.batch_size == fits)
+            .and_then(measured);
+        let grown = history
+            .attempts()
+            .filter(|attempt| {
+                matches!(attempt.outcome, Outcome::Grew { .. }) && attempt.batch_size != fits
+            })
+            .filter_map(measured)
+            .max_by_key(|step| step.batch_size)
+            .map(|step| (step.batch_size, step.peak));
+        // The failure that reached the most for its size, this search's or the entry's.
+        let failure_reached = reached_by_failures(history)
+            .into_iter()
+            .chain(earlier.and_then(|entry| entry.failure_reached))
+            .filter(|&(failed, _)| failed > fits)
+            .max_by(|a, b| (a.1 as f64 / a.0 as f64).total_cmp(&(b.1 as f64 / b.0 as f64)));
+        let earlier_step = earlier
+            .filter(|entry| {
+                entry.fits != fits && failed_at.is_none_or(|failed| entry.fits < failed)
+            })
+            .and_then(|entry| Some((entry.fits, entry.peak_at_fits?)));
         let entry = CacheEntry {
             key: self.slot.key.clone(),
             fits,
@@ -491,6 +555,10 @@ impl<P: SizePolicy> Cached<P> {
             failed_at,
             free_when_written: self.slot.free_now,
             remedies: self.remedies.as_ref().map(|remedies| remedies.levels()),
+            peak_at_fits: at_fits.map(|step| step.peak),
+            room: at_fits.map(|step| step.room),
+            other_step: at_fits.and(grown.or(earlier_step)),
+            failure_reached,
         };
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
         self.slot.write(entry);
@@ -501,6 +569,30 @@ impl<P: SizePolicy> Cached<P> {
     pub(crate) fn into_slot(self) -> (CacheSlot, Option<CacheHit>) {
         (self.slot, self.hit)
     }
+}
+
+/// The size a cached entry's figures give in `room_now`: the step's line where the entry keeps
+/// two measured steps, else its peak at the size that fit grown as a line through it with a
+/// fixed part of zero or more (as the batch squared where a kept failure reached more than such
+/// a line does); at least a few percent above the size that fit, below the size that failed there by
+/// the estimate's margin, and never above `starting`. `None` where the figures give nothing
+/// larger, or are missing.
+fn figures_start(entry: &CacheEntry, room_now: u64, starting: usize) -> Option<usize> {
+    let room = entry.room?.min(room_now);
+    let step = StepFigures::new(entry.fits, entry.peak_at_fits?, room);
+    let other: Vec<StepFigures> = entry
+        .other_step
+        .map(|(size, peak)| StepFigures::new(size, peak, room))
+        .into_iter()
+        .collect();
+    let ceiling = entry.failed_at.map_or(starting, |failed| {
+        (failed as f64 * super::guided::GROWN_KEEP) as usize
+    });
+    let exponent = growth_shown(&step, entry.failure_reached.as_slice());
+    let size = grown_size(&step, &other, exponent)?
+        .min(ceiling)
+        .min(starting);
+    (size as f64 >= entry.fits as f64 * 1.03 && size > entry.fits).then_some(size)
 }
 
 impl<P> Cached<P> {
@@ -542,19 +634,57 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
 
     fn first(&mut self, starting: usize) -> Decision {
         match self.slot.entry.as_ref().filter(|_| self.from_cache) {
-            Some(entry) => {
-                tracing::info!(
-                    function = self.label,
-                    batch_size = entry.fits,
-                    "starting from the cached size"
-                );
-                Decision::Try(entry.fits)
-            }
+            Some(entry) => match self.figures_start {
+                Some(start) => {
+                    tracing::info!(
+                        function = self.label,
+                        batch_size = start,
+                        cached = entry.fits,
+                        "starting from the size the cached step's figures give ({} fit)",
+                        entry.fits
+                    );
+                    Decision::Try(start)
+                }
+                None => {
+                    tracing::info!(
+                        function = self.label,
+                        batch_size = entry.fits,
+                        "starting from the cached size"
+                    );
+                    Decision::Try(entry.fits)
+                }
+            },
             None => self.inner.first(starting),
         }
     }
 
+    /// A shrinking policy accepts its first success: the figures the entry keeps are read once,
+    /// after it, at the end of the search.
+    fn reads_memory_after_success(&self) -> bool {
+        self.inner.accepts_every_success() || self.inner.reads_memory_after_success()
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.rationale.clone().or_else(|| self.inner.rationale())
+    }
+
     fn after(&mut self, history: &SearchReport) -> Decision {
+        self.rationale = None;
+        // The size the cached figures gave failed: back to the size that fit, one failure at
+        // most; the entry then keeps that failure, and the next estimate stays below it.
+        let first_failed = history.len() == 1
+            && history
+                .last()
+                .is_some_and(|last| last.outcome.is_out_of_memory());
+        if let (true, Some(start), Some(entry)) =
+            (first_failed, self.figures_start, self.slot.entry.as_ref())
+        {
+            self.rationale = Some(format!(
+                "batch size {start}, from the cached step's figures, ran out of memory: back to {}, the cached size",
+                entry.fits
+            ));
+            return Decision::Try(entry.fits);
+        }
         let success = history.last().is_some_and(|last| last.outcome.is_success());
         // The cached size ran: that is the answer, whatever the policy would explore (a tuner
         // reruns in one trial).

@@ -3,9 +3,9 @@
 //! taking more than three attempts more than halving.
 
 use super::evidence::Evidence;
-use super::{Decision, SizePolicy};
+use super::{Decision, GrowRule, SizePolicy, StepFigures};
 use crate::error::StopReason;
-use crate::memory::Bytes;
+use crate::memory::{Bytes, MemorySnapshot};
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Chooses each next size from the evidence of the failures so far, never ending below the size
@@ -47,6 +47,14 @@ use crate::record::{Attempt, Outcome, SearchReport};
 ///   use, which needs the memory backend's readings), asking for the same bytes, more than the
 ///   device had free: that allocation does not depend on the batch size and does not fit at any.
 ///   A text that repeats the same figures at every size proves nothing: it follows the ladder.
+///
+/// - **After a step that ran.** Where the function reports its steps
+///   ([`step_done`](crate::step_done)), the first step of an attempt is measured (its own peak
+///   against its room) and the attempt grows to the size that fills the room: from one step, the
+///   peak grown as the batch squared (never above the limit of a step that grows no faster); from
+///   two, their line; 3 % kept back and 3 % below every failure; at most three times. A grown size
+///   that fails sends the search back once, to the largest size whose first step ran (or, where
+///   the failure came after the first step, to the size before growing).
 ///
 /// Without figures (an error that gives none and no memory backend readings) it halves exactly:
 /// 128, 64, 32, ...
@@ -441,9 +449,150 @@ fn ladder(first: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(first), |&rung| Some(rung / 2)).take_while(|&rung| rung > 0)
 }
 
+/// What a step measured: the attempt's own peak (the pool's peak less what the pool held in use
+/// at the attempt's start, or the process where the backend counts no pool use) against its
+/// room (free at the start, plus what the pool held there unallocated, which it reuses). `None`
+/// without a peak, or where the device changed.
+pub(crate) fn measured_step(
+    batch_size: usize,
+    at_start: Option<&MemorySnapshot>,
+    at_end: Option<&MemorySnapshot>,
+) -> Option<StepFigures> {
+    let start = at_start?.devices.first()?;
+    let end = at_end?.devices.first()?;
+    if start.total != end.total || start.total == 0 || batch_size == 0 {
+        return None;
+    }
+    // The peak counts what its pool had in use at the start: CUDA's and the simulated device's
+    // pool count what is allocated, the host's counts what the process holds (no pool in use).
+    let used_in_pool = start
+        .pool_used
+        .or(start.pool_reserved)
+        .unwrap_or_else(|| start.total.saturating_sub(start.free));
+    let held_unallocated = start
+        .pool_reserved
+        .zip(start.pool_used)
+        .map_or(0, |(reserved, used)| reserved.saturating_sub(used));
+    let peak = end.peak?.saturating_sub(used_in_pool);
+    let room = start.free.saturating_add(held_unallocated).min(start.total);
+    (peak > 0 && room > 0).then_some(StepFigures::new(batch_size, peak, room))
+}
+
+/// The share of a size estimated from measured steps kept: a measured peak is the whole step,
+/// not a bound, so less is kept back than from a failure; what remains covers allocator
+/// rounding and steps that vary by a few percent.
+pub(crate) const GROWN_KEEP: f64 = 0.97;
+
+/// The size the measured steps point to: from one step, the size at which its peak would fill
+/// the room if it grew as the batch squared (the fastest growth the policy allows for; a linear
+/// step or a fixed part only fits more), so a grown size is never above the limit for such a
+/// step; from two steps at different sizes, the line through their peaks (`fixed + k × size`),
+/// or where the line bends up (a negative fixed part: a `batch²` term), the smaller of the
+/// line's size and a power law's through the two.
+pub(crate) fn grown_size(
+    step: &StepFigures,
+    earlier: &[StepFigures],
+    exponent: f64,
+) -> Option<usize> {
+    let (size, peak, room) = (step.batch_size as f64, step.peak as f64, step.room as f64);
+    let other = earlier
+        .iter()
+        .filter(|other| {
+            other.batch_size != step.batch_size && (other.room as f64 - room).abs() <= 0.02 * room
+        })
+        .max_by_key(|other| other.batch_size);
+    let fit = match other {
+        None => size * (room / peak).powf(1.0 / exponent),
+        Some(other) => {
+            let (x0, y0) = (other.batch_size as f64, other.peak as f64);
+            let slope = (peak - y0) / (size - x0);
+            if slope <= 0.0 {
+                // The peak did not grow with the size: the figures cannot say how it grows.
+                return None;
+            }
+            let fixed = peak - slope * size;
+            let line = (room - fixed) / slope;
+            if fixed >= 0.0 {
+                line
+            } else {
+                let exponent = (peak / y0).ln() / (size / x0).ln();
+                let power = size * (room / peak).powf(1.0 / exponent.max(1.0));
+                line.min(power)
+            }
+        }
+    };
+    let fit = (fit * GROWN_KEEP).floor();
+    (fit.is_finite() && fit > size).then(|| fit.min(usize::MAX as f64) as usize)
+}
+
+/// Each failure of `history` with a device total, and the bytes it had reached of its own.
+pub(crate) fn reached_by_failures(history: &SearchReport) -> Vec<(usize, u64)> {
+    failures(history)
+        .iter()
+        .filter(|failure| failure.total.is_some())
+        .map(|failure| (failure.size, failure.reached()))
+        .collect()
+}
+
+/// How fast a step measured at one size may grow (the exponent of the size): linear (1) unless
+/// a failure above it had reached more than a line through the measured peak with a fixed
+/// part of zero or more can reach there (`peak × failed / size`), which only a step that grows
+/// faster does; then the batch squared (2), the fastest growth the policy allows for.
+pub(crate) fn growth_shown(step: &StepFigures, failures: &[(usize, u64)]) -> f64 {
+    let faster = failures.iter().any(|&(failed, reached)| {
+        failed > step.batch_size
+            && reached as f64 * PROOF_TOLERANCE
+                > step.peak as f64 * failed as f64 / step.batch_size as f64
+    });
+    if faster {
+        GROWTH_EXPONENT_BOUND
+    } else {
+        1.0
+    }
+}
+
+/// The steps measured so far in this search: the attempts that grew.
+fn grown_steps(history: &SearchReport) -> impl Iterator<Item = (&Attempt, StepFigures)> {
+    history.attempts().filter_map(|attempt| {
+        matches!(attempt.outcome, Outcome::Grew { .. })
+            .then(|| {
+                measured_step(
+                    attempt.batch_size,
+                    attempt.memory_at_start.as_ref(),
+                    attempt.memory_at_end.as_ref(),
+                )
+            })
+            .flatten()
+            .map(|step| (attempt, step))
+    })
+}
+
 impl SizePolicy for Guided {
     fn accepts_every_success(&self) -> bool {
         true
+    }
+
+    /// After a step, the size its figures point to: from one step, its peak grown as the batch
+    /// squared; from two, their line (the policy's docs say more); not once a grown
+    /// size ran out of memory (the figures overshot once: the search returns to the size that
+    /// fit and stays).
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        let mut grew = false;
+        for attempt in history.attempts() {
+            grew |= matches!(attempt.outcome, Outcome::Grew { .. });
+            if grew && attempt.outcome.is_out_of_memory() {
+                return None;
+            }
+        }
+        let earlier: Vec<StepFigures> = grown_steps(history).map(|(_, step)| step).collect();
+        // No closer to a size that failed than the margin kept from the estimate: a failure
+        // just above a curved step's estimate says the curve bends there.
+        let below_failures = history
+            .smallest_out_of_memory()
+            .map_or(usize::MAX, |failed| (failed as f64 * GROWN_KEEP) as usize);
+        Some(Box::new(move |step| {
+            grown_size(step, &earlier, GROWTH_EXPONENT_BOUND).map(|size| size.min(below_failures))
+        }))
     }
 
     fn check(&self) -> Result<(), String> {
@@ -461,10 +610,47 @@ impl SizePolicy for Guided {
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
+        if let Outcome::Grew { to } = last.outcome {
+            self.rationale = Some(format!(
+                "the first step with batch size {} fit, and its peak says {to} fits",
+                last.batch_size
+            ));
+            return Decision::Try(to);
+        }
         if !matches!(last.outcome, Outcome::OutOfMemory { .. }) {
             return Decision::Accept;
         }
         let size = last.batch_size;
+        // A size grown to from measured steps failed: a later step needed more than the first
+        // (state created at the first optimizer step), so every measured step may understate
+        // the function. Back, once, to the size the search had reached before growing; a
+        // failure there is read as any other.
+        let failures_since_growing = history
+            .attempts()
+            .skip_while(|attempt| !matches!(attempt.outcome, Outcome::Grew { .. }))
+            .filter(|attempt| attempt.outcome.is_out_of_memory())
+            .count();
+        if failures_since_growing == 1 {
+            let mut measured = grown_steps(history)
+                .map(|(attempt, _)| attempt.batch_size)
+                .filter(|&before| before < size);
+            let back = if last.first_step_done {
+                measured
+                    .next()
+                    .map(|before| (before, "the size before growing"))
+            } else {
+                // It failed within its first step: the largest step measured ran that step.
+                measured
+                    .max()
+                    .map(|largest| (largest, "the largest size whose first step ran"))
+            };
+            if let Some((back, which)) = back {
+                self.rationale = Some(format!(
+                    "batch size {size}, grown to from measured steps, ran out of memory: back to {back}, {which}"
+                ));
+                return Decision::Try(back);
+            }
+        }
         let first = history
             .attempts()
             .next()
@@ -555,5 +741,70 @@ impl SizePolicy for Guided {
 
     fn rationale(&self) -> Option<String> {
         self.rationale.clone()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::memory::DeviceMemory;
+
+    const GIB: u64 = 1 << 30;
+
+    fn snapshot(
+        free: u64,
+        pool_reserved: Option<u64>,
+        pool_used: Option<u64>,
+        peak: Option<u64>,
+    ) -> MemorySnapshot {
+        MemorySnapshot {
+            devices: vec![DeviceMemory {
+                device: "d".to_owned(),
+                total: 80 * GIB,
+                free,
+                pool_reserved,
+                pool_used,
+                peak,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_step_is_measured_against_what_its_pool_had_in_use() {
+        // CUDA: 6 GiB allocated and 2 GiB cached in the pool at the start, which it reuses.
+        let start = snapshot(70 * GIB, Some(8 * GIB), Some(6 * GIB), Some(6 * GIB));
+        let end = snapshot(50 * GIB, Some(30 * GIB), Some(6 * GIB), Some(30 * GIB));
+        let step = measured_step(64, Some(&start), Some(&end)).unwrap();
+        assert_eq!((step.peak, step.room), (24 * GIB, 72 * GIB));
+        // The host: what the process holds, and its resident peak; no pool use counted.
+        let start = snapshot(70 * GIB, Some(GIB), None, Some(GIB));
+        let end = snapshot(66 * GIB, Some(GIB), None, Some(5 * GIB));
+        let step = measured_step(64, Some(&start), Some(&end)).unwrap();
+        assert_eq!((step.peak, step.room), (4 * GIB, 70 * GIB));
+        // No peak, or another device: nothing measured.
+        let no_peak = snapshot(66 * GIB, Some(GIB), None, None);
+        assert!(measured_step(64, Some(&start), Some(&no_peak)).is_none());
+        assert!(measured_step(64, None, Some(&end)).is_none());
+    }
+
+    #[test]
+    fn one_step_grows_as_the_batch_squared_and_two_give_the_line() {
+        // One step at 64 using a quarter of the room: twice the size at most (as size²), less
+        // the 3 % kept back.
+        let one = StepFigures::new(64, 4 * GIB, 16 * GIB);
+        assert_eq!(grown_size(&one, &[], GROWTH_EXPONENT_BOUND), Some(124));
+        // As a line with no fixed part: four times, less 3 %.
+        assert_eq!(grown_size(&one, &[], 1.0), Some(248));
+        // Two steps: 2 GiB fixed and 32 MiB a sample; the line meets 16 GiB at 448.
+        let earlier = StepFigures::new(32, 3 * GIB, 16 * GIB);
+        let step = StepFigures::new(64, 4 * GIB, 16 * GIB);
+        assert_eq!(
+            grown_size(&step, &[earlier], GROWTH_EXPONENT_BOUND),
+            Some(434)
+        );
+        // A peak that did not grow with the size says nothing.
+        let flat = StepFigures::new(64, 3 * GIB, 16 * GIB);
+        assert_eq!(grown_size(&flat, &[earlier], GROWTH_EXPONENT_BOUND), None);
     }
 }

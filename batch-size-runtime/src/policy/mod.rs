@@ -100,6 +100,7 @@ pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
 pub(crate) use cache::{CacheSettings, CacheSlot, Cached};
 pub use evidence::Evidence;
 pub use guided::Guided;
+pub(crate) use guided::{grown_size, growth_shown, measured_step, reached_by_failures};
 pub(crate) use remediate::{Applied, LadderControl, Remediate};
 pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};
 pub(crate) use wrapper::{holds_inner, PolicyWrapper};
@@ -198,4 +199,48 @@ pub trait SizePolicy: Send + fmt::Debug {
     fn remedies_in_force(&self) -> Option<String> {
         None
     }
+
+    /// How the attempt about to run may grow once its first step is measured: a rule from the
+    /// step's figures ([`StepFigures`]) to a larger size to run the function at instead, or
+    /// `None` to leave the attempt alone. Asked before an attempt that has memory figures, where
+    /// the function reports its steps with [`step_done`](crate::step_done); the engine grows
+    /// only to a size a few percent larger than the attempt's, below every size that failed,
+    /// within `max` and the attempts left. Default: `None` (no growing).
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        let _ = history;
+        None
+    }
 }
+
+/// What the first step of an attempt measured, for [`SizePolicy::grow_after_a_step`]'s rule:
+/// the attempt's own bytes, what was in use before it left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StepFigures {
+    /// The attempt's batch size.
+    pub batch_size: usize,
+    /// The most bytes the attempt held at once up to the end of its first step.
+    pub peak: u64,
+    /// The bytes the attempt could use: the device's total less what was in use before it.
+    pub room: u64,
+}
+
+impl StepFigures {
+    /// The figures of a step at `batch_size` that peaked at `peak` bytes of `room`.
+    ///
+    /// ```
+    /// use batch_size_runtime::policy::StepFigures;
+    /// let step = StepFigures::new(64, 8 << 30, 16 << 30);
+    /// assert_eq!((step.batch_size, step.peak, step.room), (64, 8 << 30, 16 << 30));
+    /// ```
+    pub fn new(batch_size: usize, peak: u64, room: u64) -> Self {
+        StepFigures {
+            batch_size,
+            peak,
+            room,
+        }
+    }
+}
+
+/// A policy's rule from a measured step to the size to grow to ([`SizePolicy::grow_after_a_step`]).
+pub type GrowRule = Box<dyn Fn(&StepFigures) -> Option<usize> + Send + Sync>;

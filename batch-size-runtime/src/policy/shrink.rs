@@ -279,4 +279,11 @@ impl SizePolicy for Reduction<'_> {
     fn accepts_every_success(&self) -> bool {
         true
     }
+
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<super::GrowRule> {
+        match self {
+            Reduction::Guided(guided) => guided.grow_after_a_step(history),
+            _ => None,
+        }
+    }
 }

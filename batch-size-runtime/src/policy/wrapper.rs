@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use super::{Decision, SizePolicy};
+use super::{Decision, GrowRule, SizePolicy};
 use crate::error::StopReason;
 use crate::record::SearchReport;
 
@@ -63,6 +63,10 @@ pub(crate) trait PolicyWrapper: Send + fmt::Debug {
     fn agrees_with_others(&self) -> bool {
         self.inner().agrees_with_others()
     }
+
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        self.inner().grow_after_a_step(history)
+    }
 }
 
 impl<W: PolicyWrapper> SizePolicy for W {
@@ -98,6 +102,9 @@ impl<W: PolicyWrapper> SizePolicy for W {
     }
     fn agrees_with_others(&self) -> bool {
         PolicyWrapper::agrees_with_others(self)
+    }
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        PolicyWrapper::grow_after_a_step(self, history)
     }
 }
 

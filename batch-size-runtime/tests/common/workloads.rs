@@ -33,6 +33,22 @@
 //!   matrix of 48 KiB × size²: the failure comes part-way, in a batch² term;
 //! - state last: activations of 70 MiB a sample first, then 6 GiB of optimizer state created
 //!   during the attempt (a fixed part that is not there when a large size fails).
+//!
+//! Shapes the policies were not written against ([`Workload::NEW`], in the benchmark's second
+//! table only):
+//! - fixed last: 1 GiB, 16 layers of 8 MiB a sample, then a 5 GiB buffer (gradients, an
+//!   all-reduce bucket) allocated last;
+//! - fixed first and last: 3 GiB, 30 layers of 3 MiB a sample, then 3 GiB more;
+//! - wide logits: 2 GiB, 4 layers of 40 MiB a sample, logits of 300 MiB a sample last;
+//! - batch² first: 1 GiB, a 0.4 MiB × size² term, then 20 layers of 4 MiB a sample;
+//! - U-Net with attention: 2 GiB, levels of 48, 24, 12 MiB a sample down, a 0.2 MiB × size²
+//!   attention at the bottom, the same levels up;
+//! - small rounded tensors: 1 GiB, 64 tensors of 0.7 MiB a sample, on a device that rounds every
+//!   allocation up to 2 MiB blocks;
+//! - very little room: 15.5 GiB fixed, then 6 MiB a sample;
+//! - workspace: 2 GiB, 20 layers that keep 4 MiB a sample and use a 30 MiB-a-sample temporary
+//!   freed before the next layer (the peak comes mid-step, on a device that reuses memory);
+//! - size^1.5: 2 GiB, 10 layers of 3 MiB a sample and a 0.5 MiB × size^1.5 term each.
 
 use std::cell::RefCell;
 
@@ -62,6 +78,15 @@ pub enum Workload {
     Pyramid,
     AttentionLayers,
     StateLast,
+    FixedLast,
+    FixedBothEnds,
+    WideLogits,
+    QuadraticFirst,
+    AttentionPyramid,
+    SmallRounded,
+    LittleRoom,
+    Workspace,
+    PowerOneHalf,
 }
 
 impl Workload {
@@ -82,6 +107,19 @@ impl Workload {
         Workload::StateLast,
     ];
 
+    /// Shapes written for the growth and cache benchmark, not in [`Workload::ALL`].
+    pub const NEW: [Workload; 9] = [
+        Workload::FixedLast,
+        Workload::FixedBothEnds,
+        Workload::WideLogits,
+        Workload::QuadraticFirst,
+        Workload::AttentionPyramid,
+        Workload::SmallRounded,
+        Workload::LittleRoom,
+        Workload::Workspace,
+        Workload::PowerOneHalf,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Workload::Linear => "linear",
@@ -98,18 +136,29 @@ impl Workload {
             Workload::Pyramid => "pyramid (U-Net)",
             Workload::AttentionLayers => "attention layers (6 × size²)",
             Workload::StateLast => "optimizer state last",
+            Workload::FixedLast => "5 GiB buffer last",
+            Workload::FixedBothEnds => "fixed first and last",
+            Workload::WideLogits => "wide logits last",
+            Workload::QuadraticFirst => "size² first",
+            Workload::AttentionPyramid => "U-Net with size² attention",
+            Workload::SmallRounded => "small tensors, 2 MiB blocks",
+            Workload::LittleRoom => "very little room",
+            Workload::Workspace => "freed workspace (peak mid-step)",
+            Workload::PowerOneHalf => "size^1.5 layers",
         }
     }
 
     /// A fresh device of the kind the workload runs on.
     pub fn device(self) -> SimulatedDevice {
         match self {
-            Workload::Rounded => SimulatedDevice::new(DEVICE)
+            Workload::Rounded | Workload::SmallRounded => SimulatedDevice::new(DEVICE)
                 .with_caching()
                 .with_block_size(2 * MIB),
             // Memory freed within the attempt is reused at once (by the device, or by the
             // allocator in front of it), as PyTorch's allocator does.
-            Workload::LazyAdam | Workload::PyTorchAllocator => SimulatedDevice::new(DEVICE),
+            Workload::LazyAdam | Workload::PyTorchAllocator | Workload::Workspace => {
+                SimulatedDevice::new(DEVICE)
+            }
             _ => SimulatedDevice::new(DEVICE).with_caching(),
         }
     }
@@ -198,6 +247,64 @@ impl Workload {
                 hold(device, held, size * 70 * MIB)?;
                 hold(device, held, 6 * GIB)
             }
+            Workload::FixedLast => {
+                hold(device, held, GIB)?;
+                (0..16).try_for_each(|_| hold(device, held, size * 8 * MIB))?;
+                hold(device, held, 5 * GIB)
+            }
+            Workload::FixedBothEnds => {
+                hold(device, held, 3 * GIB)?;
+                (0..30).try_for_each(|_| hold(device, held, size * 3 * MIB))?;
+                hold(device, held, 3 * GIB)
+            }
+            Workload::WideLogits => {
+                hold(device, held, 2 * GIB)?;
+                (0..4).try_for_each(|_| hold(device, held, size * 40 * MIB))?;
+                hold(device, held, size * 300 * MIB)
+            }
+            Workload::QuadraticFirst => {
+                hold(device, held, GIB)?;
+                hold(device, held, size * size * 2 * MIB / 5)?;
+                (0..20).try_for_each(|_| hold(device, held, size * 4 * MIB))
+            }
+            Workload::AttentionPyramid => {
+                hold(device, held, 2 * GIB)?;
+                let levels = [48, 24, 12];
+                levels
+                    .iter()
+                    .try_for_each(|&per_sample| hold(device, held, size * per_sample * MIB))?;
+                hold(device, held, size * size * MIB / 5)?;
+                levels
+                    .iter()
+                    .rev()
+                    .try_for_each(|&per_sample| hold(device, held, size * per_sample * MIB))
+            }
+            Workload::SmallRounded => {
+                hold(device, held, GIB)?;
+                (0..64).try_for_each(|_| hold(device, held, size * 7 * MIB / 10))
+            }
+            Workload::LittleRoom => {
+                hold(device, held, 15 * GIB + GIB / 2)?;
+                hold(device, held, size * 6 * MIB)
+            }
+            Workload::Workspace => {
+                hold(device, held, 2 * GIB)?;
+                (0..20).try_for_each(|_| {
+                    let _temporary = device.alloc(size * 30 * MIB)?;
+                    hold(device, held, size * 4 * MIB)
+                })
+            }
+            Workload::PowerOneHalf => {
+                hold(device, held, 2 * GIB)?;
+                (0..10).try_for_each(|_| {
+                    hold(device, held, size * 3 * MIB)?;
+                    hold(
+                        device,
+                        held,
+                        ((size as f64).powf(1.5) * 0.5 * MIB as f64) as u64,
+                    )
+                })
+            }
         }
     }
 
@@ -246,6 +353,7 @@ pub fn noise(attempt: u64) -> f64 {
 /// The device without its readings: errors keep their text (bytes asked for, free, total), the
 /// release still works, the memory backend reports nothing.
 #[derive(Debug)]
+#[allow(dead_code)] // not every binary that includes this file runs the text-only door
 pub struct TextOnly(pub SimulatedDevice);
 
 impl MemoryBackend for TextOnly {

@@ -31,6 +31,11 @@ pub(super) struct ChunkPolicy<'r, P> {
 impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
     holds_inner!(P);
 
+    /// `Chunked` grows its chunks from their figures itself: `step_done` ends no chunk.
+    fn grow_after_a_step(&self, _history: &SearchReport) -> Option<crate::policy::GrowRule> {
+        None
+    }
+
     /// After a chunk comes the next one: the engine must ask.
     fn accepts_every_success(&self) -> bool {
         false

@@ -288,6 +288,15 @@ impl<P> Probing<P> {
     }
 }
 
+/// The largest of halving's sizes from `first` (`first`, `first / 2`, ...) at most `size`, or
+/// `size` itself below them all.
+fn halving_size_at_most(first: usize, size: usize) -> usize {
+    std::iter::successors(Some(first), |&rung| Some(rung / 2))
+        .take_while(|&rung| rung > 0)
+        .find(|&rung| rung <= size)
+        .unwrap_or(size)
+}
+
 impl<P: SizePolicy> PolicyWrapper for Probing<P> {
     holds_inner!(P);
 
@@ -301,7 +310,27 @@ impl<P: SizePolicy> PolicyWrapper for Probing<P> {
                 return Decision::Try(fitted);
             }
         }
-        self.inner.after(history)
+        let decision = self.inner.after(history);
+        if !self.learning {
+            return decision;
+        }
+        // A runner that learns from its steps grows from the next step's figures: within a
+        // step, an estimate between halving's sizes that fails is an out-of-memory pass the
+        // learning would have saved. The step keeps to halving's sizes from its first (and the
+        // inner policy's proofs that some of them fail), so that it never makes more passes
+        // that run out of memory than halving would.
+        match (decision, history.attempts().next(), history.last()) {
+            (Decision::Try(size), Some(first), Some(last)) if last.outcome.is_out_of_memory() => {
+                Decision::Try(halving_size_at_most(first.batch_size, size))
+            }
+            (decision, _, _) => decision,
+        }
+    }
+
+    /// A runner that learns grows from its steps' figures itself, between steps: `step_done`
+    /// ends no attempt of it.
+    fn grow_after_a_step(&self, _history: &SearchReport) -> Option<crate::policy::GrowRule> {
+        None
     }
 
     /// The figures of each step's success are what the runner learns from: one reading of
@@ -342,6 +371,7 @@ mod tests {
             requested: None,
             rationale: None,
             remedies: None,
+            first_step_done: false,
         }
     }
 

@@ -518,6 +518,7 @@ mod tests {
             requested: None,
             rationale: None,
             remedies: None,
+            first_step_done: false,
         };
         assert_eq!(
             peak_bytes(&attempt(vec![device("cuda:0")])),

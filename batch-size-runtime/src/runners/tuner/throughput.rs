@@ -64,6 +64,7 @@ mod tests {
             requested: None,
             rationale: None,
             remedies: None,
+            first_step_done: false,
         };
         let mut history = SearchReport::default();
         history.push(trial(64, 2, Outcome::Succeeded));

@@ -1,0 +1,98 @@
+//! The attribute's doors on the search benchmark's workloads and on shapes written after the
+//! policy (`common/workloads.rs`), from 1.25 to 16¼ times the fit: with `step_done()` after the
+//! step, at least 0.95 of the fit on the mean in at most halving's runs + 3; the second run with
+//! the cache at least 0.95 in at most 1.3 runs; alone, never below halving's size. Every figure
+//! is deterministic (the noisy workload's noise is a function of the attempt's number).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use std::cell::Cell;
+
+use batch_size_runtime::policy::Halve;
+use batch_size_runtime::{step_done, BatchSizeSearch};
+
+#[path = "common/workloads.rs"]
+mod workloads;
+
+use workloads::{noise, Workload};
+
+const STARTS: [f64; 6] = [1.25, 1.7, 2.5, 4.25, 8.5, 16.25];
+
+/// One search on a fresh device: the size found (0 for none) and the runs of the function.
+fn search(
+    workload: Workload,
+    start: usize,
+    halving: bool,
+    calls: bool,
+    cache: Option<&str>,
+    first_attempt: u64,
+) -> (usize, usize) {
+    let device = workload.device();
+    let attempt = Cell::new(first_attempt);
+    let mut search = BatchSizeSearch::new(start).with_release(device.clone());
+    if halving {
+        search = search.with_policy(Halve);
+    }
+    if let Some(key) = cache {
+        search = search.with_cache(key.to_owned());
+    }
+    let (found, report) = search.run_with_report(|size| -> anyhow::Result<usize> {
+        attempt.set(attempt.get() + 1);
+        workload.step(&device, size as u64, noise(attempt.get() - 1))?;
+        if calls {
+            step_done();
+        }
+        Ok(size)
+    });
+    (found.unwrap_or(0), report.len())
+}
+
+#[test]
+fn the_doors_reach_their_targets() {
+    let mut cases = 0.0;
+    let (mut halving_runs, mut grown, mut grown_runs) = (0.0, 0.0, 0.0);
+    let (mut rerun, mut rerun_runs) = (0.0, 0.0);
+    for workload in Workload::ALL.into_iter().chain(Workload::NEW) {
+        let name = workload.name();
+        let fit = workload.largest_fit(1.0);
+        for (case, factor) in STARTS.into_iter().enumerate() {
+            let start = ((fit as f64 * factor).round() as usize).max(fit + 1);
+            let halving = search(workload, start, true, false, None, 0);
+            let alone = search(workload, start, false, false, None, 0);
+            let with_call = search(workload, start, false, true, None, 0);
+            let key = format!("growth targets {name} {case}");
+            search(workload, start, false, true, Some(&key), 0);
+            let second = search(workload, start, false, true, Some(&key), 1000);
+            for (door, found) in [("alone", alone.0), ("with the call", with_call.0)] {
+                assert!(
+                    found >= halving.0,
+                    "{name} from {start}, {door}: {found} below halving's {}",
+                    halving.0
+                );
+            }
+            cases += 1.0;
+            halving_runs += halving.1 as f64;
+            grown += with_call.0 as f64 / fit as f64;
+            grown_runs += with_call.1 as f64;
+            rerun += second.0 as f64 / fit as f64;
+            rerun_runs += second.1 as f64;
+        }
+    }
+    let (grown, rerun) = (grown / cases, rerun / cases);
+    assert!(
+        grown >= 0.95,
+        "with the call: {grown:.3} of the fit on the mean"
+    );
+    assert!(
+        grown_runs <= halving_runs + 3.0 * cases,
+        "with the call: {:.2} runs, halving {:.2}",
+        grown_runs / cases,
+        halving_runs / cases
+    );
+    assert!(rerun >= 0.95, "the cache's second run: {rerun:.3}");
+    assert!(
+        rerun_runs <= 1.3 * cases,
+        "the cache's second run: {:.2} runs",
+        rerun_runs / cases
+    );
+}
