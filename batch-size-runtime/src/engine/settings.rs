@@ -245,7 +245,7 @@ impl<'r> Settings<'r> {
     /// size, a cached one included), the cap on attempts, the release, the label and the first
     /// setting found unusable. Its size rule it lends to its own policy; its agreement and remedies it
     /// lends where its searches use them (a step's search agrees, a chunk's policy agrees
-    /// itself); its cache is its own ([`CacheSlot`](crate::policy::CacheSlot)).
+    /// itself); its cache is its own ([`CacheSlot`]).
     pub(crate) fn lend_to_search(&self, search: &mut Settings<'_>) {
         search.min = self.min;
         search.max = self.max;
