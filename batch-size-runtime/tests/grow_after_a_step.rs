@@ -280,66 +280,6 @@ fn no_rank_grows_under_an_agreement() {
     }
 }
 
-/// The INFO lines of the code under test, as their messages.
-#[derive(Clone, Default)]
-struct Infos(std::sync::Arc<std::sync::Mutex<Vec<(tracing::Level, String)>>>);
-
-impl tracing::Subscriber for Infos {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
-        struct Message(String);
-        impl tracing::field::Visit for Message {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                if field.name() == "message" {
-                    self.0 = format!("{value:?}");
-                }
-            }
-        }
-        let mut message = Message(String::new());
-        event.record(&mut message);
-        self.0
-            .lock()
-            .unwrap()
-            .push((*event.metadata().level(), message.0));
-    }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
-#[test]
-fn a_growth_is_logged_at_info_not_warn() {
-    let infos = Infos::default();
-    let device = device();
-    tracing::subscriber::with_default(infos.clone(), || {
-        BatchSizeSearch::new(64)
-            .with_release(device.clone())
-            .run(|batch_size| -> anyhow::Result<usize> {
-                layered_step(&device, batch_size)?;
-                step_done();
-                Ok(batch_size)
-            })
-            .unwrap();
-    });
-    let seen = infos.0.lock().unwrap().clone();
-    assert!(
-        seen.iter()
-            .any(|(level, message)| *level == tracing::Level::INFO
-                && message.contains("the first step with batch size 64")),
-        "{seen:#?}"
-    );
-    assert!(
-        !seen.iter().any(|(level, _)| *level == tracing::Level::WARN),
-        "{seen:#?}"
-    );
-}
-
 /// `EffectiveBatch` and `Chunked` grow from their steps' figures themselves: `step_done` in
 /// them ends nothing.
 #[test]

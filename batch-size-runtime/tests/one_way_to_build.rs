@@ -4,63 +4,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use std::fmt::Write as _;
-use std::sync::{Arc, Mutex, PoisonError};
-
 use batch_size_runtime::remedies::{Remedies, Remedy};
 use batch_size_runtime::{
     agree::ThreadRanks, BatchSizeSearch, Choice, ChunkError, Chunked, EffectiveBatch,
     NoExecutableBatchSize, OutOfMemory, StopReason, Tuner,
 };
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Metadata, Subscriber};
-
-/// Every event of the code under test, at any level: its level, message and fields.
-#[derive(Clone, Default)]
-struct Events(Arc<Mutex<Vec<String>>>);
-
-impl Events {
-    fn all(&self) -> Vec<String> {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    fn capture<T>(&self, run: impl FnOnce() -> T) -> T {
-        tracing::subscriber::with_default(self.clone(), run)
-    }
-}
-
-struct Line(String);
-
-impl Visit for Line {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, " {}={value:?}", field.name());
-    }
-}
-
-impl Subscriber for Events {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(1)
-    }
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, event: &Event<'_>) {
-        let mut line = Line(format!("{}", event.metadata().level()));
-        event.record(&mut line);
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(line.0);
-    }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
-}
 
 /// A step that fits up to `limit` samples.
 fn fits_up_to(limit: usize, size: usize) -> anyhow::Result<()> {
@@ -76,117 +24,6 @@ fn reason_of(error: &anyhow::Error) -> StopReason {
         .unwrap_or_else(|| panic!("not NoExecutableBatchSize: {error:#}"))
         .reason()
         .clone()
-}
-
-// -------------------------------------------------------------------------------------------
-// The log lines name the user's work, and the tuner's trials are logged as they run.
-
-fn tune_the_classifier(events: &Events) {
-    events.capture(|| {
-        Tuner::new()
-            .with_max(64)
-            .with_release(batch_size_runtime::Release::none())
-            .run(|size| fits_up_to(40, size))
-            .unwrap();
-    });
-}
-
-#[test]
-fn the_tuners_log_lines_name_the_function_that_tuned() {
-    let events = Events::default();
-    tune_the_classifier(&events);
-    let lines = events.all();
-    let labelled: Vec<&String> = lines.iter().filter(|l| l.contains("function=")).collect();
-    assert!(!labelled.is_empty(), "{lines:#?}");
-    for line in &labelled {
-        assert!(
-            line.contains("tune_the_classifier"),
-            "a line not naming the work: {line}"
-        );
-        assert!(!line.contains("batch_size_search"), "{line}");
-    }
-    // Each trial that ran is told at INFO as it runs, not only the answer at the end.
-    let trials_told = lines
-        .iter()
-        .filter(|l| l.starts_with("INFO") && l.contains("trial"))
-        .count();
-    let ran = batch_size_runtime::last_report()
-        .unwrap()
-        .attempts()
-        .filter(|a| a.outcome.is_success())
-        .count();
-    assert!(trials_told >= ran - 1, "{trials_told} of {ran}: {lines:#?}");
-}
-
-fn embed_the_corpus(events: &Events) {
-    events.capture(|| {
-        Chunked::new(100)
-            .with_starting(64)
-            .for_each(|items| fits_up_to(20, items.len()))
-            .unwrap();
-    });
-}
-
-#[test]
-fn chunked_log_lines_name_the_function_that_ran_the_chunks() {
-    let events = Events::default();
-    embed_the_corpus(&events);
-    let lines = events.all();
-    let labelled: Vec<&String> = lines.iter().filter(|l| l.contains("function=")).collect();
-    assert!(!labelled.is_empty(), "{lines:#?}");
-    for line in labelled {
-        assert!(line.contains("embed_the_corpus"), "{line}");
-    }
-}
-
-fn pretrain_the_encoder(events: &Events) {
-    events.capture(|| {
-        EffectiveBatch::new(64)
-            .step(|plan| fits_up_to(20, plan.micro()))
-            .unwrap();
-    });
-}
-
-#[test]
-fn effective_batch_log_lines_name_the_function_that_stepped() {
-    let events = Events::default();
-    pretrain_the_encoder(&events);
-    let lines = events.all();
-    let labelled: Vec<&String> = lines.iter().filter(|l| l.contains("function=")).collect();
-    assert!(!labelled.is_empty(), "{lines:#?}");
-    for line in labelled {
-        assert!(line.contains("pretrain_the_encoder"), "{line}");
-    }
-}
-
-#[test]
-fn a_label_given_is_the_label_logged_by_every_runner() {
-    let events = Events::default();
-    events.capture(|| {
-        Tuner::new()
-            .with_label("sizing")
-            .with_max(8)
-            .run(|size| fits_up_to(4, size))
-            .unwrap();
-        Chunked::new(10)
-            .with_label("embeddings")
-            .with_starting(8)
-            .for_each(|items| fits_up_to(4, items.len()))
-            .unwrap();
-        EffectiveBatch::new(8)
-            .with_label("pretraining")
-            .step(|plan| fits_up_to(4, plan.micro()))
-            .unwrap();
-    });
-    let lines = events.all();
-    for label in ["sizing", "embeddings", "pretraining"] {
-        assert!(
-            lines
-                .iter()
-                .any(|l| l.contains(&format!("function=\"{label}\""))),
-            "{label}: {lines:#?}"
-        );
-    }
 }
 
 // -------------------------------------------------------------------------------------------
