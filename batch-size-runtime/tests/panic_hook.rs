@@ -168,6 +168,28 @@ fn a_hook_set_while_attempts_run_is_kept() {
 fn attempts_on_several_threads_share_the_filter_and_no_other_panic_is_lost() {
     let _turn = my_turn();
     let seen = counting_hook();
+    // One search holds its attempt open for the whole test, so that the filter, installed
+    // once, stays while the others come and go. (Where every search has ended the filter is
+    // taken out, and std has no way to put a hook in place without the default hook standing
+    // for an instant between `take_hook` and `set_hook`: a panic of another thread in that
+    // instant would be printed by the default hook. That instant is not what this tests.)
+    let (inside, release) = (
+        Arc::new(std::sync::Barrier::new(2)),
+        Arc::new(std::sync::Barrier::new(2)),
+    );
+    let holder = {
+        let (inside, release) = (Arc::clone(&inside), Arc::clone(&release));
+        thread::spawn(move || {
+            BatchSizeSearch::new(1)
+                .call(|batch_size| {
+                    inside.wait();
+                    release.wait();
+                    batch_size
+                })
+                .unwrap()
+        })
+    };
+    inside.wait();
     let searches: Vec<_> = (0..4)
         .map(|_| thread::spawn(|| (0..20).map(|_| search_with_oom_panics()).sum::<usize>()))
         .collect();
@@ -178,6 +200,8 @@ fn attempts_on_several_threads_share_the_filter_and_no_other_panic_is_lost() {
     for search in searches {
         assert_eq!(search.join().unwrap(), 20);
     }
+    release.wait();
+    assert_eq!(holder.join().unwrap(), 1);
     // Every one of them: the filter is not swapped in and out around each attempt, so no panic
     // of this thread can fall between a `take_hook` and a `set_hook` into the default hook.
     assert_eq!(seen.load(Ordering::SeqCst), 20);
