@@ -620,37 +620,58 @@ impl SizePolicy for Guided {
         if !matches!(last.outcome, Outcome::OutOfMemory { .. }) {
             return Decision::Accept;
         }
+        if let Some(back) = self.back_from_a_grown_size(history, last) {
+            return back;
+        }
+        self.after_a_failure(history, last.batch_size)
+    }
+
+    fn rationale(&self) -> Option<String> {
+        self.rationale.clone()
+    }
+}
+
+impl Guided {
+    /// A size grown to from measured steps failed: a later step needed more than the first
+    /// (state created at the first optimizer step), so every measured step may understate the
+    /// function. Back, once, to the size the search had reached before growing; a failure
+    /// there is read as any other (`None`).
+    fn back_from_a_grown_size(
+        &mut self,
+        history: &SearchReport,
+        last: &Attempt,
+    ) -> Option<Decision> {
         let size = last.batch_size;
-        // A size grown to from measured steps failed: a later step needed more than the first
-        // (state created at the first optimizer step), so every measured step may understate
-        // the function. Back, once, to the size the search had reached before growing; a
-        // failure there is read as any other.
         let failures_since_growing = history
             .attempts()
             .skip_while(|attempt| !matches!(attempt.outcome, Outcome::Grew { .. }))
             .filter(|attempt| attempt.outcome.is_out_of_memory())
             .count();
-        if failures_since_growing == 1 {
-            let mut measured = grown_steps(history)
-                .map(|(attempt, _)| attempt.batch_size)
-                .filter(|&before| before < size);
-            let back = if last.first_step_done {
-                measured
-                    .next()
-                    .map(|before| (before, "the size before growing"))
-            } else {
-                // It failed within its first step: the largest step measured ran that step.
-                measured
-                    .max()
-                    .map(|largest| (largest, "the largest size whose first step ran"))
-            };
-            if let Some((back, which)) = back {
-                self.rationale = Some(format!(
-                    "batch size {size}, grown to from measured steps, ran out of memory: back to {back}, {which}"
-                ));
-                return Decision::Try(back);
-            }
+        if failures_since_growing != 1 {
+            return None;
         }
+        let mut measured = grown_steps(history)
+            .map(|(attempt, _)| attempt.batch_size)
+            .filter(|&before| before < size);
+        let (back, which) = if last.first_step_done {
+            measured
+                .next()
+                .map(|before| (before, "the size before growing"))?
+        } else {
+            // It failed within its first step: the largest step measured ran that step.
+            measured
+                .max()
+                .map(|largest| (largest, "the largest size whose first step ran"))?
+        };
+        self.rationale = Some(format!(
+            "batch size {size}, grown to from measured steps, ran out of memory: back to {back}, {which}"
+        ));
+        Some(Decision::Try(back))
+    }
+
+    /// After an out-of-memory at `size`: an estimate from the failures' figures where one is in
+    /// hand, above halving's next rung and below every size proved to fail; else that rung.
+    fn after_a_failure(&mut self, history: &SearchReport, size: usize) -> Decision {
         let first = history
             .attempts()
             .next()
@@ -681,15 +702,7 @@ impl SizePolicy for Guided {
         } else {
             proved
         };
-        let (mut proved_rungs, mut next_rung) = (0usize, None);
-        for rung in ladder(first) {
-            if rung as f64 >= proved {
-                proved_rungs += 1;
-            } else {
-                next_rung = Some(rung);
-                break;
-            }
-        }
+        let (proved_rungs, next_rung) = rungs_proved(first, proved);
         let Some(next_rung) = next_rung else {
             // Below the last rung: as halving, 0, which the engine refuses.
             self.rationale = Some("every size of halving's ladder failed".to_owned());
@@ -738,10 +751,20 @@ impl SizePolicy for Guided {
         });
         Decision::Try(next_rung)
     }
+}
 
-    fn rationale(&self) -> Option<String> {
-        self.rationale.clone()
+/// How many rungs of halving's ladder from `first` are proved to fail (at or above `proved`),
+/// and the next rung below them, where there is one.
+fn rungs_proved(first: usize, proved: f64) -> (usize, Option<usize>) {
+    let mut proved_rungs = 0;
+    for rung in ladder(first) {
+        if rung as f64 >= proved {
+            proved_rungs += 1;
+        } else {
+            return (proved_rungs, Some(rung));
+        }
     }
+    (proved_rungs, None)
 }
 
 #[cfg(test)]

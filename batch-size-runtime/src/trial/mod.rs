@@ -337,25 +337,13 @@ impl ChildTrial {
     /// process's (through `print!` and `eprint!`, so a test harness captures them here too)
     /// unless [`with_output_passed_through(false)`](Self::with_output_passed_through).
     pub fn run(&self, batch_size: usize) -> Result<usize, ChildTrialError> {
-        static TRIALS: AtomicUsize = AtomicUsize::new(0);
-        let program = std::env::current_exe().map_err(ChildTrialError::Start)?;
         let args = match &self.args {
             Some(args) => args.clone(),
             None => std::env::args_os().skip(1).collect(),
         };
-        // One file per trial of this process, so that trials at once (threads, tests) never
-        // read each other's.
-        let report_path = std::env::temp_dir().join(format!(
-            "batch-size-child-{}-{}.report",
-            std::process::id(),
-            TRIALS.fetch_add(1, Ordering::Relaxed)
-        ));
-        let abort_path = abort::path_beside(&report_path);
-        let _ = std::fs::remove_file(&report_path);
-        let _ = std::fs::remove_file(&abort_path);
+        let (report_path, abort_path) = trial_files();
         let _cleanup = RemoveOnDrop(vec![report_path.clone(), abort_path.clone()]);
-
-        let mut child = Command::new(program)
+        let mut child = Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
             .args(&args)
             .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
             .env(REPORT_VARIABLE, &report_path)
@@ -365,49 +353,17 @@ impl ChildTrial {
             .spawn()
             .map_err(ChildTrialError::Start)?;
         let abort_message = Arc::new(AbortMessage::default());
-        let passing = self.pass_output_through;
-        let passed = child
-            .stdout
-            .take()
-            .map_or(Ok(()), |stdout| {
-                pass_through(
-                    stdout,
-                    move |line| {
-                        if passing {
-                            print!("{line}")
-                        }
-                    },
-                    None,
-                )
-            })
-            .and_then(|()| {
-                child.stderr.take().map_or(Ok(()), |stderr| {
-                    pass_through(
-                        stderr,
-                        move |line| {
-                            if passing {
-                                eprint!("{line}")
-                            }
-                        },
-                        Some(abort_message.clone()),
-                    )
-                })
-            });
-        if let Err(error) = passed {
+        if let Err(error) = self.pass_output_through(&mut child, &abort_message) {
             // Without a thread to read its output the child would block on a full pipe.
             let _ = child.kill();
             let _ = child.wait();
             return Err(ChildTrialError::Start(error));
         }
-
-        let status = match self.wait(&mut child)? {
-            Some(status) => status,
-            None => {
-                return Err(ChildTrialError::DeadlinePassed {
-                    batch_size,
-                    deadline: self.deadline.unwrap_or_default(),
-                })
-            }
+        let Some(status) = self.wait(&mut child)? else {
+            return Err(ChildTrialError::DeadlinePassed {
+                batch_size,
+                deadline: self.deadline.unwrap_or_default(),
+            });
         };
         let report = std::fs::read_to_string(&report_path)
             .ok()
@@ -430,70 +386,47 @@ impl ChildTrial {
         let used_at_abort = abort::read(&abort_path)
             .zip(report.start.zip(report.start_own))
             .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
-        let died = |how: String| {
-            let requested = abort_message.requested(ABORT_MESSAGE_GRACE);
-            let figures = match used_at_abort {
-                Some(used) => in_the_room(used, requested),
-                None => OutOfMemory {
-                    requested,
-                    ..OutOfMemory::new()
-                },
-            };
-            ChildTrialError::Died {
-                batch_size,
-                how,
-                out_of_memory: figures,
-            }
-        };
         self.figures.ended(report.used.or(used_at_abort));
-        match report.ended.clone() {
-            Some(Ended::Fit) => Ok(batch_size),
-            Some(Ended::OutOfMemory { message, figures }) => Err(ChildTrialError::OutOfMemory {
-                batch_size,
-                message,
-                figures,
-            }),
-            Some(Ended::Failed { message }) => Err(ChildTrialError::Failed {
-                batch_size,
-                status: status.code(),
-                message,
-            }),
-            Some(Ended::Panicking {
-                message,
-                out_of_memory: true,
-            }) => Err(ChildTrialError::OutOfMemory {
-                batch_size,
-                message,
-                figures: OutOfMemory::new(),
-            }),
-            // A panic under way when the process ended: the panic, unless Rust's abort message
-            // says a failed allocation ended it (a panic caught inside the step, then the abort).
-            Some(Ended::Panicking {
-                message,
-                out_of_memory: false,
-            }) => match ended_by_signal(status) {
-                Some(how) if abort_message.requested(ABORT_MESSAGE_GRACE).is_some() => {
-                    Err(died(how))
-                }
-                _ => Err(ChildTrialError::Failed {
-                    batch_size,
-                    status: status.code(),
-                    message,
-                }),
-            },
-            None => match ended_by_signal(status) {
-                Some(how) => Err(died(how)),
-                None => Err(ChildTrialError::Failed {
-                    batch_size,
-                    status: status.code(),
-                    message: format!(
-                        "the child process ended ({}) after the trial started, before the trial \
-                         returned (the trial or a library it calls ended the process)",
-                        describe_status(status)
-                    ),
-                }),
-            },
+        let ended = Ending {
+            batch_size,
+            status,
+            abort_message: &abort_message,
+            used_at_abort,
+        };
+        ended.outcome(report.ended)
+    }
+
+    /// Reads the child's stdout and stderr on threads of their own, passing them through where
+    /// asked; stderr's abort message is read for the bytes it asked for.
+    fn pass_output_through(
+        &self,
+        child: &mut Child,
+        abort_message: &Arc<AbortMessage>,
+    ) -> std::io::Result<()> {
+        let passing = self.pass_output_through;
+        if let Some(stdout) = child.stdout.take() {
+            pass_through(
+                stdout,
+                move |line| {
+                    if passing {
+                        print!("{line}")
+                    }
+                },
+                None,
+            )?;
         }
+        if let Some(stderr) = child.stderr.take() {
+            pass_through(
+                stderr,
+                move |line| {
+                    if passing {
+                        eprint!("{line}")
+                    }
+                },
+                Some(Arc::clone(abort_message)),
+            )?;
+        }
+        Ok(())
     }
 
     /// Waits for the child itself (not for processes it started, which may hold its pipes),
@@ -515,6 +448,96 @@ impl ChildTrial {
                 return Ok(None);
             }
             std::thread::sleep((until - now).min(Duration::from_millis(10)));
+        }
+    }
+}
+
+/// The report file and the abort file of one trial: one pair per trial of this process, so
+/// that trials at once (threads, tests) never read each other's; none left from before.
+fn trial_files() -> (PathBuf, PathBuf) {
+    static TRIALS: AtomicUsize = AtomicUsize::new(0);
+    let report_path = std::env::temp_dir().join(format!(
+        "batch-size-child-{}-{}.report",
+        std::process::id(),
+        TRIALS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let abort_path = abort::path_beside(&report_path);
+    let _ = std::fs::remove_file(&report_path);
+    let _ = std::fs::remove_file(&abort_path);
+    (report_path, abort_path)
+}
+
+/// How a child that started its trial ended: its exit status, Rust's abort message, the
+/// figures it left where it aborted.
+struct Ending<'a> {
+    batch_size: usize,
+    status: ExitStatus,
+    abort_message: &'a AbortMessage,
+    used_at_abort: Option<Used>,
+}
+
+impl Ending<'_> {
+    /// The trial's outcome: from the child's report first, from the exit status only where the
+    /// report says the trial never ended.
+    fn outcome(&self, ended: Option<Ended>) -> Result<usize, ChildTrialError> {
+        let batch_size = self.batch_size;
+        let failed = |message: String| ChildTrialError::Failed {
+            batch_size,
+            status: self.status.code(),
+            message,
+        };
+        match ended {
+            Some(Ended::Fit) => Ok(batch_size),
+            Some(Ended::OutOfMemory { message, figures }) => Err(ChildTrialError::OutOfMemory {
+                batch_size,
+                message,
+                figures,
+            }),
+            Some(Ended::Failed { message }) => Err(failed(message)),
+            Some(Ended::Panicking {
+                message,
+                out_of_memory: true,
+            }) => Err(ChildTrialError::OutOfMemory {
+                batch_size,
+                message,
+                figures: OutOfMemory::new(),
+            }),
+            // A panic under way when the process ended: the panic, unless Rust's abort message
+            // says a failed allocation ended it (a panic caught inside the step, then the abort).
+            Some(Ended::Panicking {
+                message,
+                out_of_memory: false,
+            }) => match ended_by_signal(self.status) {
+                Some(how) if self.abort_message.requested(ABORT_MESSAGE_GRACE).is_some() => {
+                    Err(self.died(how))
+                }
+                _ => Err(failed(message)),
+            },
+            None => match ended_by_signal(self.status) {
+                Some(how) => Err(self.died(how)),
+                None => Err(failed(format!(
+                    "the child process ended ({}) after the trial started, before the trial \
+                     returned (the trial or a library it calls ended the process)",
+                    describe_status(self.status)
+                ))),
+            },
+        }
+    }
+
+    /// A child ended by a signal (an abort, a kill): out of memory, with the figures it left.
+    fn died(&self, how: String) -> ChildTrialError {
+        let requested = self.abort_message.requested(ABORT_MESSAGE_GRACE);
+        let figures = match self.used_at_abort {
+            Some(used) => in_the_room(used, requested),
+            None => OutOfMemory {
+                requested,
+                ..OutOfMemory::new()
+            },
+        };
+        ChildTrialError::Died {
+            batch_size: self.batch_size,
+            how,
+            out_of_memory: figures,
         }
     }
 }
