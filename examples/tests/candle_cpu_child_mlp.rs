@@ -79,6 +79,15 @@ mod linux {
         trial.run(batch_size)
     }
 
+    /// The child's step ran: `step_done()` reads its peak (the children's figures, through
+    /// `trial.memory()`) and grows the size where they show a larger one fits.
+    #[find_executable_batch_size(starting = STARTING, release = trial.memory())]
+    fn sized_growing(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+        let ran = trial.run(batch_size)?;
+        batch_size_runtime::step_done();
+        Ok(ran)
+    }
+
     #[test]
     #[ignore = "seconds a child in a debug build: run in release (see the file's docs)"]
     fn mlp_sized_in_children() {
@@ -130,17 +139,22 @@ mod linux {
                 .unwrap();
             (tuned.batch_size(), tuned.report().len())
         };
-        // The attribute again, with the children's figures as its release.
+        // The attribute again, with the children's figures as its release; then with
+        // `step_done()` after each child's step.
         let attribute_figures = sized_with_figures(&trial()).unwrap();
+        let growing = sized_growing(&trial()).unwrap();
+        let growing_runs = last_report().unwrap().attempts().count();
         eprintln!(
             "candle MLP on the CPU, {} MiB of address space, the largest size that fits {fits}:\n\
              the attribute, a child per attempt: {fitted} in {attempts} attempts ({:.3}); \
-             with release = trial.memory(): {attribute_figures} ({:.3});\n\
+             with release = trial.memory(): {attribute_figures} ({:.3}); with step_done() \
+             after the child's step: {growing} in {growing_runs} runs ({:.3});\n\
              halving's {halving} ({:.3}); the tuner: {} in {} trials ({:.3}), with the \
              children's figures {} in {} trials ({:.3})\n{}",
             ROOM >> 20,
             fitted as f64 / fits as f64,
             attribute_figures as f64 / fits as f64,
+            growing as f64 / fits as f64,
             halving as f64 / fits as f64,
             blind.0,
             blind.1,

@@ -514,39 +514,7 @@ impl<P: SizePolicy> Cached<P> {
         let largest = earlier
             .filter(|entry| entry.fits == fits && entry.largest_fit == largest_fit)
             .and_then(|entry| entry.largest);
-        // What the step needed at the size that fit (the success's figures, read after it),
-        // and another step measured at another size for the line: a growth's in this search,
-        // else the earlier entry's own measurement at the size that fit then.
-        let measured = |attempt: &crate::record::Attempt| {
-            measured_step(
-                attempt.batch_size,
-                attempt.memory_at_start.as_ref(),
-                attempt.memory_at_end.as_ref(),
-            )
-        };
-        let at_fits = history
-            .last()
-            .filter(|last| last.outcome.is_success() && last.batch_size == fits)
-            .and_then(measured);
-        let grown = history
-            .attempts()
-            .filter(|attempt| {
-                matches!(attempt.outcome, Outcome::Grew { .. }) && attempt.batch_size != fits
-            })
-            .filter_map(measured)
-            .max_by_key(|step| step.batch_size)
-            .map(|step| (step.batch_size, step.peak));
-        // The failure that reached the most for its size, this search's or the entry's.
-        let failure_reached = reached_by_failures(history)
-            .into_iter()
-            .chain(earlier.and_then(|entry| entry.failure_reached))
-            .filter(|&(failed, _)| failed > fits)
-            .max_by(|a, b| (a.1 as f64 / a.0 as f64).total_cmp(&(b.1 as f64 / b.0 as f64)));
-        let earlier_step = earlier
-            .filter(|entry| {
-                entry.fits != fits && failed_at.is_none_or(|failed| entry.fits < failed)
-            })
-            .and_then(|entry| Some((entry.fits, entry.peak_at_fits?)));
+        let steps = steps_measured(history, fits, earlier, failed_at);
         let entry = CacheEntry {
             key: self.slot.key.clone(),
             fits,
@@ -555,10 +523,10 @@ impl<P: SizePolicy> Cached<P> {
             failed_at,
             free_when_written: self.slot.free_now,
             remedies: self.remedies.as_ref().map(|remedies| remedies.levels()),
-            peak_at_fits: at_fits.map(|step| step.peak),
-            room: at_fits.map(|step| step.room),
-            other_step: at_fits.and(grown.or(earlier_step)),
-            failure_reached,
+            peak_at_fits: steps.peak_at_fits,
+            room: steps.room,
+            other_step: steps.other_step,
+            failure_reached: steps.failure_reached,
         };
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
         self.slot.write(entry);
@@ -702,5 +670,59 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
             }
         }
         decision
+    }
+}
+
+/// What an entry keeps of the steps measured: the peak and the room of the step at the size
+/// that fit, another step for the line, and the failure that reached the most for its size.
+struct StepsMeasured {
+    peak_at_fits: Option<u64>,
+    room: Option<u64>,
+    other_step: Option<(usize, u64)>,
+    failure_reached: Option<(usize, u64)>,
+}
+
+/// What the step needed at `fits` (the success's figures, read after it), and another step
+/// measured at another size for the line: a growth's in this search, else the `earlier`
+/// entry's own measurement at the size that fit then (below `failed_at`).
+fn steps_measured(
+    history: &SearchReport,
+    fits: usize,
+    earlier: Option<&CacheEntry>,
+    failed_at: Option<usize>,
+) -> StepsMeasured {
+    let measured = |attempt: &crate::record::Attempt| {
+        measured_step(
+            attempt.batch_size,
+            attempt.memory_at_start.as_ref(),
+            attempt.memory_at_end.as_ref(),
+        )
+    };
+    let at_fits = history
+        .last()
+        .filter(|last| last.outcome.is_success() && last.batch_size == fits)
+        .and_then(measured);
+    let grown = history
+        .attempts()
+        .filter(|attempt| {
+            matches!(attempt.outcome, Outcome::Grew { .. }) && attempt.batch_size != fits
+        })
+        .filter_map(measured)
+        .max_by_key(|step| step.batch_size)
+        .map(|step| (step.batch_size, step.peak));
+    // The failure that reached the most for its size, this search's or the entry's.
+    let failure_reached = reached_by_failures(history)
+        .into_iter()
+        .chain(earlier.and_then(|entry| entry.failure_reached))
+        .filter(|&(failed, _)| failed > fits)
+        .max_by(|a, b| (a.1 as f64 / a.0 as f64).total_cmp(&(b.1 as f64 / b.0 as f64)));
+    let earlier_step = earlier
+        .filter(|entry| entry.fits != fits && failed_at.is_none_or(|failed| entry.fits < failed))
+        .and_then(|entry| Some((entry.fits, entry.peak_at_fits?)));
+    StepsMeasured {
+        peak_at_fits: at_fits.map(|step| step.peak),
+        room: at_fits.map(|step| step.room),
+        other_step: at_fits.and(grown.or(earlier_step)),
+        failure_reached,
     }
 }
