@@ -206,40 +206,7 @@ impl Guided {
                 ),
             );
         };
-        let reached = latest.reached() as f64;
-        let line = failures
-            .iter()
-            .rev()
-            .filter(|earlier| earlier.size > latest.size && earlier.total == latest.total)
-            .find_map(|earlier| {
-                let earlier_reached = earlier.reached() as f64;
-                let (x0, x1) = (size.powf(exponent), (earlier.size as f64).powf(exponent));
-                let slope = (earlier_reached - reached) / (x1 - x0);
-                let fixed = reached - slope * x0;
-                let fit = ((room as f64 - fixed) / slope).powf(1.0 / exponent);
-                // A line steeper than the failing allocation's own growth says that the failures
-                // came at different points of the step (where the room ran out each time), not
-                // that the rest is fixed: nothing to read from it.
-                let per_unit = (latest.requested as f64 / x0).max(earlier.requested as f64 / x1);
-                // Every other failure must lie on it too: a failure off the line came at another
-                // point of the step, and the line between these two is a coincidence.
-                let on_line = failures.iter().all(|other| {
-                    other.total != latest.total || {
-                        let predicted = fixed + slope * (other.size as f64).powf(exponent);
-                        (predicted - other.reached() as f64).abs() <= 0.01 * other.reached() as f64
-                    }
-                });
-                (slope > 0.0
-                    && on_line
-                    && (slope <= 1.5 * per_unit
-                        // A failing allocation of the same bytes at both sizes does not grow:
-                        // the growth is elsewhere, and its own says nothing of the line.
-                        || close(latest.requested, earlier.requested))
-                    && fixed < room as f64
-                    && fit.is_finite()
-                    && fit < size)
-                    .then_some((fit, earlier, fixed))
-            });
+        let line = line_through_failures(latest, failures, exponent, room);
         if let Some((fit, earlier, fixed)) = line {
             return estimate(
                 fit,
@@ -257,7 +224,7 @@ impl Guided {
         if !whole {
             return None;
         }
-        let fit = size * (room as f64 / reached).powf(1.0 / exponent);
+        let fit = size * (room as f64 / latest.reached() as f64).powf(1.0 / exponent);
         estimate(
             fit,
             format!(
@@ -270,6 +237,53 @@ impl Guided {
             ),
         )
     }
+}
+
+/// The line through `latest` and a larger failure on the same device (each failure's bytes
+/// reached, against the size to `exponent`), where every other failure lies on it, its slope
+/// is no steeper than the failing allocations' own growth, and it meets the `room` below
+/// `latest`'s size: the size it fits at, the failure it was drawn to, and its fixed part.
+fn line_through_failures<'f>(
+    latest: &Failure,
+    failures: &'f [Failure],
+    exponent: f64,
+    room: u64,
+) -> Option<(f64, &'f Failure, f64)> {
+    let size = latest.size as f64;
+    let reached = latest.reached() as f64;
+    failures
+        .iter()
+        .rev()
+        .filter(|earlier| earlier.size > latest.size && earlier.total == latest.total)
+        .find_map(|earlier| {
+            let earlier_reached = earlier.reached() as f64;
+            let (x0, x1) = (size.powf(exponent), (earlier.size as f64).powf(exponent));
+            let slope = (earlier_reached - reached) / (x1 - x0);
+            let fixed = reached - slope * x0;
+            let fit = ((room as f64 - fixed) / slope).powf(1.0 / exponent);
+            // A line steeper than the failing allocation's own growth says that the failures
+            // came at different points of the step (where the room ran out each time), not
+            // that the rest is fixed: nothing to read from it.
+            let per_unit = (latest.requested as f64 / x0).max(earlier.requested as f64 / x1);
+            // Every other failure must lie on it too: a failure off the line came at another
+            // point of the step, and the line between these two is a coincidence.
+            let on_line = failures.iter().all(|other| {
+                other.total != latest.total || {
+                    let predicted = fixed + slope * (other.size as f64).powf(exponent);
+                    (predicted - other.reached() as f64).abs() <= 0.01 * other.reached() as f64
+                }
+            });
+            (slope > 0.0
+                && on_line
+                && (slope <= 1.5 * per_unit
+                    // A failing allocation of the same bytes at both sizes does not grow:
+                    // the growth is elsewhere, and its own says nothing of the line.
+                    || close(latest.requested, earlier.requested))
+                && fixed < room as f64
+                && fit.is_finite()
+                && fit < size)
+                .then_some((fit, earlier, fixed))
+        })
 }
 
 /// How fast the failing allocation grows with the size: linear unless two failures of the
