@@ -478,8 +478,14 @@ fn reset_device_peak(target: &Target) -> Result<(), Failure> {
 /// object. That keeps the default release nearly free in programs that never use CUDA.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn driver_library_loaded() -> bool {
-    use std::ffi::{c_char, c_int, c_ulonglong, c_ushort, CStr};
-    use std::sync::atomic::AtomicU64;
+    loader::libcuda_in_the_list()
+}
+
+/// The loader's list of objects, walked for libcuda (see [`driver_library_loaded`]).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+mod loader {
+    use std::ffi::{c_char, c_int, c_ulonglong, c_ushort, c_void, CStr};
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     /// `struct dl_phdr_info` up to `dlpi_subs` (glibc 2.4+, musl, bionic); the `size` the
     /// loader passes says whether the counters are there.
@@ -550,21 +556,24 @@ fn driver_library_loaded() -> bool {
         }
     }
 
-    let mut walk = Walk {
-        first: true,
-        counters: None,
-    };
-    // SAFETY: the callback only reads the entry it is given and the `Walk`, and cannot unwind.
-    let outcome =
-        unsafe { dl_iterate_phdr(Some(visit), std::ptr::addr_of_mut!(walk).cast::<c_void>()) };
-    match outcome {
-        FOUND => true,
-        UNCHANGED => false,
-        _ => {
-            if let Some((adds, subs)) = walk.counters {
-                ABSENT_AT.store(stamp(adds, subs), Ordering::Relaxed);
+    /// Walks the loader's list: whether libcuda is there.
+    pub(super) fn libcuda_in_the_list() -> bool {
+        let mut walk = Walk {
+            first: true,
+            counters: None,
+        };
+        // SAFETY: the callback only reads the entry it is given and the `Walk`, and cannot unwind.
+        let outcome =
+            unsafe { dl_iterate_phdr(Some(visit), std::ptr::addr_of_mut!(walk).cast::<c_void>()) };
+        match outcome {
+            FOUND => true,
+            UNCHANGED => false,
+            _ => {
+                if let Some((adds, subs)) = walk.counters {
+                    ABSENT_AT.store(stamp(adds, subs), Ordering::Relaxed);
+                }
+                false
             }
-            false
         }
     }
 }
