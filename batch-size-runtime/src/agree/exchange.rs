@@ -482,6 +482,56 @@ impl IdExchange {
     /// deadline (give or take a pause of the accept loop, 2 ms, or of a failing accept, 1 s at
     /// most but never past the deadline).
     fn serve(&self, host: &str, port: u16, id: &[u8; ID_BYTES]) -> Result<(), ExchangeError> {
+        let (listener, key) = self.listen(host, port)?;
+        let serving = Arc::new(Serving {
+            id: *id,
+            world_size: self.world_size,
+            key,
+        });
+        tracing::debug!(
+            port,
+            ranks = self.world_size - 1,
+            token = self.token.is_some(),
+            "waiting for the ranks to fetch the Id"
+        );
+        let deadline = Deadline::after(self.timeout);
+        let mut trouble = AcceptTrouble::default();
+        let (report, reports) = mpsc::channel();
+        let mut held = Held::default();
+        let mut served = vec![false; self.world_size];
+        served[0] = true;
+        let outcome = loop {
+            held.take_reports(&reports, &mut served);
+            if served.iter().all(|done| *done) {
+                break Ok(());
+            }
+            // Checked before accepting: a flood of connections cannot keep rank 0 past it.
+            if deadline.passed() {
+                break Err(self.ranks_missing(&served, port));
+            }
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    trouble.recovered();
+                    // From the accept: a peer's time does not start when its thread does.
+                    let until = Deadline::after(self.patience).min(deadline);
+                    held.admit(stream, peer, until, self.patience, &serving, &report);
+                    // No pause: others may be waiting in the backlog.
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    thread::sleep(Duration::from_millis(2).min(deadline.left()))
+                }
+                Err(error) => thread::sleep(trouble.failed(&error).min(deadline.left())),
+            }
+        };
+        trouble.summarize(port);
+        // Whoever is still connected (a stranger, a rank asking twice) is done with.
+        held.close_all();
+        outcome
+    }
+
+    /// Rank 0's listening socket for the Id, non-blocking, and the token's key where there is
+    /// one (a WARN where none guards a port other machines may reach).
+    fn listen(&self, host: &str, port: u16) -> Result<(TcpListener, Option<Keyed>), ExchangeError> {
         let address = listen_address(host);
         let listener = TcpListener::bind((address, port)).map_err(|source| ExchangeError::Io {
             what: format!(
@@ -509,109 +559,27 @@ impl IdExchange {
             Some(token) => Some(token.keyed().map_err(configure)?),
             None => None,
         };
-        let serving = Arc::new(Serving {
-            id: *id,
-            world_size: self.world_size,
-            key,
-        });
-        tracing::debug!(
-            port,
-            ranks = self.world_size - 1,
-            token = self.token.is_some(),
-            "waiting for the ranks to fetch the Id"
-        );
-        let deadline = Deadline::after(self.timeout);
-        let mut trouble = AcceptTrouble::default();
-        let (report, reports) = mpsc::channel();
-        // The connections being served, oldest first, to close when too many are held or when
-        // the exchange is over.
-        let mut held: BTreeMap<u64, TcpStream> = BTreeMap::new();
-        let mut accepted = 0u64;
-        let mut served = vec![false; self.world_size];
-        served[0] = true;
-        let outcome = loop {
-            while let Ok(Served {
-                connection,
-                peer,
-                outcome,
-            }) = reports.try_recv()
-            {
-                held.remove(&connection);
-                match outcome {
-                    Ok(rank) if !served[rank] => {
-                        served[rank] = true;
-                        tracing::debug!(rank, %peer, "communicator Id handed over");
-                    }
-                    Ok(rank) => tracing::warn!(rank, %peer, "rank asked for the Id twice"),
-                    Err(why) => tracing::warn!(%peer, "dropped a peer asking for the Id: {why}"),
-                }
+        Ok((listener, key))
+    }
+
+    /// The exchange's timeout, naming the ranks that never fetched the Id.
+    fn ranks_missing(&self, served: &[bool], port: u16) -> ExchangeError {
+        let missing: Vec<String> = served
+            .iter()
+            .enumerate()
+            .filter(|(_, done)| !**done)
+            .map(|(rank, _)| rank.to_string())
+            .collect();
+        self.timeout_error(format!(
+            "ranks {} to fetch the Id on port {port}: are they running, with the same \
+             MASTER_ADDR and port{}?",
+            missing.join(", "),
+            if self.token.is_some() {
+                " and the same job token"
+            } else {
+                ""
             }
-            if served.iter().all(|done| *done) {
-                break Ok(());
-            }
-            // Checked before accepting: a flood of connections cannot keep rank 0 past it.
-            if deadline.passed() {
-                let missing: Vec<String> = served
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, done)| !**done)
-                    .map(|(rank, _)| rank.to_string())
-                    .collect();
-                break Err(self.timeout_error(format!(
-                    "ranks {} to fetch the Id on port {port}: are they running, with the same \
-                     MASTER_ADDR and port{}?",
-                    missing.join(", "),
-                    if self.token.is_some() {
-                        " and the same job token"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-            match listener.accept() {
-                Ok((stream, peer)) => {
-                    if held.len() >= MAX_HELD_CONNECTIONS {
-                        if let Some((_, oldest)) = held.pop_first() {
-                            let _ = oldest.shutdown(Shutdown::Both);
-                            tracing::warn!(
-                                held = MAX_HELD_CONNECTIONS,
-                                "too many connections to the Id exchange at once: closed the \
-                                 one held longest"
-                            );
-                        }
-                    }
-                    trouble.recovered();
-                    let connection = accepted;
-                    accepted += 1;
-                    // From the accept: a peer's time does not start when its thread does.
-                    let until = Deadline::after(self.patience).min(deadline);
-                    let patience = self.patience;
-                    let hand_over = HandOver {
-                        connection,
-                        peer,
-                        deadline: until,
-                        patience,
-                    };
-                    match spawn_hand_over(stream, hand_over, &serving, &report) {
-                        Ok(stream) => {
-                            held.insert(connection, stream);
-                        }
-                        Err(error) => tracing::warn!(%peer, "serving a peer: {error}"),
-                    }
-                    // No pause: others may be waiting in the backlog.
-                }
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                    thread::sleep(Duration::from_millis(2).min(deadline.left()))
-                }
-                Err(error) => thread::sleep(trouble.failed(&error).min(deadline.left())),
-            }
-        };
-        trouble.summarize(port);
-        // Whoever is still connected (a stranger, a rank asking twice) is done with.
-        for stream in held.values() {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-        outcome
+        ))
     }
 
     /// Another rank: connects to rank 0 (retrying while it is not up) and reads the Id. Each
@@ -747,6 +715,78 @@ struct Serving {
     id: [u8; ID_BYTES],
     world_size: usize,
     key: Option<Keyed>,
+}
+
+/// The connections rank 0 is serving, oldest first: closed when too many are held at once or
+/// when the exchange is over.
+#[derive(Default)]
+struct Held {
+    streams: BTreeMap<u64, TcpStream>,
+    accepted: u64,
+}
+
+impl Held {
+    /// Serves an accepted connection on a thread of its own, until `until`; the oldest held is
+    /// closed first where [`MAX_HELD_CONNECTIONS`] are.
+    fn admit(
+        &mut self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        until: Deadline,
+        patience: Duration,
+        serving: &Arc<Serving>,
+        report: &mpsc::Sender<Served>,
+    ) {
+        if self.streams.len() >= MAX_HELD_CONNECTIONS {
+            if let Some((_, oldest)) = self.streams.pop_first() {
+                let _ = oldest.shutdown(Shutdown::Both);
+                tracing::warn!(
+                    held = MAX_HELD_CONNECTIONS,
+                    "too many connections to the Id exchange at once: closed the one held longest"
+                );
+            }
+        }
+        let connection = self.accepted;
+        self.accepted += 1;
+        let hand_over = HandOver {
+            connection,
+            peer,
+            deadline: until,
+            patience,
+        };
+        match spawn_hand_over(stream, hand_over, serving, report) {
+            Ok(stream) => {
+                self.streams.insert(connection, stream);
+            }
+            Err(error) => tracing::warn!(%peer, "serving a peer: {error}"),
+        }
+    }
+
+    /// What the connections' threads reported: the ranks served (each once), the peers dropped.
+    fn take_reports(&mut self, reports: &mpsc::Receiver<Served>, served: &mut [bool]) {
+        while let Ok(Served {
+            connection,
+            peer,
+            outcome,
+        }) = reports.try_recv()
+        {
+            self.streams.remove(&connection);
+            match outcome {
+                Ok(rank) if !served[rank] => {
+                    served[rank] = true;
+                    tracing::debug!(rank, %peer, "communicator Id handed over");
+                }
+                Ok(rank) => tracing::warn!(rank, %peer, "rank asked for the Id twice"),
+                Err(why) => tracing::warn!(%peer, "dropped a peer asking for the Id: {why}"),
+            }
+        }
+    }
+
+    fn close_all(&self) {
+        for stream in self.streams.values() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
 }
 
 /// A connection's thread's report to rank 0: the rank it served, or why it dropped the peer.
