@@ -54,37 +54,11 @@ pub(crate) fn hand_over(
     deadline: Deadline,
     patience: Duration,
 ) -> Result<usize, String> {
-    let io = |error: io::Error| {
-        if deadline::is_timeout(&error) {
-            format!("it did not finish the exchange within {patience:?}")
-        } else if error.kind() == io::ErrorKind::UnexpectedEof {
-            "it closed the connection half-way".to_owned()
-        } else {
-            error.to_string()
-        }
-    };
+    let io = |error: io::Error| io_failure(error, patience);
     stream.set_nonblocking(false).map_err(io)?;
     let mut stream = Bounded::new(&stream, deadline);
-    let mut magic = [0u8; MAGIC.len()];
-    stream.read_exact(&mut magic).map_err(io)?;
-    let with_token = match &magic {
-        MAGIC => false,
-        MAGIC_TOKEN => true,
-        _ => return Err("not a rank of this job: wrong greeting".to_owned()),
-    };
-    let mut rank = [0u8; 4];
-    stream.read_exact(&mut rank).map_err(io)?;
-    let rank_number = u32::from_le_bytes(rank);
+    let (with_token, rank_number) = greeting(&mut stream, world_size, patience)?;
     let rank = rank_number as usize;
-    if rank == 0 || rank >= world_size {
-        let why = format!(
-            "rank {rank} is not one of 1 to {}: is RANK below WORLD_SIZE, and WORLD_SIZE the \
-             same on every rank?",
-            world_size - 1
-        );
-        refuse(&mut stream, &why);
-        return Err(why);
-    }
     let key = match (with_token, key) {
         (false, None) => {
             let mut answer = Vec::with_capacity(MAGIC.len() + ID_BYTES);
@@ -119,6 +93,63 @@ pub(crate) fn hand_over(
         }
         (true, Some(key)) => key,
     };
+    prove_and_seal(&mut stream, key, rank_number, id, patience)?;
+    Ok(rank)
+}
+
+/// Why a connection's read or write failed, as rank 0 logs it.
+fn io_failure(error: io::Error, patience: Duration) -> String {
+    if deadline::is_timeout(&error) {
+        format!("it did not finish the exchange within {patience:?}")
+    } else if error.kind() == io::ErrorKind::UnexpectedEof {
+        "it closed the connection half-way".to_owned()
+    } else {
+        error.to_string()
+    }
+}
+
+/// The peer's greeting: whether it comes with a job token, and the rank it claims (one of 1 to
+/// `world_size - 1`, else refused).
+fn greeting(
+    stream: &mut Bounded<'_>,
+    world_size: usize,
+    patience: Duration,
+) -> Result<(bool, u32), String> {
+    let io = |error: io::Error| io_failure(error, patience);
+    let mut magic = [0u8; MAGIC.len()];
+    stream.read_exact(&mut magic).map_err(io)?;
+    let with_token = match &magic {
+        MAGIC => false,
+        MAGIC_TOKEN => true,
+        _ => return Err("not a rank of this job: wrong greeting".to_owned()),
+    };
+    let mut rank = [0u8; 4];
+    stream.read_exact(&mut rank).map_err(io)?;
+    let rank_number = u32::from_le_bytes(rank);
+    let rank = rank_number as usize;
+    if rank == 0 || rank >= world_size {
+        let why = format!(
+            "rank {rank} is not one of 1 to {}: is RANK below WORLD_SIZE, and WORLD_SIZE the \
+             same on every rank?",
+            world_size - 1
+        );
+        refuse(stream, &why);
+        return Err(why);
+    }
+    Ok((with_token, rank_number))
+}
+
+/// With a job token: rank 0 proves it knows the token, checks the rank's proof, and sends the
+/// Id sealed for this session; a rank with another token is refused, saying so.
+fn prove_and_seal(
+    stream: &mut Bounded<'_>,
+    key: &Keyed,
+    rank_number: u32,
+    id: &[u8; ID_BYTES],
+    patience: Duration,
+) -> Result<(), String> {
+    let io = |error: io::Error| io_failure(error, patience);
+    let rank = rank_number;
     let mut rank_nonce = [0u8; NONCE_BYTES];
     stream.read_exact(&mut rank_nonce).map_err(io)?;
     let session = Session {
@@ -132,7 +163,7 @@ pub(crate) fn hand_over(
     challenge.extend_from_slice(&key.rank_0_proof(&session));
     stream.write_all(&challenge).map_err(io)?;
     let mut proof = [0u8; PROOF_BYTES];
-    let got = read_up_to(&mut stream, &mut proof).map_err(io)?;
+    let got = read_up_to(stream, &mut proof).map_err(io)?;
     if got < PROOF_BYTES {
         // A rank that found rank 0's proof wrong says so (the refusal's magic, then the end)
         // instead of proving itself: its token is another one.
@@ -150,7 +181,7 @@ pub(crate) fn hand_over(
     if !key.is_rank_proof(&session, &proof) {
         // Told at once, and nothing a peer without the token did not know: its proof failed.
         refuse(
-            &mut stream,
+            stream,
             &format!(
                 "this rank's proof does not match rank 0's job token: is {TOKEN_VARIABLE} the \
                  same on every rank?"
@@ -165,8 +196,8 @@ pub(crate) fn hand_over(
     answer.extend_from_slice(MAGIC);
     answer.extend_from_slice(&key.seal(&session, id));
     stream.write_all(&answer).map_err(io)?;
-    close_write(&stream);
-    Ok(rank)
+    close_write(stream);
+    Ok(())
 }
 
 /// Fills `buffer` until it is full or the peer ends the stream; returns how much came.
