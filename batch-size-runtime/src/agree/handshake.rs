@@ -257,18 +257,6 @@ pub(crate) fn receive(
         })
     })?;
     let mut stream = Bounded::new(&stream, deadline);
-    let malformed = |why: &str| {
-        Failure::Peer(ExchangeError::Malformed {
-            from: peer.to_owned(),
-            why: why.to_owned(),
-        })
-    };
-    let unauthenticated = |why: String| {
-        Failure::Peer(ExchangeError::Unauthenticated {
-            peer: peer.to_owned(),
-            why,
-        })
-    };
     let Some(key) = key else {
         let mut greeting = Vec::with_capacity(MAGIC.len() + 4);
         greeting.extend_from_slice(MAGIC);
@@ -279,10 +267,21 @@ pub(crate) fn receive(
         expect(&mut stream, MAGIC, peer, Proven::NoToken)?;
         let mut id = [0u8; ID_BYTES];
         read(&mut stream, &mut id, || {
-            malformed("it closed the connection before the whole Id")
+            malformed(peer, "it closed the connection before the whole Id")
         })?;
         return Ok(id);
     };
+    receive_sealed(&mut stream, key, rank, peer)
+}
+
+/// With a job token: greets rank 0 with a nonce, checks rank 0's proof, proves itself, and
+/// opens the sealed Id; a rank 0 that cannot prove the token is refused, and told only that.
+fn receive_sealed(
+    stream: &mut Bounded<'_>,
+    key: &Keyed,
+    rank: u32,
+    peer: &str,
+) -> Result<[u8; ID_BYTES], Failure> {
     let session_nonce = token::nonce().map_err(|source| {
         Failure::Local(ExchangeError::Io {
             what: "drawing a nonce for the job token's challenge".to_owned(),
@@ -294,10 +293,10 @@ pub(crate) fn receive(
     greeting.extend_from_slice(&rank.to_le_bytes());
     greeting.extend_from_slice(&session_nonce);
     stream.write_all(&greeting).map_err(Failure::Io)?;
-    expect(&mut stream, MAGIC_TOKEN, peer, Proven::NotYet)?;
+    expect(stream, MAGIC_TOKEN, peer, Proven::NotYet)?;
     let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
-    read(&mut stream, &mut challenge, || {
-        malformed("it closed the connection before the whole challenge")
+    read(stream, &mut challenge, || {
+        malformed(peer, "it closed the connection before the whole challenge")
     })?;
     let mut session = Session {
         rank,
@@ -312,26 +311,44 @@ pub(crate) fn receive(
         // rank's proof. A real rank 0 with another token learns at once why this rank leaves;
         // a process posing as rank 0 learns what it knew (it does not know the token).
         let _ = stream.write_all(REFUSED);
-        close_write(&stream);
-        return Err(unauthenticated(format!(
+        close_write(stream);
+        return Err(unauthenticated(
+            peer,
+            format!(
             "did not prove that it knows the job token: either {TOKEN_VARIABLE} differs between \
              this rank and rank 0 (it must be the same secret on every rank), or a process \
              other than rank 0 answers on this port. This rank sent it nothing it could use, \
              took nothing from it, and stops rather than wait for its timeout"
-        )));
+        ),
+        ));
     }
     stream
         .write_all(&key.rank_proof(&session))
         .map_err(Failure::Io)?;
-    expect(&mut stream, MAGIC, peer, Proven::Yes)?;
+    expect(stream, MAGIC, peer, Proven::Yes)?;
     let mut sealed = [0u8; SEALED_BYTES];
-    read(&mut stream, &mut sealed, || {
-        malformed("it closed the connection before the whole Id")
+    read(stream, &mut sealed, || {
+        malformed(peer, "it closed the connection before the whole Id")
     })?;
     key.open(&session, &sealed).ok_or_else(|| {
         unauthenticated(
+            peer,
             "sent an Id whose tag does not match the job token (changed on the way?)".to_owned(),
         )
+    })
+}
+
+fn malformed(peer: &str, why: &str) -> Failure {
+    Failure::Peer(ExchangeError::Malformed {
+        from: peer.to_owned(),
+        why: why.to_owned(),
+    })
+}
+
+fn unauthenticated(peer: &str, why: String) -> Failure {
+    Failure::Peer(ExchangeError::Unauthenticated {
+        peer: peer.to_owned(),
+        why,
     })
 }
 
