@@ -298,26 +298,16 @@ impl NcclRank {
             return Err(error);
         }
         // Non-blocking: wait for every rank to join, within the timeout.
-        let started = Instant::now();
-        let mut pause = Pause::new();
-        loop {
-            match async_error(library, raw) {
-                NCCL_SUCCESS => break,
-                NCCL_IN_PROGRESS if started.elapsed() < timeout => pause.sleep(),
-                NCCL_IN_PROGRESS => {
-                    abort(library, &mut state);
-                    return Err(NcclError::Timeout {
-                        rank,
-                        world_size,
-                        waited: timeout,
-                    });
-                }
-                code => {
-                    let error = call_error(library, "ncclCommInitRankConfig", code, raw);
-                    abort(library, &mut state);
-                    return Err(error);
-                }
-            }
+        if let Err(error) = joined(library, raw, timeout) {
+            abort(library, &mut state);
+            return Err(match error {
+                None => NcclError::Timeout {
+                    rank,
+                    world_size,
+                    waited: timeout,
+                },
+                Some(error) => error,
+            });
         }
         tracing::info!(
             rank,
@@ -599,5 +589,27 @@ impl Pause {
     fn sleep(&mut self) {
         std::thread::sleep(self.0);
         self.0 = (self.0 * 2).min(Duration::from_millis(2));
+    }
+}
+
+/// Waits for every rank to join the communicator `raw` being created (non-blocking), within
+/// `timeout`: `Err(None)` past it, `Err(Some(error))` where NCCL failed.
+fn joined(library: &NcclLibrary, raw: RawComm, timeout: Duration) -> Result<(), Option<NcclError>> {
+    let started = Instant::now();
+    let mut pause = Pause::new();
+    loop {
+        match async_error(library, raw) {
+            NCCL_SUCCESS => return Ok(()),
+            NCCL_IN_PROGRESS if started.elapsed() < timeout => pause.sleep(),
+            NCCL_IN_PROGRESS => return Err(None),
+            code => {
+                return Err(Some(call_error(
+                    library,
+                    "ncclCommInitRankConfig",
+                    code,
+                    raw,
+                )))
+            }
+        }
     }
 }
