@@ -147,6 +147,27 @@ impl Own {
     }
 }
 
+impl Ended {
+    /// How a trial ended, from the report's `outcome` line, its message and figures; `None`
+    /// for an outcome this parent does not know.
+    fn parse(outcome: &str, message: String, figures: OutOfMemory) -> Option<Ended> {
+        Some(match outcome {
+            "fit" => Ended::Fit,
+            "out_of_memory" => Ended::OutOfMemory { message, figures },
+            "failed" => Ended::Failed { message },
+            "panicking" => Ended::Panicking {
+                message,
+                out_of_memory: false,
+            },
+            "panicking_out_of_memory" => Ended::Panicking {
+                message,
+                out_of_memory: true,
+            },
+            _ => return None,
+        })
+    }
+}
+
 impl Report {
     pub(crate) fn to_text(&self) -> String {
         let mut text = format!("{HEADER}\nbatch_size {}\n", self.batch_size);
@@ -218,98 +239,69 @@ impl Report {
     /// The report in `text`; `None` for anything that is not one whole report (a file of
     /// another program, a version this parent does not read).
     pub(crate) fn parse(text: &str) -> Option<Report> {
-        let (head, message) = match text.split_once("\nmessage\n") {
-            Some((head, message)) => (head, Some(message.to_owned())),
-            None => (text, None),
-        };
+        let (head, message) = text
+            .split_once("\nmessage\n")
+            .map_or((text, None), |(head, message)| (head, Some(message)));
         let mut lines = head.lines();
         if lines.next()? != HEADER {
             return None;
         }
-        let mut batch_size = None;
-        let (mut in_use, mut own, mut total, mut kind) = (None, None, None, None);
-        let (mut virtual_size, mut resident) = (None, None);
-        let (mut data, mut resident_anonymous) = (None, None);
-        let (mut room, mut held, mut peak) = (None, None, None);
-        let mut outcome = None;
-        let mut figures = OutOfMemory::new();
+        // `key value` lines; a key a later version added is not this parent's to read.
+        let mut fields = std::collections::HashMap::new();
         for line in lines {
             let (key, value) = line.split_once(' ')?;
-            let number = || value.parse::<u64>().ok();
-            match key {
-                "batch_size" => batch_size = value.parse::<usize>().ok(),
-                "start_in_use" => in_use = number(),
-                "start_own" => own = number(),
-                "start_total" => total = number(),
-                "start_virtual" => virtual_size = number(),
-                "start_resident" => resident = number(),
-                "start_data" => data = number(),
-                "used_room" => room = number(),
-                "used_held" => held = number(),
-                "used_peak" => peak = number(),
-                "start_resident_anonymous" => resident_anonymous = number(),
-                "start_kind" => {
-                    kind = match value {
-                        "address_space" => Some(HostLimitKind::AddressSpace),
-                        "cgroup" => Some(HostLimitKind::Cgroup),
-                        "physical" => Some(HostLimitKind::Physical),
-                        _ => None,
-                    }
-                }
-                "outcome" => outcome = Some(value.to_owned()),
-                "requested" => figures.requested = number(),
-                "free" => figures.free = number(),
-                "total" => figures.total = number(),
-                // A key a later version added: not this parent's to read.
-                _ => {}
-            }
+            fields.insert(key, value);
         }
-        let start = match (in_use, own, total, kind) {
-            (Some(in_use), Some(own), Some(total), Some(kind)) => Some(HostLimit {
-                kind,
-                total,
-                in_use,
-                own,
-            }),
+        let number = |key: &str| fields.get(key).and_then(|value| value.parse::<u64>().ok());
+        let kind = match fields.get("start_kind").copied() {
+            Some("address_space") => Some(HostLimitKind::AddressSpace),
+            Some("cgroup") => Some(HostLimitKind::Cgroup),
+            Some("physical") => Some(HostLimitKind::Physical),
             _ => None,
         };
-        let message = || message.clone().unwrap_or_default();
-        let ended = match outcome.as_deref() {
+        // The limit at the start, where the child read all of it.
+        let start = (|| {
+            Some(HostLimit {
+                kind: kind?,
+                total: number("start_total")?,
+                in_use: number("start_in_use")?,
+                own: number("start_own")?,
+            })
+        })();
+        let start_own = (|| {
+            Some(Own {
+                virtual_size: number("start_virtual")?,
+                resident: number("start_resident")?,
+                data: number("start_data")?,
+                resident_anonymous: number("start_resident_anonymous")?,
+            })
+        })();
+        let used = (|| {
+            Some(Used {
+                room: number("used_room")?,
+                held: number("used_held")?,
+                peak: number("used_peak")?,
+            })
+        })();
+        let figures = OutOfMemory {
+            requested: number("requested"),
+            free: number("free"),
+            total: number("total"),
+            ..OutOfMemory::new()
+        };
+        let ended = match fields.get("outcome") {
             None => None,
-            Some("fit") => Some(Ended::Fit),
-            Some("out_of_memory") => Some(Ended::OutOfMemory {
-                message: message(),
+            Some(outcome) => Some(Ended::parse(
+                outcome,
+                message.unwrap_or_default().to_owned(),
                 figures,
-            }),
-            Some("failed") => Some(Ended::Failed { message: message() }),
-            Some("panicking") => Some(Ended::Panicking {
-                message: message(),
-                out_of_memory: false,
-            }),
-            Some("panicking_out_of_memory") => Some(Ended::Panicking {
-                message: message(),
-                out_of_memory: true,
-            }),
-            Some(_) => return None,
+            )?),
         };
         Some(Report {
-            batch_size: batch_size?,
+            batch_size: fields.get("batch_size")?.parse().ok()?,
             start,
-            start_own: match (virtual_size, resident, data, resident_anonymous) {
-                (Some(virtual_size), Some(resident), Some(data), Some(resident_anonymous)) => {
-                    Some(Own {
-                        virtual_size,
-                        resident,
-                        data,
-                        resident_anonymous,
-                    })
-                }
-                _ => None,
-            },
-            used: match (room, held, peak) {
-                (Some(room), Some(held), Some(peak)) => Some(Used { room, held, peak }),
-                _ => None,
-            },
+            start_own,
+            used,
             ended,
         })
     }
