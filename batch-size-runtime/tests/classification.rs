@@ -233,3 +233,25 @@ fn specific_patterns_name_the_source_before_the_generic_one() {
         );
     }
 }
+
+/// The host's memory is not a device's: the crate's own error on the CPU says "host", and its
+/// text, hidden behind a wrapper, is still recognised with its figures.
+#[test]
+fn the_hosts_out_of_memory_says_host_and_is_recognised_by_its_text() {
+    let error = batch_size_runtime::OutOfMemory::new()
+        .on_device("cpu")
+        .with_requested(64 << 20)
+        .with_free(7 << 20)
+        .with_total(384 << 20);
+    let text = error.to_string();
+    assert_eq!(
+        text,
+        "out of host memory on cpu: tried to allocate 64.00 MiB with 7.00 MiB free of 384.00 MiB"
+    );
+    let found = batch_size_runtime::oom::classify_text(&format!("step 3 failed: {text}"))
+        .expect("recognised by its text");
+    assert_eq!(found.requested, Some(64 << 20), "{found:?}");
+    let figures = batch_size_runtime::oom::figures(&text);
+    assert_eq!(figures.requested, Some(64 << 20));
+    assert_eq!(figures.total, Some(384 << 20));
+}

@@ -8,7 +8,7 @@
 //!
 //! Ignored: a debug build's matrix products make each child take seconds. Run it in release
 //! (about 2 minutes, the build aside), `--nocapture` to see the table:
-//! `cargo test --release -p batch-size-examples --test candle_cpu_child_mlp -- --ignored mlp --nocapture`.
+//! `cargo test --release -p batch-size-examples --test candle_cpu_child_mlp -- --ignored --exact linux::mlp_sized_in_children --nocapture`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
@@ -163,6 +163,13 @@ mod linux {
             with_figures.1,
             with_figures.0 as f64 / fits as f64,
             table.join("\n")
+        );
+        // With `step_done()` after the child's step, the attribute grows from the child's peak
+        // to near the limit (0.940 measured), never below halving's rung.
+        assert!(growing >= halving, "{growing} below halving's {halving}");
+        assert!(
+            growing as f64 >= 0.90 * fits as f64,
+            "{growing} of {fits} with step_done()"
         );
         // Every child that aborted left its figures: what it asked for, what it held, its room.
         for attempt in report

@@ -230,6 +230,11 @@ pub const OOM_PATTERNS: &[OomPattern] = &[
         figures: OUT_OF_DEVICE_MEMORY_FIGURES,
     },
     OomPattern {
+        text: "out of host memory",
+        origin: "this crate's `OutOfMemory` on the host (device `cpu`: a child trial's figures, the host's)",
+        figures: OUT_OF_DEVICE_MEMORY_FIGURES,
+    },
+    OomPattern {
         text: "OutOfMemory { size:",
         origin: "burn / cubecl: `IoError::OutOfMemory` as `into_data()`'s panic prints it",
         figures: &[at("OutOfMemory { size: ", Figure::Requested)],
