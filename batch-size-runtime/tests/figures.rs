@@ -16,6 +16,9 @@ fn examples(pattern: &str) -> &'static [&'static str] {
             "out of device memory on sim:0: tried to allocate 4.00 GiB with 1.00 GiB free of 16.00 GiB",
             "out of device memory allocating 1073741824 bytes",
         ],
+        "out of host memory" => &[
+            "out of host memory on cpu: tried to allocate 64.00 MiB with 7.08 MiB free of 384.00 MiB",
+        ],
         "OutOfMemory { size:" => &["called `Result::unwrap()` on an `Err` value: OutOfMemory { size: 4096 }"],
         "DefaultCPUAllocator: can't allocate memory" => &["DefaultCPUAllocator: can't allocate memory: you tried to allocate 85899345920 bytes. Error code 12 (Cannot allocate memory)"],
         "can't allocate buffer of size: " => &["can't allocate buffer of size: 1073741824"],
