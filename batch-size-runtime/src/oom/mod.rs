@@ -20,10 +20,6 @@
 //! assert!(!oom::is_out_of_memory(&std::io::Error::other("checkpoint not found")));
 //! ```
 
-/// Also here, where it was first exported: trials in a child process live in their own module
-/// (they run trials; they do not classify errors) and at the crate's root.
-pub use crate::trial::{ChildTrial, ChildTrialError};
-
 use std::any::Any;
 use std::error::Error;
 use std::fmt;

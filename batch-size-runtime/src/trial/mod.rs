@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use crate::error::NoExecutableBatchSize;
 use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
 use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
+use crate::memory::{OutOfMemory, Release};
 use crate::oom;
-use crate::{OutOfMemory, Release};
 use report::{Ended, Own, Report, Used};
 
 /// The environment variable that tells a copy of the program it is a trial's child: the

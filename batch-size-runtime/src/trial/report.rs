@@ -30,8 +30,8 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::memory::OutOfMemory;
 use crate::memory::{HostLimit, HostLimitKind};
-use crate::OutOfMemory;
 
 const HEADER: &str = "batch-size-runtime child report 1";
 
