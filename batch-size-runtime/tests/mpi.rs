@@ -40,7 +40,8 @@ const JOB_MARKER: &str = "BATCH_SIZE_MPI_JOB";
 const RANKS: usize = 4;
 /// The agreement's timeout in the failure jobs.
 const TIMEOUT: Duration = Duration::from_secs(3);
-/// What the issue allows past the timeout for every rank to have ended.
+/// How long past the timeout every rank may take to end: the job must never hang, and a
+/// surviving rank sees the failure within one timeout plus this.
 const GRACE: Duration = Duration::from_secs(2);
 /// A job still running after this has hung: it is killed and the test fails.
 const HUNG: Duration = Duration::from_secs(60);
