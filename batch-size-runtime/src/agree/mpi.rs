@@ -373,24 +373,11 @@ impl Collective for MpiRank {
         };
         let held = self.shared.lock();
         let comm = held.as_ref().ok_or_else(finalized)?;
-        let started = Instant::now();
         ::mpi::request::scope(|scope| {
-            let mut request =
+            let request =
                 comm.0
                     .immediate_all_reduce_into(scope, &send[..], &mut *values, operation);
-            let mut pause = Pause::new();
-            loop {
-                match request.test() {
-                    Ok(_) => return,
-                    Err(pending) => request = pending,
-                }
-                if started.elapsed() >= self.timeout {
-                    // Never leave the scope with the request pending (rsmpi would abort the
-                    // process without a word): end the job here, saying why.
-                    self.give_up("to agree (MPI_Iallreduce)");
-                }
-                pause.sleep();
-            }
+            self.complete(request, "to agree (MPI_Iallreduce)");
         });
         Ok(())
     }
@@ -402,23 +389,34 @@ impl MpiRank {
     fn broadcast_from_rank_zero(&self, bytes: &mut [u8]) -> Result<(), AgreementError> {
         let held = self.shared.lock();
         let comm = held.as_ref().ok_or_else(finalized)?;
-        let started = Instant::now();
         ::mpi::request::scope(|scope| {
             let root = comm.0.process_at_rank(0);
-            let mut request = root.immediate_broadcast_into(scope, bytes);
-            let mut pause = Pause::new();
-            loop {
-                match request.test() {
-                    Ok(_) => return,
-                    Err(pending) => request = pending,
-                }
-                if started.elapsed() >= self.timeout {
-                    self.give_up("for rank 0's broadcast (MPI_Ibcast)");
-                }
-                pause.sleep();
-            }
+            let request = root.immediate_broadcast_into(scope, bytes);
+            self.complete(request, "for rank 0's broadcast (MPI_Ibcast)");
         });
         Ok(())
+    }
+
+    /// Polls `request` until it completes, or past the timeout ends the job, saying it waited
+    /// `waiting`. Never returns with the request pending: leaving its scope so, rsmpi would
+    /// abort the process without a word.
+    fn complete<'a, D: ?Sized, S: ::mpi::request::Scope<'a>>(
+        &self,
+        mut request: ::mpi::request::Request<'a, D, S>,
+        waiting: &str,
+    ) {
+        let started = Instant::now();
+        let mut pause = Pause::new();
+        loop {
+            match request.test() {
+                Ok(_) => return,
+                Err(pending) => request = pending,
+            }
+            if started.elapsed() >= self.timeout {
+                self.give_up(waiting);
+            }
+            pause.sleep();
+        }
     }
 
     /// Past the timeout, inside a collective (this thread holds the lock): ends the job.
