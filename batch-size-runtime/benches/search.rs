@@ -329,7 +329,7 @@ fn search_once(
         let n = attempt_number.fetch_add(1, Ordering::Relaxed);
         workload.step(&device, size as u64, noise(n))?;
         if calls {
-            step_done();
+            step_done()?;
         }
         Ok(size)
     });

@@ -251,7 +251,7 @@ mod unwind;
 pub mod __private;
 
 pub use attempt::AttemptError;
-pub use engine::{step_done, Search};
+pub use engine::{step_done, step_handle, Grow, Search, StepHandle};
 pub use error::{NoExecutableBatchSize, StopReason};
 pub use memory::out_of_memory::OutOfMemory;
 pub use memory::release::Release;

@@ -10,7 +10,7 @@ mod block_on;
 
 use batch_size_runtime::{
     find_executable_batch_size, last_report, memory::SimulatedDevice, step_done, BatchSizeSearch,
-    OutOfMemory, Outcome, SearchReport,
+    Grow, OutOfMemory, Outcome, SearchReport,
 };
 use block_on::block_on;
 
@@ -43,11 +43,11 @@ fn grew(report: &SearchReport) -> usize {
 }
 
 #[find_executable_batch_size(starting = 1000, release = device.clone())]
-fn train(batch_size: usize, device: &SimulatedDevice, calls: bool) -> Result<usize, OutOfMemory> {
+fn train(batch_size: usize, device: &SimulatedDevice, calls: bool) -> anyhow::Result<usize> {
     for _step in 0..3 {
         layered_step(device, batch_size)?;
         if calls {
-            step_done();
+            step_done()?;
         }
     }
     Ok(batch_size)
@@ -88,8 +88,8 @@ fn the_call_grows_to_near_the_limit_where_failures_alone_do_not() {
 
 #[test]
 fn nothing_happens_outside_a_search_or_after_the_first_step() {
-    step_done();
-    step_done();
+    assert_eq!(step_done(), Ok(()));
+    assert_eq!(step_done(), Ok(()));
     // A search whose attempts call it many times: one growth at most per attempt.
     let device = device();
     let mut calls = 0;
@@ -99,7 +99,7 @@ fn nothing_happens_outside_a_search_or_after_the_first_step() {
             for _ in 0..5 {
                 layered_step(&device, batch_size)?;
                 calls += 1;
-                step_done();
+                step_done()?;
             }
             Ok(batch_size)
         })
@@ -122,7 +122,7 @@ fn never_above_max() {
         .with_release(device.clone())
         .run(|batch_size| -> anyhow::Result<usize> {
             layered_step(&device, batch_size)?;
-            step_done();
+            step_done()?;
             Ok(batch_size)
         })
         .unwrap();
@@ -135,7 +135,7 @@ fn without_figures_it_does_nothing() {
     let fitted = BatchSizeSearch::new(64)
         .run(|batch_size| -> anyhow::Result<usize> {
             layered_step(&device, batch_size)?;
-            step_done();
+            step_done()?;
             Ok(batch_size)
         })
         .unwrap();
@@ -147,6 +147,8 @@ fn without_figures_it_does_nothing() {
 enum TrainError {
     #[error(transparent)]
     Memory(#[from] OutOfMemory),
+    #[error(transparent)]
+    Grow(#[from] Grow),
     #[error("corrupt shard")]
     Corrupt,
 }
@@ -154,7 +156,7 @@ enum TrainError {
 #[find_executable_batch_size(starting = 64, release = device.clone())]
 fn fails_later(batch_size: usize, device: &SimulatedDevice) -> Result<usize, TrainError> {
     layered_step(device, batch_size)?;
-    step_done();
+    step_done()?;
     if batch_size > 64 {
         return Err(TrainError::Corrupt);
     }
@@ -174,7 +176,7 @@ async fn train_async(batch_size: usize, device: &SimulatedDevice) -> anyhow::Res
     for _step in 0..2 {
         std::future::ready(()).await;
         layered_step(device, batch_size)?;
-        step_done();
+        step_done()?;
     }
     Ok(batch_size)
 }
@@ -197,10 +199,10 @@ struct Trainer {
 
 impl Trainer {
     #[find_executable_batch_size(starting = 1000, release = self.device.clone())]
-    fn train(&mut self, batch_size: usize) -> Result<usize, OutOfMemory> {
+    fn train(&mut self, batch_size: usize) -> anyhow::Result<usize> {
         layered_step(&self.device, batch_size)?;
         self.steps += 1;
-        step_done();
+        step_done()?;
         Ok(batch_size)
     }
 }
@@ -235,7 +237,7 @@ fn a_grown_size_that_fails_returns_to_the_size_that_fit() {
                 if moments.is_none() {
                     moments = Some(device.alloc(6 * GIB)?);
                 }
-                step_done();
+                step_done()?;
             }
             Ok(batch_size)
         })
@@ -266,7 +268,7 @@ fn no_rank_grows_under_an_agreement() {
                 .with_policy(Agree::new(Guided::new(), collective))
                 .run(|size| -> anyhow::Result<usize> {
                     let _activations = device.alloc(size as u64 * MIB)?;
-                    step_done();
+                    step_done()?;
                     Ok(size)
                 });
             let grown = last_report().map_or(0, |report| grew(&report));
@@ -289,7 +291,7 @@ fn effective_batch_and_chunked_are_left_alone() {
     runner
         .step(|plan| -> anyhow::Result<()> {
             layered_step(&device, plan.micro())?;
-            step_done();
+            step_done()?;
             Ok(())
         })
         .unwrap();
@@ -304,7 +306,7 @@ fn effective_batch_and_chunked_are_left_alone() {
         .for_each(|chunk| -> anyhow::Result<()> {
             layered_step(&device, chunk.len())?;
             sizes.push(chunk.len());
-            step_done();
+            step_done()?;
             Ok(())
         })
         .unwrap();
@@ -324,7 +326,7 @@ fn the_users_own_panic_comes_back_unchanged_after_a_growth() {
         BatchSizeSearch::new(64).with_release(device.clone()).run(
             |batch_size| -> anyhow::Result<usize> {
                 layered_step(&device, batch_size)?;
-                step_done();
+                step_done()?;
                 if batch_size > 64 {
                     std::panic::panic_any(41_u32);
                 }

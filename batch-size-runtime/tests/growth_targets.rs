@@ -40,7 +40,7 @@ fn search(
         attempt.set(attempt.get() + 1);
         workload.step(&device, size as u64, noise(attempt.get() - 1))?;
         if calls {
-            step_done();
+            step_done()?;
         }
         Ok(size)
     });

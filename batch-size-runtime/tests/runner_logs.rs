@@ -147,7 +147,7 @@ fn a_growth_is_logged_at_info_not_warn() {
             .with_release(device.clone())
             .run(|batch_size| -> anyhow::Result<usize> {
                 layered_step(&device, batch_size)?;
-                step_done();
+                step_done()?;
                 Ok(batch_size)
             })
             .unwrap()

@@ -25,6 +25,7 @@ use std::fmt::{self, Display};
 use std::marker::PhantomData;
 
 use crate::attempt::{AttemptError, Dynamic, InspectError, Typed};
+use crate::engine::step::Grow;
 use crate::error::{KeptError, NoExecutableBatchSize};
 use crate::oom::{self, OomKind, OomMatch};
 
@@ -131,6 +132,10 @@ pub enum Judged<R, E> {
     Failed(R, String),
     /// Out of memory, with the error value where there is one.
     OutOfMemory(OomMatch, Option<E>),
+    /// The error is (or holds in its chain) the [`Grow`] that
+    /// [`step_done`](crate::step_done) answered: the attempt grew, where its watch says so;
+    /// else a failure, with its description.
+    Grew(R, String),
 }
 
 /// Classifies the values of one return type `R`.
@@ -227,7 +232,11 @@ fn judge_error<T, E>(
         Some(found) => Judged::OutOfMemory(found, Some(error)),
         None => {
             let description = oom::describe(view(&error));
-            Judged::Failed(Err(error), description)
+            if oom::chain_of(view(&error)).any(|layer| layer.is::<Grow>()) {
+                Judged::Grew(Err(error), description)
+            } else {
+                Judged::Failed(Err(error), description)
+            }
         }
     }
 }

@@ -259,8 +259,29 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
     /// Records how an attempt ended: `Some` ends the search; `None` means begin again.
     #[inline]
     fn record(&mut self, outcome: Result<R, PanicPayload>) -> Option<Ended<R, C::Error>> {
+        let grown = self.search.asked_to_grow();
         match outcome {
             Ok(value) => match self.classify.judge(value, &self.search.rules()) {
+                // `step_done` answered `Grow`: whatever the function returned but an error of
+                // its own or an out-of-memory, the attempt grew.
+                Judged::Succeeded(_) | Judged::Grew(..) if grown.is_some() => {
+                    if let Some(grown) = grown {
+                        self.search.record_growth(grown);
+                    }
+                    self.accepted_value()
+                }
+                Judged::Failed(_, description)
+                    if grown
+                        .as_ref()
+                        .is_some_and(|grown| description.contains(&grown.signal().to_string())) =>
+                {
+                    // An error that holds the `Grow` where no chain reaches it (candle's
+                    // `Error::wrap`, an `E: Display`): found by the signal's own words.
+                    if let Some(grown) = grown {
+                        self.search.record_growth(grown);
+                    }
+                    self.accepted_value()
+                }
                 Judged::Succeeded(value) => {
                     self.search.record_success();
                     if self.search.is_accepted() {
@@ -269,7 +290,7 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
                     self.latest_success = Some(value);
                     None
                 }
-                Judged::Failed(value, description) => {
+                Judged::Failed(value, description) | Judged::Grew(value, description) => {
                     self.search.failed_with(description);
                     Some(Ended::Returned(value))
                 }

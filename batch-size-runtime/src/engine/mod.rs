@@ -17,4 +17,4 @@ pub(crate) use driver::{drive, drive_async};
 pub(crate) use driver::{drive_ended, drive_ended_async, drive_reporting, Ended};
 pub use search::Search;
 pub(crate) use settings::{settings_setters, Invalid, Settings};
-pub use step::step_done;
+pub use step::{step_done, step_handle, Grow, StepHandle};

@@ -357,10 +357,12 @@ impl Search<'_> {
     pub(crate) fn begin_attempt(&mut self) -> Result<usize, NoExecutableBatchSize> {
         match std::mem::replace(&mut self.next, Next::Ended) {
             Next::Size(batch_size) => {
+                step::keep_the_outer_peak();
                 let memory_at_start = non_empty(self.release.start_attempt());
-                self.watch = memory_at_start
-                    .as_ref()
-                    .and_then(|at_start| self.watch_for(batch_size, at_start));
+                self.watch = Some(match &memory_at_start {
+                    Some(at_start) => self.watch_for(batch_size, at_start),
+                    None => StepWatch::idle(batch_size, "the release reads no memory figures"),
+                });
                 self.running = Some(Running {
                     batch_size,
                     started: Instant::now(),
@@ -384,11 +386,11 @@ impl Search<'_> {
         }
     }
 
-    /// A watch over the attempt about to run at `batch_size`, for [`step_done`](crate::step_done),
-    /// where the policy grows after a step and a larger size is allowed: below every failure,
-    /// within `max`, with attempts left for the grown size and a return to this one, and a
-    /// growth left. Only an attempt with memory figures is watched.
-    fn watch_for(&self, batch_size: usize, at_start: &MemorySnapshot) -> Option<Arc<StepWatch>> {
+    /// A watch over the attempt about to run at `batch_size`, for [`step_done`](crate::step_done):
+    /// one that may grow where the policy grows after a step and a larger size is allowed
+    /// (below every failure, within `max`, with attempts left for the grown size and a return to
+    /// this one, and a growth left); else one that says why not to a call that asks.
+    fn watch_for(&self, batch_size: usize, at_start: &MemorySnapshot) -> Arc<StepWatch> {
         let ceiling = self
             .smallest_failed
             .map_or(self.max_size, |failed| failed.saturating_sub(1))
@@ -396,21 +398,27 @@ impl Search<'_> {
         let room_for_attempts = self
             .max_attempts
             .is_none_or(|max| self.report.len() + 3 <= max);
-        if self.growths >= MAX_GROWTHS
-            || !room_for_attempts
-            || ceiling < step::least_growth(batch_size)
-            || self.policy.agrees_with_others()
-        {
-            return None;
-        }
-        let rule = self.policy.grow_after_a_step(&self.report)?;
-        StepWatch::new(
-            batch_size,
-            at_start.clone(),
-            self.release.clone(),
-            ceiling,
-            rule,
-        )
+        let why_not = if self.growths >= MAX_GROWTHS {
+            "the search grew three times already"
+        } else if !room_for_attempts {
+            "`max_attempts` leaves no attempt for a larger size"
+        } else if self.policy.agrees_with_others() {
+            "ranks agree on every size, and one rank does not grow alone"
+        } else {
+            match self.policy.grow_after_a_step(&self.report) {
+                Some(rule) => {
+                    return StepWatch::new(
+                        batch_size,
+                        at_start.clone(),
+                        self.release.clone(),
+                        ceiling,
+                        rule,
+                    )
+                }
+                None => "the policy does not grow after a step",
+            }
+        };
+        StepWatch::idle(batch_size, why_not)
     }
 
     /// The running attempt's watch, for the driver to put in place while it runs; the search
@@ -420,11 +428,18 @@ impl Search<'_> {
         self.watch.clone()
     }
 
+    /// The growth the running attempt's first step asked for ([`step_done`](crate::step_done)
+    /// answered [`Grow`](crate::Grow)), for the driver once the attempt returned.
+    #[inline]
+    pub(crate) fn asked_to_grow(&self) -> Option<Grown> {
+        self.watch.as_ref()?.grown().cloned()
+    }
+
     /// The attempt's first step fit and its figures showed room for `grown.to`: the attempt is
     /// recorded as grown, memory is released as after an out-of-memory, and the policy (which
     /// lent the rule) answers the next size, held to the engine's rules. A policy that answers
     /// no larger size runs the size that fit again.
-    fn record_growth(&mut self, grown: Grown) {
+    pub(crate) fn record_growth(&mut self, grown: Grown) {
         let mut attempt = self.finish_attempt(Outcome::Grew { to: grown.to });
         attempt.memory_at_end = non_empty(grown.memory);
         let number = attempt.number;
@@ -712,11 +727,6 @@ impl Search<'_> {
     /// [`panicked`](Self::panicked) for the engine's driver. A panic that is not out-of-memory
     /// leaves every caller by unwinding: its report is published on the way out.
     pub(crate) fn record_panic(&mut self, payload: PanicPayload) {
-        // The end of an attempt that grows after its first step (`step_done`), not a panic.
-        let payload = match payload.downcast::<Grown>() {
-            Ok(grown) => return self.record_growth(*grown),
-            Err(payload) => payload,
-        };
         match self.rules().classify_panic(&*payload) {
             Some(found) => self.record_out_of_memory(found, None),
             None => {

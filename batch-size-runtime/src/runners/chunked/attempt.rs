@@ -55,7 +55,8 @@ impl<E: InspectError<M>, M> Classify<Result<(), ChunkAttempt<E>>> for ChunkKind<
             Ok(()) => Judged::Succeeded(Ok(())),
             Err(ChunkAttempt::Work(error)) => match self.0.judge(Err::<(), E>(error), rules) {
                 Judged::Succeeded(_) => Judged::Succeeded(Ok(())),
-                Judged::Failed(value, description) => {
+                // A chunk never grows by `step_done` (its runner learns from its chunks).
+                Judged::Failed(value, description) | Judged::Grew(value, description) => {
                     Judged::Failed(value.map_err(ChunkAttempt::Work), description)
                 }
                 Judged::OutOfMemory(found, error) => Judged::OutOfMemory(found, error),
