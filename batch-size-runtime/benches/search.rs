@@ -293,6 +293,9 @@ fn cached_rerun(workload: Workload, tuner: bool) -> usize {
     attempts
 }
 
+/// The steps of one run of the function in the growth tables.
+const STEPS: usize = 6;
+
 /// The doors of the growth table, in its column order.
 const DOORS: [&str; 6] = [
     "halving",
@@ -327,9 +330,12 @@ fn search_once(
     }
     let (found, report) = search.run_with_report(|size| -> anyhow::Result<usize> {
         let n = attempt_number.fetch_add(1, Ordering::Relaxed);
-        workload.step(&device, size as u64, noise(n))?;
-        if calls {
-            step_done()?;
+        // Six steps a run, as a short training run: the call after each.
+        for _ in 0..STEPS {
+            workload.step(&device, size as u64, noise(n))?;
+            if calls {
+                step_done()?;
+            }
         }
         Ok(size)
     });
@@ -464,7 +470,56 @@ fn growth_table() {
     println!();
 }
 
+/// The attribute with the call from below the fit (a quarter and a half of it, as a user who
+/// starts low to be safe does): it grows to the limit, and should not run out of memory on the
+/// way. Halving and the default alone stay where they start.
+fn below_the_fit_table() {
+    const STARTS: [f64; 2] = [0.25, 0.5];
+    let mut cases = Vec::new();
+    println!("| workload | start | fits | default + step_done |");
+    println!("|---|---|---|---|");
+    for &workload in Workload::ALL.iter().chain(&Workload::NEW) {
+        let fit = workload.largest_fit(1.0);
+        for factor in STARTS {
+            let start = ((fit as f64 * factor).round() as usize).max(1);
+            let row = search_once(workload, start, "default", true, None, 0);
+            let utilisation = row.found as f64 / fit as f64;
+            println!(
+                "| {} | {start} | {fit} | {} in {} ({utilisation:.2}), {} failed: {} |",
+                workload.name(),
+                row.found,
+                row.attempts,
+                row.failures,
+                shown(&row.tried)
+            );
+            cases.push((utilisation, row.attempts, row.failures));
+        }
+    }
+    let n = cases.len() as f64;
+    println!();
+    println!(
+        "| door | starts | mean utilisation | worst | mean runs | mean OOM failures | cases |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| default + step_done | 0.25 and 0.5 of the fit | {:.3} | {:.3} | {:.2} | {:.2} | {} |",
+        cases.iter().map(|case| case.0).sum::<f64>() / n,
+        cases
+            .iter()
+            .map(|case| case.0)
+            .fold(f64::INFINITY, f64::min),
+        cases.iter().map(|case| case.1).sum::<usize>() as f64 / n,
+        cases.iter().map(|case| case.2).sum::<usize>() as f64 / n,
+        cases.len()
+    );
+    println!();
+}
+
 fn main() {
+    below_the_fit_table();
+    if std::env::args().any(|arg| arg == "--below-only") {
+        return;
+    }
     growth_table();
     if std::env::args().any(|arg| arg == "--growth-only") {
         return;

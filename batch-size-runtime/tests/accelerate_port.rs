@@ -343,8 +343,8 @@ fn every_attempt_is_recorded_with_memory_figures() {
 fn release_gives_the_failed_attempts_memory_back() {
     let device = SimulatedDevice::new(10 << 20).with_caching();
     let attempt = |batch_size: usize| -> anyhow::Result<usize> {
-        let _weights = device.alloc(6 << 20)?;
         let _activations = device.alloc((batch_size as u64) << 20)?;
+        let _weights = device.alloc(6 << 20)?;
         Ok(batch_size)
     };
     // With release, the cache of the failed attempt is given back: 4 fits next to 6 MiB.
@@ -354,11 +354,12 @@ fn release_gives_the_failed_attempts_memory_back() {
         .run(attempt);
     assert_eq!(fitted.unwrap(), 4);
 
-    // Without it, the failed attempt's weights stay cached and nothing fits any more.
+    // Without it, the failed attempt's activations stay cached, in a block of a size no later
+    // attempt asks for, and nothing fits any more.
     let device = SimulatedDevice::new(10 << 20).with_caching();
     let attempt = |batch_size: usize| -> anyhow::Result<usize> {
-        let _weights = device.alloc(6 << 20)?;
         let _activations = device.alloc((batch_size as u64) << 20)?;
+        let _weights = device.alloc(6 << 20)?;
         Ok(batch_size)
     };
     let result: anyhow::Result<usize> = BatchSizeSearch::new(8)

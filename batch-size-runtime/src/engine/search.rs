@@ -138,7 +138,7 @@ impl<'r> Search<'r> {
                 cache,
                 settings.label,
                 starting,
-                settings.min,
+                (settings.min, settings.max),
                 &settings.release,
                 ladder,
             );

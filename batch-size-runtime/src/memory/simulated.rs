@@ -26,6 +26,9 @@ struct Usage {
     live: u64,
     peak: u64,
     cached: u64,
+    /// The cache's blocks by size, with how many of each: an allocation of a size the cache
+    /// holds takes one back, as a caching allocator serves a training loop's next step.
+    cached_blocks: std::collections::BTreeMap<u64, usize>,
     allocations: u64,
     failed_allocations: u64,
     releases: u64,
@@ -142,7 +145,9 @@ impl SimulatedDevice {
 
     /// Keeps freed memory reserved, as a caching allocator or a stream-ordered pool does, until
     /// [`release`](MemoryBackend::release) gives it back: without a release between attempts,
-    /// a retry finds the memory of the failed attempt still taken. Call before allocating.
+    /// a retry finds the memory of the failed attempt still taken. A freed block serves a later
+    /// allocation of its own size (the next step of a training loop); blocks are never split or
+    /// merged, so memory cached at other sizes stays taken. Call before allocating.
     ///
     /// ```
     /// # use batch_size_runtime::memory::SimulatedDevice;
@@ -177,6 +182,14 @@ impl SimulatedDevice {
             .div_ceil(self.device.block_size)
             .saturating_mul(self.device.block_size);
         let mut usage = self.device.usage();
+        if let Some(count) = usage.cached_blocks.get_mut(&rounded) {
+            *count -= 1;
+            if *count == 0 {
+                usage.cached_blocks.remove(&rounded);
+            }
+            usage.cached = usage.cached.saturating_sub(rounded);
+            return Ok(self.allocated(usage, rounded));
+        }
         let free = self.free_in(&usage);
         if rounded > free {
             usage.failed_allocations += 1;
@@ -186,13 +199,17 @@ impl SimulatedDevice {
                 .with_total(self.device.capacity)
                 .on_device(self.device.name.clone()));
         }
+        Ok(self.allocated(usage, rounded))
+    }
+
+    fn allocated(&self, mut usage: MutexGuard<'_, Usage>, rounded: u64) -> SimAllocation {
         usage.live += rounded;
         usage.peak = usage.peak.max(usage.live);
         usage.allocations += 1;
-        Ok(SimAllocation {
+        SimAllocation {
             device: Arc::clone(&self.device),
             bytes: rounded,
-        })
+        }
     }
 
     fn free_in(&self, usage: &Usage) -> u64 {
@@ -321,6 +338,7 @@ impl MemoryBackend for SimulatedDevice {
     fn release(&self) -> Result<(), ReleaseError> {
         let mut usage = self.device.usage();
         usage.cached = 0;
+        usage.cached_blocks.clear();
         usage.releases += 1;
         Ok(())
     }
@@ -392,6 +410,7 @@ impl Drop for SimAllocation {
         usage.live = usage.live.saturating_sub(self.bytes);
         if self.device.caching {
             usage.cached += self.bytes;
+            *usage.cached_blocks.entry(self.bytes).or_default() += 1;
         }
     }
 }

@@ -50,7 +50,7 @@ use serde::{Deserialize, Serialize};
 use crate::memory::{MemorySnapshot, Release};
 use crate::policy::LadderControl;
 use crate::policy::{grown_size, growth_shown, measured_step, reached_by_failures, StepFigures};
-use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
+use crate::policy::{holds_inner, Decision, GrowRule, PolicyWrapper, SizePolicy};
 use crate::record::{CacheHit, Outcome, SearchReport};
 
 /// The environment variable that names the cache's folder when none is given.
@@ -357,19 +357,32 @@ fn read_entry(file: &Path, key: &str) -> Result<Option<CacheEntry>, String> {
     }
 }
 
-/// Why a cached size cannot start this search: only a size the search could have tried itself is
-/// used, so that nothing read from outside steers it out of its range. A shrinking search tries
-/// `1..=starting`; a growing one (a tuner) starts at `starting`, its smallest size, and goes up.
-fn unusable(entry: &CacheEntry, starting: usize, min: usize, shrinking: bool) -> Option<String> {
+/// How far above its starting size a shrinking search that grows after its steps
+/// ([`step_done`](crate::step_done)) is taken to reach, where no `max` says: three growths of a
+/// small step. A cached size further above was not this search's.
+const GROWN_REACH: usize = 16;
+
+/// Why a cached size cannot start this search: only a size the search could have reached itself
+/// is used, so that nothing read from outside steers it out of its range. A shrinking search
+/// tries `min..=starting` and grows after a step up to `max` (or [`GROWN_REACH`] times
+/// `starting`); a growing one (a tuner) starts at `starting`, its smallest size, and goes up.
+fn unusable(
+    entry: &CacheEntry,
+    starting: usize,
+    (min, max): (usize, Option<usize>),
+    shrinking: bool,
+) -> Option<String> {
     let (low, high) = if shrinking {
-        (min.max(1), starting)
+        let grown = max.unwrap_or_else(|| starting.saturating_mul(GROWN_REACH));
+        (min.max(1), grown.max(starting))
     } else {
         (starting.max(min).max(1), usize::MAX)
     };
     (!(low..=high).contains(&entry.fits)).then(|| {
         if shrinking {
             format!(
-                "its size {} is not between the search's `min` {low} and its starting size {starting}",
+                "its size {} is not between the search's `min` {low} and {high}, the most it reaches \
+                 from {starting}",
                 entry.fits
             )
         } else {
@@ -406,14 +419,14 @@ fn write_entry(file: &Path, entry: &CacheEntry) -> std::io::Result<()> {
 }
 
 impl<P: SizePolicy> Cached<P> {
-    /// The cache around `inner`, for a search of `label` from `starting` (no size below `min`),
-    /// over the device `release` reads.
+    /// The cache around `inner`, for a search of `label` from `starting` (no size below `min`,
+    /// none above `max` where it is set), over the device `release` reads.
     pub(crate) fn new(
         inner: P,
         settings: CacheSettings,
         label: &'static str,
         starting: usize,
-        min: usize,
+        (min, max): (usize, Option<usize>),
         release: &Release,
         remedies: Option<Arc<dyn LadderControl>>,
     ) -> Self {
@@ -424,7 +437,7 @@ impl<P: SizePolicy> Cached<P> {
         }
         let shrinking = inner.accepts_every_success();
         let mut slot = CacheSlot::open(&settings, label, &what, release, |entry| {
-            unusable(entry, starting, min, shrinking)
+            unusable(entry, starting, (min, max), shrinking)
         });
         if slot.entry.is_some() {
             // The cached size was measured on a device with nothing held for this search: give
@@ -554,7 +567,7 @@ fn figures_start(entry: &CacheEntry, room_now: u64, starting: usize) -> Option<u
         .into_iter()
         .collect();
     let ceiling = entry.failed_at.map_or(starting, |failed| {
-        (failed as f64 * super::guided::GROWN_KEEP) as usize
+        (failed as f64 * super::GROWN_KEEP) as usize
     });
     let exponent = growth_shown(&step, entry.failure_reached.as_slice());
     let size = grown_size(&step, &other, exponent)?
@@ -634,6 +647,17 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
 
     fn rationale(&self) -> Option<String> {
         self.rationale.clone().or_else(|| self.inner.rationale())
+    }
+
+    /// Served from the cache, the size is what the entry measured in this room (its failures
+    /// and growths included): a rerun does not grow again, and so never into a failure the
+    /// entry remembers. Without an entry, or with clearly more room, the inner policy's rule.
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        if self.from_cache {
+            None
+        } else {
+            self.inner.grow_after_a_step(history)
+        }
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {

@@ -3,9 +3,12 @@
 //! taking more than three attempts more than halving.
 
 use super::evidence::Evidence;
+use super::model::{
+    grown_size, measured_step, GROWN_KEEP, GROWTH_EXPONENT_BOUND, PROBE_GROWTH, PROOF_TOLERANCE,
+};
 use super::{Decision, GrowRule, SizePolicy, StepFigures};
 use crate::error::StopReason;
-use crate::memory::{Bytes, MemorySnapshot};
+use crate::memory::Bytes;
 use crate::record::{Attempt, Outcome, SearchReport};
 
 /// Chooses each next size from the evidence of the failures so far, never ending below the size
@@ -92,15 +95,6 @@ impl Default for Guided {
         Guided::new()
     }
 }
-
-/// The fastest growth with the batch size the proofs allow for: attention's `batch²` term.
-/// A step whose memory grows faster than this can make a rung look proved to fail when it fits.
-const GROWTH_EXPONENT_BOUND: f64 = 2.0;
-
-/// The share of the bytes a failure had reached that a proof counts on: allocator rounding and
-/// the variation between steps (noise, a neighbour on the device) must not turn a rung that fits
-/// into one "proved" to fail.
-const PROOF_TOLERANCE: f64 = 0.9;
 
 impl Guided {
     /// The default margin, 5 % of the device.
@@ -463,82 +457,6 @@ fn ladder(first: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(first), |&rung| Some(rung / 2)).take_while(|&rung| rung > 0)
 }
 
-/// What a step measured: the attempt's own peak (the pool's peak less what the pool held in use
-/// at the attempt's start, or the process where the backend counts no pool use) against its
-/// room (free at the start, plus what the pool held there unallocated, which it reuses). `None`
-/// without a peak, or where the device changed.
-pub(crate) fn measured_step(
-    batch_size: usize,
-    at_start: Option<&MemorySnapshot>,
-    at_end: Option<&MemorySnapshot>,
-) -> Option<StepFigures> {
-    let start = at_start?.devices.first()?;
-    let end = at_end?.devices.first()?;
-    if start.total != end.total || start.total == 0 || batch_size == 0 {
-        return None;
-    }
-    // The peak counts what its pool had in use at the start: CUDA's and the simulated device's
-    // pool count what is allocated, the host's counts what the process holds (no pool in use).
-    let used_in_pool = start
-        .pool_used
-        .or(start.pool_reserved)
-        .unwrap_or_else(|| start.total.saturating_sub(start.free));
-    let held_unallocated = start
-        .pool_reserved
-        .zip(start.pool_used)
-        .map_or(0, |(reserved, used)| reserved.saturating_sub(used));
-    let peak = end.peak?.saturating_sub(used_in_pool);
-    let room = start.free.saturating_add(held_unallocated).min(start.total);
-    (peak > 0 && room > 0).then_some(StepFigures::new(batch_size, peak, room))
-}
-
-/// The share of a size estimated from measured steps kept: a measured peak is the whole step,
-/// not a bound, so less is kept back than from a failure; what remains covers allocator
-/// rounding and steps that vary by a few percent.
-pub(crate) const GROWN_KEEP: f64 = 0.97;
-
-/// The size the measured steps point to: from one step, the size at which its peak would fill
-/// the room if it grew as the batch squared (the fastest growth the policy allows for; a linear
-/// step or a fixed part only fits more), so a grown size is never above the limit for such a
-/// step; from two steps at different sizes, the line through their peaks (`fixed + k × size`),
-/// or where the line bends up (a negative fixed part: a `batch²` term), the smaller of the
-/// line's size and a power law's through the two.
-pub(crate) fn grown_size(
-    step: &StepFigures,
-    earlier: &[StepFigures],
-    exponent: f64,
-) -> Option<usize> {
-    let (size, peak, room) = (step.batch_size as f64, step.peak as f64, step.room as f64);
-    let other = earlier
-        .iter()
-        .filter(|other| {
-            other.batch_size != step.batch_size && (other.room as f64 - room).abs() <= 0.02 * room
-        })
-        .max_by_key(|other| other.batch_size);
-    let fit = match other {
-        None => size * (room / peak).powf(1.0 / exponent),
-        Some(other) => {
-            let (x0, y0) = (other.batch_size as f64, other.peak as f64);
-            let slope = (peak - y0) / (size - x0);
-            if slope <= 0.0 {
-                // The peak did not grow with the size: the figures cannot say how it grows.
-                return None;
-            }
-            let fixed = peak - slope * size;
-            let line = (room - fixed) / slope;
-            if fixed >= 0.0 {
-                line
-            } else {
-                let exponent = (peak / y0).ln() / (size / x0).ln();
-                let power = size * (room / peak).powf(1.0 / exponent.max(1.0));
-                line.min(power)
-            }
-        }
-    };
-    let fit = (fit * GROWN_KEEP).floor();
-    (fit.is_finite() && fit > size).then(|| fit.min(usize::MAX as f64) as usize)
-}
-
 /// Each failure of `history` with a device total, and the bytes it had reached of its own.
 pub(crate) fn reached_by_failures(history: &SearchReport) -> Vec<(usize, u64)> {
     failures(history)
@@ -546,23 +464,6 @@ pub(crate) fn reached_by_failures(history: &SearchReport) -> Vec<(usize, u64)> {
         .filter(|failure| failure.total.is_some())
         .map(|failure| (failure.size, failure.reached()))
         .collect()
-}
-
-/// How fast a step measured at one size may grow (the exponent of the size): linear (1) unless
-/// a failure above it had reached more than a line through the measured peak with a fixed
-/// part of zero or more can reach there (`peak × failed / size`), which only a step that grows
-/// faster does; then the batch squared (2), the fastest growth the policy allows for.
-pub(crate) fn growth_shown(step: &StepFigures, failures: &[(usize, u64)]) -> f64 {
-    let faster = failures.iter().any(|&(failed, reached)| {
-        failed > step.batch_size
-            && reached as f64 * PROOF_TOLERANCE
-                > step.peak as f64 * failed as f64 / step.batch_size as f64
-    });
-    if faster {
-        GROWTH_EXPONENT_BOUND
-    } else {
-        1.0
-    }
 }
 
 /// The steps measured so far in this search: the attempts that grew.
@@ -586,26 +487,40 @@ impl SizePolicy for Guided {
         true
     }
 
-    /// After a step, the size its figures point to: from one step, its peak grown as the batch
-    /// squared; from two, their line (the policy's docs say more); not once a grown
-    /// size ran out of memory (the figures overshot once: the search returns to the size that
-    /// fit and stays).
+    /// After a step, the size the model of the step's memory gives from the steps measured
+    /// ([`grown_size`]), kept below every size that failed; where the first step measured
+    /// proves no gain and no failure bounds the size, a probe a quarter larger (its step is the second measured
+    /// size that separates a fixed part from growth). Not once a grown size ran out of memory
+    /// after its first step ran: later steps need more than the first, so no first step's
+    /// figures can be grown from. A grown size that failed within its first step is one more
+    /// bound: growth goes on below it.
     fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
         let mut grew = false;
         for attempt in history.attempts() {
             grew |= matches!(attempt.outcome, Outcome::Grew { .. });
-            if grew && attempt.outcome.is_out_of_memory() {
+            if grew && attempt.outcome.is_out_of_memory() && attempt.first_step_done {
                 return None;
             }
         }
         let earlier: Vec<StepFigures> = grown_steps(history).map(|(_, step)| step).collect();
+        let failed = history.smallest_out_of_memory();
         // No closer to a size that failed than the margin kept from the estimate: a failure
         // just above a curved step's estimate says the curve bends there.
-        let below_failures = history
-            .smallest_out_of_memory()
-            .map_or(usize::MAX, |failed| (failed as f64 * GROWN_KEEP) as usize);
+        let below_failures =
+            failed.map_or(usize::MAX, |failed| (failed as f64 * GROWN_KEEP) as usize);
         Some(Box::new(move |step| {
-            grown_size(step, &earlier, GROWTH_EXPONENT_BOUND).map(|size| size.min(below_failures))
+            let grown = grown_size(step, &earlier, GROWTH_EXPONENT_BOUND);
+            let least = step.batch_size + step.batch_size.div_ceil(33);
+            let probe = || (step.batch_size as f64 * PROBE_GROWTH).ceil() as usize;
+            match grown {
+                Some(size) if size >= least => Some(size),
+                // The first step measured in the search, with no size above it known to fail.
+                _ if earlier.is_empty() && failed.is_none() && step.peak <= step.room => {
+                    Some(probe())
+                }
+                _ => None,
+            }
+            .map(|size| size.min(below_failures))
         }))
     }
 
@@ -785,7 +700,7 @@ fn rungs_proved(first: usize, proved: f64) -> (usize, Option<usize>) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::memory::DeviceMemory;
+    use crate::memory::{DeviceMemory, MemorySnapshot};
 
     const GIB: u64 = 1 << 30;
 
@@ -823,25 +738,5 @@ mod tests {
         let no_peak = snapshot(66 * GIB, Some(GIB), None, None);
         assert!(measured_step(64, Some(&start), Some(&no_peak)).is_none());
         assert!(measured_step(64, None, Some(&end)).is_none());
-    }
-
-    #[test]
-    fn one_step_grows_as_the_batch_squared_and_two_give_the_line() {
-        // One step at 64 using a quarter of the room: twice the size at most (as size²), less
-        // the 3 % kept back.
-        let one = StepFigures::new(64, 4 * GIB, 16 * GIB);
-        assert_eq!(grown_size(&one, &[], GROWTH_EXPONENT_BOUND), Some(124));
-        // As a line with no fixed part: four times, less 3 %.
-        assert_eq!(grown_size(&one, &[], 1.0), Some(248));
-        // Two steps: 2 GiB fixed and 32 MiB a sample; the line meets 16 GiB at 448.
-        let earlier = StepFigures::new(32, 3 * GIB, 16 * GIB);
-        let step = StepFigures::new(64, 4 * GIB, 16 * GIB);
-        assert_eq!(
-            grown_size(&step, &[earlier], GROWTH_EXPONENT_BOUND),
-            Some(434)
-        );
-        // A peak that did not grow with the size says nothing.
-        let flat = StepFigures::new(64, 3 * GIB, 16 * GIB);
-        assert_eq!(grown_size(&flat, &[earlier], GROWTH_EXPONENT_BOUND), None);
     }
 }

@@ -8,7 +8,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{holds_inner, Decision, PolicyWrapper, SizePolicy};
+use super::{holds_inner, Decision, GrowRule, PolicyWrapper, SizePolicy};
 use crate::error::StopReason;
 use crate::record::{Attempt, SearchReport};
 
@@ -102,6 +102,16 @@ impl<P: SizePolicy> PolicyWrapper for Remediate<P> {
             self.inner.after(history)
         } else {
             self.inner.after(&history.since(self.since))
+        }
+    }
+
+    /// Grows from the steps measured and the failures met under the remedies in force: those
+    /// under the old settings say nothing of the step now.
+    fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
+        if self.since == 0 {
+            self.inner.grow_after_a_step(history)
+        } else {
+            self.inner.grow_after_a_step(&history.since(self.since))
         }
     }
 

@@ -520,7 +520,7 @@ impl Tuner {
                 cache: None,
             };
         };
-        let mut cached = Cached::new(sizes, cache, "tuner", min, min, &release, None);
+        let mut cached = Cached::new(sizes, cache, "tuner", min, (min, None), &release, None);
         search.settings.cache_offer = cached.offer();
         let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
         Trials {
