@@ -134,8 +134,10 @@ pub struct Tuned {
 
 impl Tuned {
     /// The size to train with: by default [`largest()`](Self::largest) (its trial ran too); with
-    /// [`Choice::Fastest`], [`fastest()`](Self::fastest). A rerun from the cache returns the
-    /// same size, in one trial.
+    /// [`Choice::Fastest`], [`fastest()`](Self::fastest), whatever the budget left for its
+    /// final trial. A rerun from the cache returns the same size, in one trial, where the run
+    /// that wrote the entry ended its search; where that run's budget ended it with a larger
+    /// size left, the rerun spends its trials growing from the cached size.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -356,7 +358,9 @@ impl Tuner {
         self
     }
 
-    /// At most this many trials (default 25, as Lightning). Every trial is spent: the last
+    /// At most this many trials (default 25, as Lightning), whatever the memory does: a retry
+    /// of the engine's (below a failure, after a pool's leftovers) counts as one, and none runs
+    /// past the budget. Every trial is spent: the last
     /// is kept back only to confirm the headroom's size below the largest that ran, where that
     /// size has not run; otherwise it searches too, aimed at a size kept with the headroom, so
     /// that its success is the answer (and its failure leaves the size that ran before it).
