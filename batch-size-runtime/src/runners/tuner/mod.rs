@@ -462,14 +462,8 @@ impl Tuner {
                 cut_by_budget: policy.cut_by_budget(),
             },
         };
-        let fallback = match trials.result {
-            Ok(_) => None,
-            Err(error) => match self.spent_after_memory_shrank(&trials.report) {
-                Some(size) => Some(size),
-                None => return Err(error),
-            },
-        };
-        let (tuned, found) = self.conclude(trials.report, cache.as_ref(), learned, fallback, min);
+        trials.result?;
+        let (tuned, found) = self.conclude(trials.report, cache.as_ref(), learned, min);
         if let Some(cache) = cache {
             cache.remember(&found, &release);
         }
@@ -494,29 +488,6 @@ impl Tuner {
             range,
             &self.settings.release,
         ))
-    }
-
-    /// Where the budget ended the search on a failure with nothing to keep since the memory
-    /// shrank (the search stopped rather than step below the failure trial after trial): the
-    /// largest size that ran below every failure, if one did. `None` for every other end: the
-    /// error stands.
-    fn spent_after_memory_shrank(&self, report: &SearchReport) -> Option<usize> {
-        let ended_on_a_failure = report
-            .last()
-            .is_some_and(|last| last.outcome.is_out_of_memory());
-        if !ended_on_a_failure || report.len() < self.max_trials {
-            return None;
-        }
-        let size = largest_below_failures(&without_leftover_failures(report))?;
-        tracing::warn!(
-            function = self.settings.label,
-            batch_size = size,
-            trials = report.len(),
-            "the tuner's trials ran out after the memory shrank: keeping {size}, the largest \
-             size that ran below every size that failed; tune again, or give it more trials \
-             (`with_max_trials`), to confirm it in the memory there is now"
-        );
-        Some(size)
     }
 
     /// Every setting checked before any of your code runs, the dry run's trials included.
@@ -598,15 +569,13 @@ impl Tuner {
         Trials { result, report }
     }
 
-    /// What the trials found: the largest (`kept`, the policy's headroom size, where it ran;
-    /// `fallback` where the budget ended on a failure after the memory shrank), the fastest,
-    /// and what the cache keeps for the next run.
+    /// What the trials found: the largest (`kept`, the policy's headroom size, where it ran),
+    /// the fastest, and what the cache keeps for the next run.
     fn conclude(
         &self,
         report: SearchReport,
         cache: Option<&TunerCache>,
         learned: Learned,
-        fallback: Option<usize>,
         min: usize,
     ) -> (Tuned, Found) {
         // A failure the engine ran again at once (a pool's leftovers) bounds nothing.
@@ -617,14 +586,14 @@ impl Tuner {
             .filter(|attempt| attempt.outcome.is_out_of_memory())
             .map(|attempt| attempt.batch_size)
             .min();
-        let last_ran = report.batch_size().filter(|_| fallback.is_none());
+        let last_ran = report.batch_size();
         // A rerun served from the cache ran one size: what was measured is in the entry, and
         // what the first run reported with it.
         let served = cache
             .filter(|_| report.from_cache())
             .and_then(TunerCache::served);
-        let (largest_fit, largest) = match (served, fallback) {
-            (Some(entry), _) => {
+        let (largest_fit, largest) = match served {
+            Some(entry) => {
                 let largest_fit = entry.largest_fit.unwrap_or(ran_largest).max(ran_largest);
                 // Never below the size cached: where nothing ran above it, it was kept with the
                 // headroom already.
@@ -633,8 +602,7 @@ impl Tuner {
                     .unwrap_or_else(|| kept_size(largest_fit, self.headroom, min));
                 (largest_fit, largest.max(last_ran.unwrap_or(0)))
             }
-            (None, Some(size)) => (ran_largest, size),
-            (None, None) => match learned.kept {
+            None => match learned.kept {
                 0 => (ran_largest, last_ran.unwrap_or(ran_largest)),
                 kept => (ran_largest, kept),
             },
@@ -669,7 +637,7 @@ impl Tuner {
             largest,
             largest_fit,
             failed_above: smallest_failure.filter(|&failed| failed > batch_size),
-            unfinished: learned.cut_by_budget || fallback.is_some(),
+            unfinished: learned.cut_by_budget,
         };
         let tuned = Tuned {
             batch_size,

@@ -341,8 +341,7 @@ impl TunerPolicy {
             Some(size) => self.kept(history, size),
             // Nothing ran since the memory shrank: accepting would keep a size above the
             // failure, and the engine would step below it trial after trial, past the budget.
-            // The search stops; the tuner answers the largest size that ran below every
-            // failure, if one did.
+            // No size has run in the memory there is now: the search stops, out of trials.
             None => {
                 self.bracket.kept = 0;
                 self.cut_by_budget = true;
