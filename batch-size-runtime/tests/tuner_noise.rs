@@ -70,13 +70,27 @@ fn failures(report: &SearchReport) -> Vec<usize> {
         .collect()
 }
 
-/// What a user relies on, whatever the noise: the size returned ran as the last trial, after
-/// every failure, and is below every size that failed.
+/// The tuner's default budget of trials.
+const DEFAULT_BUDGET: usize = 25;
+
+/// What a user relies on, whatever the noise: the size returned ran, and is below every size
+/// that failed; it ran as the last trial, after every failure, unless the budget's trials ran
+/// out (no trial runs past it, whatever the memory does).
 fn assert_never_above_a_failure(tuned: &Tuned) {
     let report = tuned.report();
+    assert!(report.len() <= DEFAULT_BUDGET, "{report:?}");
     let last = report.last().unwrap();
-    assert!(last.outcome.is_success(), "{report:?}");
-    assert_eq!(last.batch_size, tuned.batch_size(), "{report:?}");
+    if report.len() < DEFAULT_BUDGET {
+        assert!(last.outcome.is_success(), "{report:?}");
+        assert_eq!(last.batch_size, tuned.batch_size(), "{report:?}");
+    } else {
+        assert!(
+            report
+                .attempts()
+                .any(|trial| trial.batch_size == tuned.batch_size() && trial.outcome.is_success()),
+            "{report:?}"
+        );
+    }
     for failed in failures(report) {
         assert!(
             tuned.batch_size() < failed,

@@ -97,6 +97,10 @@ pub struct CacheEntry {
     /// that reached the most for its size. It tells a step that grows faster than a line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_reached: Option<(usize, u64)>,
+    /// A tuner's search that its budget ended while it had a larger size to try: a rerun grows
+    /// from `fits` with the trials it is given, rather than stopping there.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unfinished: bool,
 }
 
 static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
@@ -284,11 +288,6 @@ impl CacheSlot {
         self.entry.as_ref().and_then(|entry| entry.failed_at)
     }
 
-    /// The entry's [`largest`](CacheEntry::largest), where one was written.
-    pub(crate) fn largest(&self) -> Option<usize> {
-        self.entry.as_ref().and_then(|entry| entry.largest)
-    }
-
     /// Writes `entry` where it differs from what the slot holds.
     fn write(&mut self, entry: CacheEntry) {
         if self.entry.as_ref() == Some(&entry) {
@@ -313,17 +312,36 @@ impl CacheSlot {
             room: None,
             other_step: None,
             failure_reached: None,
+            unfinished: false,
         });
     }
 
-    /// Keeps a tuner's kept size with the entry its search wrote.
-    pub(crate) fn set_largest(&mut self, largest: usize) {
-        if let Some(entry) = self.entry.clone() {
-            self.write(CacheEntry {
-                largest: Some(largest),
-                ..entry
-            });
-        }
+    /// The entry read, for a runner that judges and writes its own (the tuner).
+    pub(crate) fn entry(&self) -> Option<&CacheEntry> {
+        self.entry.as_ref()
+    }
+
+    /// Writes a runner's own entry: `fill` completes one that holds the slot's key only.
+    pub(crate) fn write_own(&mut self, fill: impl FnOnce(CacheEntry) -> CacheEntry) {
+        let blank = CacheEntry {
+            key: self.key.clone(),
+            fits: 0,
+            largest_fit: None,
+            largest: None,
+            failed_at: None,
+            free_when_written: self.free_now,
+            remedies: None,
+            peak_at_fits: None,
+            room: None,
+            other_step: None,
+            failure_reached: None,
+            unfinished: false,
+        };
+        let entry = CacheEntry {
+            key: self.key.clone(),
+            ..fill(blank)
+        };
+        self.write(entry);
     }
 }
 
@@ -540,15 +558,10 @@ impl<P: SizePolicy> Cached<P> {
             room: steps.room,
             other_step: steps.other_step,
             failure_reached: steps.failure_reached,
+            unfinished: false,
         };
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
         self.slot.write(entry);
-    }
-
-    /// What the search made of the cache, for the runner that lent this wrapper: whether it
-    /// ran the cached size and returned it, and the slot, to add what only the runner knows.
-    pub(crate) fn into_slot(self) -> (CacheSlot, Option<CacheHit>) {
-        (self.slot, self.hit)
     }
 }
 

@@ -183,6 +183,13 @@ impl DryRunPolicy {
     pub(super) fn kept_size(&self) -> usize {
         self.fallback.as_ref().map_or(0, TunerPolicy::kept_size)
     }
+
+    /// Whether the budget ended the search below the dry runs' size with a larger size left.
+    pub(super) fn cut_by_budget(&self) -> bool {
+        self.fallback
+            .as_ref()
+            .is_some_and(TunerPolicy::cut_by_budget)
+    }
 }
 
 impl SizePolicy for DryRunPolicy {

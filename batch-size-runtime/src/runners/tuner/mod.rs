@@ -11,19 +11,22 @@ use crate::error::StopReason;
 #[allow(unused_imports)] // for the docs' links
 use crate::memory::Release;
 use crate::opaque::Opaque;
-use crate::policy::{CacheSlot, Cached, SizePolicy};
+use crate::policy::SizePolicy;
 use crate::record::{CacheHit, SearchReport};
 use crate::runners::search::BatchSizeSearch;
 
-// One concept a file: the search (a size policy) and what the trials measure of speed.
+// One concept a file: the search (a size policy), what the trials measure of speed, the cache
+// entry the tuner reads and writes.
+mod cache;
 mod dry_run;
 mod search;
 mod throughput;
 
 use crate::memory::{DryRun, DrySizing};
+use cache::{Found, Range, TunerCache};
 use dry_run::DryRunPolicy;
 
-use search::{kept_size, largest_below_failures, Goal, TunerPolicy};
+use search::{kept_size, largest_below_failures, without_leftover_failures, Goal, TunerPolicy};
 use throughput::{fastest, throughput};
 
 /// Finds the largest batch size whose trial runs, in few trials.
@@ -86,11 +89,17 @@ pub struct Tuner {
     dry_run: Option<Opaque<Box<dyn DryRun>>>,
 }
 
-/// How the trials ended: the search's result and report, and the cache slot with what it served.
+/// How the trials ended: the search's result and report.
 struct Trials<T, E> {
     result: Result<T, E>,
     report: SearchReport,
-    cache: Option<(CacheSlot, Option<CacheHit>)>,
+}
+
+/// What the search's policy learned, for the tuner's answer: the headroom's size where it ran
+/// (0 where none did), and whether the budget ended the search with a larger size left.
+struct Learned {
+    kept: usize,
+    cut_by_budget: bool,
 }
 
 /// Which size a [`Tuner`] returns as [`Tuned::batch_size`].
@@ -125,8 +134,10 @@ pub struct Tuned {
 
 impl Tuned {
     /// The size to train with: by default [`largest()`](Self::largest) (its trial ran too); with
-    /// [`Choice::Fastest`], [`fastest()`](Self::fastest). A rerun from the cache returns the
-    /// same size, in one trial.
+    /// [`Choice::Fastest`], [`fastest()`](Self::fastest), whatever the budget left for its
+    /// final trial. A rerun from the cache returns the same size, in one trial, where the run
+    /// that wrote the entry ended its search; where that run's budget ended it with a larger
+    /// size left, the rerun spends its trials growing from the cached size.
     ///
     /// ```
     /// # use batch_size_runtime::Tuner;
@@ -347,7 +358,9 @@ impl Tuner {
         self
     }
 
-    /// At most this many trials (default 25, as Lightning). Every trial is spent: the last
+    /// At most this many trials (default 25, as Lightning), whatever the memory does: a retry
+    /// of the engine's (below a failure, after a pool's leftovers) counts as one, and none runs
+    /// past the budget. Every trial is spent: the last
     /// is kept back only to confirm the headroom's size below the largest that ran, where that
     /// size has not run; otherwise it searches too, aimed at a size kept with the headroom, so
     /// that its success is the answer (and its failure leaves the size that ran before it).
@@ -418,24 +431,63 @@ impl Tuner {
     {
         self.settings.name_the_work(&trial);
         self.check();
-        let mut policy = self.policy(self.settings.max);
-        let mut dry_policy = self.dry_sizing(&mut trial).map(|sizing| {
-            let below = self.policy(Some(
-                sizing.batch_size.saturating_sub(1).max(self.settings.min),
-            ));
-            DryRunPolicy::new(sizing, below, self.settings.min)
-        });
+        // The cache first: a usable entry makes the dry runs unnecessary.
+        let cache = self.open_cache();
+        let start = cache.as_ref().and_then(TunerCache::start);
+        let mut policy = self.policy(self.settings.max).with_cached_start(start);
+        let mut dry_policy = match start {
+            Some(_) => None,
+            None => self.dry_sizing(&mut trial).map(|sizing| {
+                let below = self.policy(Some(
+                    sizing.batch_size.saturating_sub(1).max(self.settings.min),
+                ));
+                DryRunPolicy::new(sizing, below, self.settings.min)
+            }),
+        };
         let sizes: &mut dyn SizePolicy = match &mut dry_policy {
             Some(dry_policy) => dry_policy,
             None => &mut policy,
         };
         let min = self.settings.min;
-        let trials = self.trials(sizes, trial);
+        let release = self.settings.release.clone();
+        let offer = cache.as_ref().and_then(TunerCache::offer);
+        let trials = self.trials(sizes, trial, offer);
+        let learned = match &dry_policy {
+            Some(dry_policy) => Learned {
+                kept: dry_policy.kept_size(),
+                cut_by_budget: dry_policy.cut_by_budget(),
+            },
+            None => Learned {
+                kept: policy.kept_size(),
+                cut_by_budget: policy.cut_by_budget(),
+            },
+        };
         trials.result?;
-        let kept = dry_policy
-            .as_ref()
-            .map_or(policy.kept_size(), DryRunPolicy::kept_size);
-        Ok(self.conclude(trials.report, trials.cache, kept, min))
+        let (tuned, found) = self.conclude(trials.report, cache.as_ref(), learned, min);
+        if let Some(cache) = cache {
+            cache.remember(&found, &release);
+        }
+        Ok(tuned)
+    }
+
+    /// The entry of this tuning, where a key was given and the settings hold: judged by the
+    /// tuner's range, so that a size outside it (a forged `u64::MAX`, a size above `with_max`)
+    /// never steers it.
+    fn open_cache(&self) -> Option<TunerCache> {
+        if self.settings.invalid.is_some() {
+            return None;
+        }
+        let range = Range {
+            min: self.settings.min,
+            max: self.settings.max,
+        };
+        let settings = self.settings.cache()?;
+        Some(TunerCache::open(
+            settings,
+            self.choice,
+            range,
+            &self.settings.release,
+        ))
     }
 
     /// Every setting checked before any of your code runs, the dry run's trials included.
@@ -492,95 +544,109 @@ impl Tuner {
         &mut self,
         sizes: &mut dyn SizePolicy,
         trial: impl FnMut(usize) -> Result<T, E>,
+        offer: Option<(usize, CacheHit)>,
     ) -> Trials<T, E>
     where
         E: AttemptError<M>,
     {
         let mut settings = std::mem::take(&mut self.settings);
-        let cache = settings.cache().cloned().map(|mut cache| {
-            if self.choice == Choice::Fastest {
-                cache.key = format!("{} | fastest", cache.key);
-            }
-            cache
-        });
+        // The tuner reads and writes its entry itself (`TunerCache`): the search only says
+        // whether the cached size was served.
         settings.cache = None;
-        let (min, release) = (settings.min, settings.release.clone());
-        let mut search = BatchSizeSearch {
+        settings.cache_offer = offer;
+        // The budget binds the engine too: none of its own rules (a retry below a failure, a
+        // size run again after a pool's leftovers) runs a trial past it.
+        settings.max_attempts = Some(self.max_trials.max(1));
+        let min = settings.min;
+        let search = BatchSizeSearch {
             starting: min,
             settings,
         };
         // Each trial is timed by the search, with the tuner's clock where one was given (it
         // travels in the settings): the durations are in the report, for the policy and for
         // the throughput.
-        let Some(cache) = cache else {
-            let (result, report) = search.with_policy(sizes).run_with_report(trial);
-            return Trials {
-                result,
-                report,
-                cache: None,
-            };
-        };
-        let mut cached = Cached::new(sizes, cache, "tuner", min, (min, None), &release, None);
-        search.settings.cache_offer = cached.offer();
-        let (result, report) = search.with_policy(&mut cached).run_with_report(trial);
-        Trials {
-            result,
-            report,
-            cache: Some(cached.into_slot()),
-        }
+        let (result, report) = search.with_policy(sizes).run_with_report(trial);
+        Trials { result, report }
     }
 
     /// What the trials found: the largest (`kept`, the policy's headroom size, where it ran),
-    /// the fastest, and the entry kept for the next run.
+    /// the fastest, and what the cache keeps for the next run.
     fn conclude(
         &self,
         report: SearchReport,
-        cache: Option<(CacheSlot, Option<CacheHit>)>,
-        kept: usize,
+        cache: Option<&TunerCache>,
+        learned: Learned,
         min: usize,
-    ) -> Tuned {
-        let (mut slot, hit) = match cache {
-            Some((slot, hit)) => (Some(slot), hit),
-            None => (None, None),
-        };
-        let ran_largest = largest_below_failures(&report).unwrap_or(0);
-        let batch_size = report.batch_size().unwrap_or(ran_largest);
-        // A rerun from the cache ran one size: what was measured is in the entry, and what the
-        // first run reported with it.
-        let (largest_fit, largest) = match hit {
-            Some(hit) => {
-                let largest_fit = hit.largest_fit.unwrap_or(ran_largest).max(ran_largest);
+    ) -> (Tuned, Found) {
+        // A failure the engine ran again at once (a pool's leftovers) bounds nothing.
+        let measured = without_leftover_failures(&report);
+        let ran_largest = largest_below_failures(&measured).unwrap_or(0);
+        let smallest_failure = measured
+            .attempts()
+            .filter(|attempt| attempt.outcome.is_out_of_memory())
+            .map(|attempt| attempt.batch_size)
+            .min();
+        let last_ran = report.batch_size();
+        // A rerun served from the cache ran one size: what was measured is in the entry, and
+        // what the first run reported with it.
+        let served = cache
+            .filter(|_| report.from_cache())
+            .and_then(TunerCache::served);
+        let (largest_fit, largest) = match served {
+            Some(entry) => {
+                let largest_fit = entry.largest_fit.unwrap_or(ran_largest).max(ran_largest);
                 // Never below the size cached: where nothing ran above it, it was kept with the
                 // headroom already.
-                let largest = slot
-                    .as_ref()
-                    .and_then(CacheSlot::largest)
+                let largest = entry
+                    .largest
                     .unwrap_or_else(|| kept_size(largest_fit, self.headroom, min));
-                (largest_fit, largest.max(batch_size))
+                (largest_fit, largest.max(last_ran.unwrap_or(0)))
             }
-            None => match kept {
-                0 => (ran_largest, batch_size),
+            None => match learned.kept {
+                0 => (ran_largest, last_ran.unwrap_or(ran_largest)),
                 kept => (ran_largest, kept),
             },
         };
-        // Where the budget's last trial failed above the largest kept (the search then ended
-        // on a failure), the largest is the answer: it ran, below that failure.
-        let batch_size = match (report.batch_size(), self.choice) {
-            (None, Choice::Largest) if hit.is_none() && largest > 0 => largest,
-            _ => batch_size,
-        };
-        if let Some(slot) = slot.as_mut().filter(|_| hit.is_none()) {
-            slot.set_largest(largest);
-        }
         let throughput = throughput(&report);
-        let fastest = fastest(&throughput, largest, self.tolerance).unwrap_or(largest);
-        Tuned {
+        // Only sizes below every failure are candidates (a size that ran before the memory
+        // shrank and failed since is not).
+        let below_failures: Vec<(usize, f64)> = throughput
+            .iter()
+            .copied()
+            .filter(|&(size, _)| smallest_failure.is_none_or(|failed| size < failed))
+            .collect();
+        let fastest = match (served, last_ran) {
+            // The cached size is the fastest the first run found.
+            (Some(_), Some(size)) if self.choice == Choice::Fastest => size,
+            _ => fastest(&below_failures, largest, self.tolerance).unwrap_or(largest),
+        };
+        let batch_size = match self.choice {
+            // The fastest measured, whatever the budget left for its final trial.
+            Choice::Fastest => fastest,
+            // The size that ran last; where the budget's last trial failed above the largest
+            // kept (the search then ended on a failure), the largest: it ran, below that
+            // failure.
+            Choice::Largest => match last_ran {
+                Some(size) => size,
+                None if largest > 0 => largest,
+                None => ran_largest,
+            },
+        };
+        let found = Found {
+            batch_size,
+            largest,
+            largest_fit,
+            failed_above: smallest_failure.filter(|&failed| failed > batch_size),
+            unfinished: learned.cut_by_budget,
+        };
+        let tuned = Tuned {
             batch_size,
             largest,
             largest_fit,
             fastest,
             throughput,
             report,
-        }
+        };
+        (tuned, found)
     }
 }

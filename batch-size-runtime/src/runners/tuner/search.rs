@@ -2,6 +2,8 @@
 //! the fitted limit, bisect), confirm the headroom's size, and for the fastest size descend by
 //! powers of two; never keep a size above one that failed.
 
+use std::borrow::Cow;
+
 use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
@@ -35,7 +37,7 @@ enum Phase {
 
 /// What the search knows of the bracket it is in: started afresh (its default) where a trial
 /// failed below a size that ran, since what ran before had other memory free.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Bracket {
     phase: Phase,
     /// The headroom's size, once it ran.
@@ -83,9 +85,28 @@ pub(super) struct Goal {
     pub(super) tolerance: f64,
 }
 
-#[derive(Debug)]
+/// Where a rerun starts from the cache: the size the entry kept, whether the search grows from
+/// it (the run that wrote it ran out of trials before its search ended, or the device has more
+/// room now) or accepts it in one trial, and the smallest size the entry saw fail above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CachedStart {
+    pub(super) size: usize,
+    pub(super) grow: bool,
+    pub(super) failed_at: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
 pub(super) struct TunerPolicy {
     goal: Goal,
+    /// The cache's size, where a rerun starts from it; gone once it failed (then the search
+    /// starts at `min`, as a first run does).
+    cached: Option<CachedStart>,
+    /// Trials run so far, every one counted (a retry after a pool's leftovers included): what
+    /// the budget is held to, whatever the history the search reads leaves out.
+    spent: usize,
+    /// The budget ended the search while it still had a larger size to try: a rerun from the
+    /// cache grows from the size found.
+    cut_by_budget: bool,
     /// The bracket's state: the phase, the size kept, the fit's last guess and aim.
     bracket: Bracket,
     /// While descending: the last size measured.
@@ -205,6 +226,9 @@ impl TunerPolicy {
     pub(super) fn new(goal: Goal) -> Self {
         TunerPolicy {
             goal,
+            cached: None,
+            spent: 0,
+            cut_by_budget: false,
             bracket: Bracket::default(),
             below: 0,
             misses: 0,
@@ -222,6 +246,17 @@ impl TunerPolicy {
     /// the tuner when the search, to which it lent this policy, has returned.
     pub(super) fn kept_size(&self) -> usize {
         self.bracket.kept
+    }
+
+    /// A rerun that starts from the cache's size (validated by the tuner: in its range).
+    pub(super) fn with_cached_start(mut self, cached: Option<CachedStart>) -> Self {
+        self.cached = cached;
+        self
+    }
+
+    /// Whether the budget ended the search while it had a larger size to try.
+    pub(super) fn cut_by_budget(&self) -> bool {
+        self.cut_by_budget
     }
 
     /// Bytes the trial allocates whatever its size, as the user declared them.
@@ -276,7 +311,7 @@ impl TunerPolicy {
         if ran_last(history, target) {
             return self.kept(history, target);
         }
-        if history.len() >= self.goal.max_trials {
+        if self.spent >= self.goal.max_trials {
             return self.out_of_trials(history, largest, target);
         }
         self.bracket.phase = Phase::Confirming;
@@ -304,9 +339,13 @@ impl TunerPolicy {
         let below_target = ran.iter().copied().filter(|&size| size <= target).max();
         match below_target.or_else(|| ran.iter().copied().max()) {
             Some(size) => self.kept(history, size),
+            // Nothing ran since the memory shrank: accepting would keep a size above the
+            // failure, and the engine would step below it trial after trial, past the budget.
+            // No size has run in the memory there is now: the search stops, out of trials.
             None => {
                 self.bracket.kept = 0;
-                Decision::Accept
+                self.cut_by_budget = true;
+                Decision::Stop(StopReason::MaxAttempts(self.spent))
             }
         }
     }
@@ -334,6 +373,9 @@ impl TunerPolicy {
         if answer <= kept_size(low, self.goal.headroom, self.goal.min) {
             return self.finish(history);
         }
+        // A step of the search the budget made its last (unless the fit aimed it with the
+        // headroom taken, where its success ends the search anyway).
+        self.cut_by_budget = !aimed_with_headroom;
         self.bracket.aimed = None;
         self.bracket.guess = None;
         self.bracket.phase = Phase::Confirming;
@@ -385,7 +427,7 @@ impl TunerPolicy {
             self.below = next;
             if rate(next).is_none() {
                 // One trial is kept for the fastest size.
-                if history.len() + 2 > self.goal.max_trials {
+                if self.spent + 2 > self.goal.max_trials {
                     return self.conclude(history);
                 }
                 return Decision::Try(next);
@@ -397,7 +439,7 @@ impl TunerPolicy {
     fn conclude(&mut self, history: &SearchReport) -> Decision {
         let chosen = fastest(&throughput(history), self.bracket.kept, self.goal.tolerance)
             .unwrap_or(self.bracket.kept);
-        if ran_last(history, chosen) || history.len() >= self.goal.max_trials {
+        if ran_last(history, chosen) || self.spent >= self.goal.max_trials {
             return Decision::Accept;
         }
         self.bracket.phase = Phase::Final;
@@ -407,7 +449,10 @@ impl TunerPolicy {
 
 impl SizePolicy for TunerPolicy {
     fn first(&mut self, starting: usize) -> Decision {
-        Decision::Try(self.cap(starting.max(self.goal.min)))
+        match self.cached {
+            Some(cached) => Decision::Try(self.cap(cached.size.max(self.goal.min))),
+            None => Decision::Try(self.cap(starting.max(self.goal.min))),
+        }
     }
 
     fn reads_memory_after_success(&self) -> bool {
@@ -419,10 +464,16 @@ impl SizePolicy for TunerPolicy {
     }
 
     fn after(&mut self, history: &SearchReport) -> Decision {
+        self.spent = history.len();
+        let history = without_leftover_failures(history);
+        let history = history.as_ref();
         let Some(last) = history.last() else {
             return Decision::Accept;
         };
         self.rationale = None;
+        if let Some(decision) = self.after_the_cached_size(history, last) {
+            return decision;
+        }
         if let Some(reason) = memory_does_not_grow(history) {
             return Decision::Stop(reason);
         }
@@ -447,19 +498,21 @@ impl SizePolicy for TunerPolicy {
             // A failure after the search is below a size that ran: searched again above.
             _ => self.bracket.phase = Phase::Searching,
         }
-        // The smallest failure: the largest success is taken below it.
+        // The smallest failure: the largest success is taken below it. A cached entry's failure
+        // bounds the growth from its size as this search's own would.
         let high = history
             .attempts()
             .filter(|attempt| attempt.outcome.is_out_of_memory())
             .map(|attempt| attempt.batch_size)
+            .chain(self.cached.and_then(|cached| cached.failed_at))
             .min();
         let Some(low) = largest_below_failures(history) else {
             // Nothing ran below the smallest failure (even the first probe failed): smaller,
             // as a shrinking search would.
             let failed = high.unwrap_or(last.batch_size);
             return match last.outcome {
-                _ if history.len() >= self.goal.max_trials => {
-                    Decision::Stop(StopReason::MaxAttempts(history.len()))
+                _ if self.spent >= self.goal.max_trials => {
+                    Decision::Stop(StopReason::MaxAttempts(self.spent))
                 }
                 Outcome::OutOfMemory { .. } if failed / 2 >= self.goal.min => {
                     Decision::Try(failed / 2)
@@ -472,10 +525,16 @@ impl SizePolicy for TunerPolicy {
         };
         // One trial is kept back for the headroom's size, unless that size has run already:
         // then the last trial is the search's too, aimed where its success is the answer.
-        let left = self.goal.max_trials.saturating_sub(history.len());
-        let headroom_ran =
-            ran_below_failures(history, kept_size(low, self.goal.headroom, self.goal.min));
+        let left = self.goal.max_trials.saturating_sub(self.spent);
+        // A rerun growing from the cache's size: that size was kept with the headroom already.
+        let growing_from_cache = self.cached.is_some_and(|cached| cached.size == low);
+        let headroom_ran = growing_from_cache
+            || ran_below_failures(history, kept_size(low, self.goal.headroom, self.goal.min));
         if left == 0 || (left == 1 && !headroom_ran) {
+            // Whether the search had a larger size to try (asked of a copy: nothing it
+            // decides now runs).
+            let next = self.clone().search(history, last, low, high);
+            self.cut_by_budget = matches!(next, Decision::Try(next) if next > low);
             return self.finish(history);
         }
         let decision = self.search(history, last, low, high);
@@ -487,6 +546,79 @@ impl SizePolicy for TunerPolicy {
 }
 
 impl TunerPolicy {
+    /// A rerun's first trial ran the cache's size: where its entry's search had ended, that
+    /// size is the answer, in one trial; where it failed, the cache is not trusted and the
+    /// search starts at `min`, as a first run does (that failure bounds it). `None` otherwise:
+    /// the search goes on, growing from the cached size.
+    fn after_the_cached_size(
+        &mut self,
+        history: &SearchReport,
+        last: &Attempt,
+    ) -> Option<Decision> {
+        let cached = self.cached?;
+        if history.len() != 1 || last.batch_size != self.cap(cached.size.max(self.goal.min)) {
+            return None;
+        }
+        if last.outcome.is_success() {
+            if cached.grow {
+                return None;
+            }
+            self.bracket.kept = last.batch_size;
+            return Some(Decision::Accept);
+        }
+        self.cached = None;
+        if !last.outcome.is_out_of_memory() || last.batch_size <= self.goal.min {
+            return None;
+        }
+        if self.spent >= self.goal.max_trials {
+            return Some(Decision::Stop(StopReason::MaxAttempts(self.spent)));
+        }
+        self.rationale = Some(format!(
+            "batch size {}, from the cache, ran out of memory: tuning from {}, as a first run does",
+            last.batch_size, self.goal.min
+        ));
+        Some(Decision::Try(self.goal.min))
+    }
+
+    /// A rerun growing from the cache's size, whose trial is the only one measured: the size
+    /// that fills the device on the line through zero and that trial's own bytes (its fixed
+    /// part counted as growing with the size, so the line never promises more room than there
+    /// is), below any failure the entry kept. Each rerun lands nearer the limit. `None` without
+    /// figures, or once the search has more to go on: its own rules follow.
+    fn grown_from_the_cached_size(
+        &self,
+        history: &SearchReport,
+        low: usize,
+        high: Option<usize>,
+    ) -> Option<usize> {
+        self.cached
+            .filter(|cached| cached.grow && cached.size == low)?;
+        let [only] = history.attempts().collect::<Vec<_>>()[..] else {
+            return None;
+        };
+        // A child trial's figures come with it: no reading from before the first trial, and
+        // its peak is the step's own.
+        let (peak, total) = peak_bytes(only).or_else(|| {
+            let [device] = only.memory_at_end.as_ref()?.devices.as_slice() else {
+                return None;
+            };
+            Some((device.peak?, device.total))
+        })?;
+        let before = used_at_start(only).unwrap_or(0);
+        let own = peak.checked_sub(before).filter(|&own| own > 0)?;
+        let room = total.saturating_sub(before);
+        let filling = (low as f64 * room as f64 / own as f64).floor();
+        let next = if filling >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            filling as usize
+        };
+        let next = self
+            .cap(next.min(low.saturating_mul(FARTHEST_JUMP)))
+            .min(high.map_or(usize::MAX, |high| high - 1));
+        (next > low).then_some(next)
+    }
+
     /// The next trial while bracketing the largest size that fits, between `low` (the largest
     /// that ran below every failure) and `high` (the smallest failure).
     fn search(
@@ -496,6 +628,9 @@ impl TunerPolicy {
         low: usize,
         high: Option<usize>,
     ) -> Decision {
+        if let Some(next) = self.grown_from_the_cached_size(history, low, high) {
+            return Decision::Try(next);
+        }
         if high.is_none() && growth_unresolved(history) {
             // A small step in a large process: grown until its growth shows, never fitted
             // from the noise (a line through it would jump by its whims, or not at all).
@@ -584,6 +719,31 @@ fn geometric_middle(low: usize, high: usize) -> usize {
         low.saturating_add(1),
         high.saturating_sub(1).max(low.saturating_add(1)),
     )
+}
+
+/// The history without the failures the engine ran again at once at the same size (a pool held
+/// memory from earlier work when they started; the engine gave it back and retried): such a
+/// failure proves nothing about its size and bounds nothing. The tuner itself never proposes a
+/// size at or above one that failed, so a failure followed by the same size is the engine's
+/// retry.
+pub(super) fn without_leftover_failures(history: &SearchReport) -> Cow<'_, SearchReport> {
+    let attempts: Vec<&Attempt> = history.attempts().collect();
+    let retried = |index: usize| {
+        attempts[index].outcome.is_out_of_memory()
+            && attempts
+                .get(index + 1)
+                .is_some_and(|next| next.batch_size == attempts[index].batch_size)
+    };
+    if !(0..attempts.len()).any(retried) {
+        return Cow::Borrowed(history);
+    }
+    let mut kept = SearchReport::default();
+    for (index, attempt) in attempts.iter().enumerate() {
+        if !retried(index) {
+            kept.push((*attempt).clone());
+        }
+    }
+    Cow::Owned(kept)
 }
 
 /// Whether the last trial ran `size` and succeeded.
