@@ -103,16 +103,23 @@ pub struct CacheEntry {
     pub unfinished: bool,
 }
 
-static IN_PROCESS: Mutex<Option<HashMap<String, CacheEntry>>> = Mutex::new(None);
+/// The entries kept in this process, each with the thread whose search wrote it.
+static IN_PROCESS: Mutex<Option<HashMap<String, (std::thread::ThreadId, CacheEntry)>>> =
+    Mutex::new(None);
 
-/// Forgets the entries kept in this process (the files on disk stay).
+/// Forgets the entries this thread's searches kept in the process (the files on disk stay), as
+/// a new process would find them; other threads' entries stay, so that searches running beside
+/// it (tests in one binary) keep theirs.
 ///
 /// ```
 /// batch_size_runtime::policy::clear_process_cache();
 /// ```
 pub fn clear_process_cache() {
+    let this_thread = std::thread::current().id();
     let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
-    *entries = None;
+    if let Some(entries) = entries.as_mut() {
+        entries.retain(|_, (writer, _)| *writer != this_thread);
+    }
 }
 
 /// Where a search's entry lives.
@@ -173,7 +180,7 @@ fn load(key: &str, file: Option<&Path>, warn: &mut impl FnMut(&Path, &str)) -> O
         let entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
         entries
             .as_ref()
-            .and_then(|entries| entries.get(key).cloned())
+            .and_then(|entries| entries.get(key).map(|(_, entry)| entry.clone()))
     };
     match (in_process, file) {
         (Some(entry), _) => Some(entry),
@@ -190,9 +197,10 @@ fn load(key: &str, file: Option<&Path>, warn: &mut impl FnMut(&Path, &str)) -> O
 fn store(file: Option<&Path>, entry: &CacheEntry, warned: &mut bool) {
     {
         let mut entries = IN_PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
-        entries
-            .get_or_insert_with(HashMap::new)
-            .insert(entry.key.clone(), entry.clone());
+        entries.get_or_insert_with(HashMap::new).insert(
+            entry.key.clone(),
+            (std::thread::current().id(), entry.clone()),
+        );
     }
     if let Some(file) = file {
         if let Err(error) = write_entry(file, entry) {
