@@ -98,7 +98,8 @@ fn with_count<'r, M: BatchSizeInt>(
     }
 }
 
-/// `effective = EXPR`: the search's sizes are micro sizes, at most `effective`; an `effective`
+/// `effective = EXPR`: the search's sizes are micro sizes, at most `effective` (its `max`, which
+/// growth after a step keeps to as well); an `effective`
 /// of 0 or below stops it before its first attempt.
 pub fn with_effective<'r>(
     search: BatchSizeSearch<'r>,
@@ -107,7 +108,15 @@ pub fn with_effective<'r>(
     let mut search = search;
     match effective {
         Ok(0) => search.invalidate(Invalid::EffectiveIsZero),
-        Ok(effective) => search.starting = search.starting.min(*effective),
+        Ok(effective) => {
+            search.starting = search.starting.min(*effective);
+            // A micro size never passes the effective batch: growth after a step stops there.
+            let max = search
+                .settings
+                .max
+                .map_or(*effective, |max| max.min(*effective));
+            search.settings.set_max(max);
+        }
         Err(why) => search.invalidate(
             NotABatchSize {
                 setting: "effective",

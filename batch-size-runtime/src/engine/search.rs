@@ -359,10 +359,7 @@ impl Search<'_> {
             Next::Size(batch_size) => {
                 step::keep_the_outer_peak();
                 let memory_at_start = non_empty(self.release.start_attempt());
-                self.watch = Some(match &memory_at_start {
-                    Some(at_start) => self.watch_for(batch_size, at_start),
-                    None => StepWatch::idle(batch_size, "the release reads no memory figures"),
-                });
+                self.watch = Some(self.watch_for(batch_size, memory_at_start.as_ref()));
                 self.running = Some(Running {
                     batch_size,
                     started: Instant::now(),
@@ -390,7 +387,7 @@ impl Search<'_> {
     /// one that may grow where the policy grows after a step and a larger size is allowed
     /// (below every failure, within `max`, with attempts left for the grown size and a return to
     /// this one, and a growth left); else one that says why not to a call that asks.
-    fn watch_for(&self, batch_size: usize, at_start: &MemorySnapshot) -> Arc<StepWatch> {
+    fn watch_for(&self, batch_size: usize, at_start: Option<&MemorySnapshot>) -> Arc<StepWatch> {
         let ceiling = self
             .smallest_failed
             .map_or(self.max_size, |failed| failed.saturating_sub(1))
@@ -409,7 +406,7 @@ impl Search<'_> {
                 Some(rule) => {
                     return StepWatch::new(
                         batch_size,
-                        at_start.clone(),
+                        at_start.cloned(),
                         self.release.clone(),
                         ceiling,
                         rule,
@@ -442,6 +439,10 @@ impl Search<'_> {
     pub(crate) fn record_growth(&mut self, grown: Grown) {
         let mut attempt = self.finish_attempt(Outcome::Grew { to: grown.to });
         attempt.memory_at_end = non_empty(grown.memory);
+        // Figures that came with the attempt (a child's): the start they were measured from.
+        if attempt.memory_at_start.is_none() {
+            attempt.memory_at_start = non_empty(grown.at_start);
+        }
         let number = attempt.number;
         self.report.push(attempt);
         self.growths += 1;

@@ -206,7 +206,9 @@ pub(crate) struct StepWatch {
 }
 
 struct Growth {
-    at_start: MemorySnapshot,
+    /// The figures at the attempt's start; none where they come with the attempt (a child
+    /// trial's: the first child brings the first figures).
+    at_start: Option<MemorySnapshot>,
     release: Release,
     /// The largest size it may grow to: below every size that failed, within `max`.
     ceiling: usize,
@@ -233,6 +235,8 @@ pub(crate) struct Grown {
     pub(crate) from: usize,
     pub(crate) to: usize,
     pub(crate) step: StepFigures,
+    /// The figures the step was measured against: at the attempt's start, and after its step.
+    pub(crate) at_start: MemorySnapshot,
     pub(crate) memory: MemorySnapshot,
 }
 
@@ -249,7 +253,7 @@ impl StepWatch {
     /// A watch over the attempt at `batch_size` that may grow to `ceiling` by `rule`.
     pub(crate) fn new(
         batch_size: usize,
-        at_start: MemorySnapshot,
+        at_start: Option<MemorySnapshot>,
         release: Release,
         ceiling: usize,
         rule: GrowRule,
@@ -322,10 +326,15 @@ impl StepWatch {
         if let Some(device) = memory.devices.first_mut().filter(|_| nested > 0) {
             device.peak = device.peak.map(|peak| peak.max(nested));
         }
-        let Some(step) = measured_step(batch_size, Some(&growth.at_start), Some(&memory)) else {
+        let at_start = growth
+            .at_start
+            .clone()
+            .unwrap_or_else(|| empty_start(&memory));
+        let Some(step) = measured_step(batch_size, Some(&at_start), Some(&memory)) else {
             tracing::debug!(
                 batch_size,
-                "step_done(): the release read no peak for the step; the attempt does not grow"
+                "step_done(): the release read no figures for the step (no peak, or none at \
+                 all); the attempt does not grow"
             );
             return Ok(());
         };
@@ -339,6 +348,7 @@ impl StepWatch {
             from: batch_size,
             to,
             step,
+            at_start,
             memory,
         });
         Err(grown.signal())
@@ -353,6 +363,25 @@ impl StepWatch {
                 self.peak_before_nested.fetch_max(peak, Ordering::Relaxed);
             }
         }
+    }
+}
+
+/// The start of an attempt whose figures came with it (a child trial's, read from the child
+/// that ran its step): all the room, nothing held, as a fresh process starts.
+fn empty_start(end: &MemorySnapshot) -> MemorySnapshot {
+    MemorySnapshot {
+        devices: end
+            .devices
+            .iter()
+            .map(|device| crate::memory::DeviceMemory {
+                device: device.device.clone(),
+                total: device.total,
+                free: device.total,
+                pool_reserved: Some(0),
+                pool_used: None,
+                peak: None,
+            })
+            .collect(),
     }
 }
 
