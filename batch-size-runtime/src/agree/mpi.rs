@@ -6,7 +6,7 @@
 use std::fmt;
 use std::io::Write;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::mpi::collective::SystemOperation;
@@ -29,6 +29,14 @@ pub enum MpiError {
          your code): create one MpiJob, at the start of `main`, and let it initialize MPI"
     )]
     AlreadyInitialized,
+    /// [`MpiJob::init_with_timeout`] was given no time: every collective would give up at
+    /// once and end the job.
+    #[error(
+        "the agreement's timeout is zero: every rank would give up on the others at once and \
+         abort the job; give the longest a rank may wait for the others (MpiJob::init uses \
+         MpiJob::DEFAULT_TIMEOUT, 120 s)"
+    )]
+    ZeroTimeout,
     /// The MPI library cannot serve calls from several threads.
     #[error(
         "the MPI library provides thread level {provided}; the agreement needs \
@@ -172,10 +180,24 @@ impl MpiJob {
     }
 
     /// [`init`](Self::init) with every collective waiting at most `timeout` for the other
-    /// ranks, before this rank aborts the job.
+    /// ranks, before this rank aborts the job. A zero `timeout` is refused
+    /// ([`MpiError::ZeroTimeout`]) before MPI is touched.
+    ///
+    /// `MPI_Init_thread` itself waits for every rank of the job, and for ever for one that
+    /// never comes: a watchdog thread started before it ends this process (exit code
+    /// [`ABORT_CODE`](Self::ABORT_CODE), saying why on stderr) if MPI is not initialized within
+    /// `timeout`, and the launcher then ends the job. MPI cannot be aborted before it is
+    /// initialized, so this is the one way not to wait for ever there. The same `timeout`
+    /// bounds the whole of `init`, the agreement's communicator included.
     pub fn init_with_timeout(timeout: Duration) -> Result<MpiJob, MpiError> {
-        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
-            .ok_or(MpiError::AlreadyInitialized)?;
+        if timeout.is_zero() {
+            return Err(MpiError::ZeroTimeout);
+        }
+        let started = Instant::now();
+        let watchdog = InitWatchdog::start(timeout);
+        let initialized = ::mpi::initialize_with_threading(Threading::Multiple);
+        watchdog.disarm();
+        let (universe, threading) = initialized.ok_or(MpiError::AlreadyInitialized)?;
         let provided = match threading {
             Threading::Multiple | Threading::Serialized => None,
             Threading::Funneled => Some("MPI_THREAD_FUNNELED"),
@@ -200,7 +222,7 @@ impl MpiJob {
             timeout,
             _not_send: PhantomData,
         };
-        let own = job.duplicate(&world);
+        let own = job.duplicate(&world, started);
         *job.shared.lock() = Some(Comm(own));
         tracing::info!(
             rank,
@@ -276,16 +298,16 @@ impl MpiJob {
         }
     }
 
-    /// `MPI_Comm_idup` of `world`, polled against the timeout: no user code runs between
-    /// `MPI_Init` and this, but a rank may still fail to start.
-    fn duplicate(&self, world: &SimpleCommunicator) -> SimpleCommunicator {
+    /// `MPI_Comm_idup` of `world`, polled until the timeout counted from `started` (when
+    /// `init` began): no user code runs between `MPI_Init` and this, but a rank may still fail
+    /// to start.
+    fn duplicate(&self, world: &SimpleCommunicator, started: Instant) -> SimpleCommunicator {
         // SAFETY: reading constants that mpi-sys's C shim defines.
         let (mut own, mut request) = unsafe { (ffi::RSMPI_COMM_NULL, ffi::RSMPI_REQUEST_NULL) };
         // SAFETY: the world communicator is live (MPI is initialized and not finalized); `own`
         // and `request` are valid out-pointers that outlive the request, which is completed
         // below (or the job aborted) before they go out of scope.
         unsafe { ffi::MPI_Comm_idup(world.as_raw(), &mut own, &mut request) };
-        let started = Instant::now();
         let mut pause = Pause::new();
         loop {
             let mut done = 0;
@@ -331,6 +353,85 @@ impl Drop for MpiJob {
     }
 }
 
+/// Ends this process if `MPI_Init_thread` has not returned within the timeout: it waits for
+/// every rank, and for ever for one late or stuck before it, and MPI cannot be aborted before
+/// it returns. The launcher (MPICH's `mpiexec`, Open MPI's `mpirun`, `srun`) ends the rest of
+/// the job when a rank exits without `MPI_Finalize`.
+struct InitWatchdog {
+    state: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl InitWatchdog {
+    fn start(timeout: Duration) -> InitWatchdog {
+        let state = Arc::new((Mutex::new(false), Condvar::new()));
+        let watched = Arc::clone(&state);
+        let spawned = std::thread::Builder::new()
+            .name("batch-size-mpi-init-watchdog".to_owned())
+            .spawn(move || {
+                let (initialized, changed) = &*watched;
+                let held = initialized.lock().unwrap_or_else(PoisonError::into_inner);
+                let (held, _) = changed
+                    .wait_timeout_while(held, timeout, |initialized| !*initialized)
+                    .unwrap_or_else(PoisonError::into_inner);
+                if !*held {
+                    // The lock stays held: `disarm` cannot return while this ends the process.
+                    exit_before_init(timeout);
+                }
+            });
+        if let Err(error) = spawned {
+            // Without the watchdog, init waits as MPI does; say so rather than fail a job that
+            // would most likely start.
+            tracing::warn!(%error, "no watchdog for MPI_Init_thread: a rank that never comes holds this one");
+        }
+        InitWatchdog { state }
+    }
+
+    /// `MPI_Init_thread` returned: the watchdog ends without a word.
+    fn disarm(self) {
+        let (initialized, changed) = &*self.state;
+        *initialized.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        changed.notify_all();
+    }
+}
+
+/// The watchdog's end of a rank whose `MPI_Init_thread` waited past the timeout.
+fn exit_before_init(timeout: Duration) -> ! {
+    // MPI is not initialized: its rank is the launcher's (MPICH, Open MPI, Slurm).
+    let rank = ["PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]
+        .into_iter()
+        .find_map(|name| std::env::var(name).ok())
+        .unwrap_or_else(|| "?".to_owned());
+    let world_size = ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"]
+        .into_iter()
+        .find_map(|name| std::env::var(name).ok())
+        .unwrap_or_else(|| "?".to_owned());
+    tracing::error!(
+        rank,
+        world_size,
+        ?timeout,
+        "MPI_Init_thread waited past the timeout"
+    );
+    let line = format!(
+        "batch-size: rank {rank} of {world_size}: waited {timeout:?} for the other ranks to start \
+         (MPI_Init_thread), the agreement's timeout (a rank is late to MpiJob::init, stuck \
+         before it, or never started); ending this rank (exit code {}) so that the launcher ends \
+         the job, since MPI cannot be aborted before it is initialized\n",
+        MpiJob::ABORT_CODE
+    );
+    let mut stderr = std::io::stderr().lock();
+    let _ = stderr.write_all(line.as_bytes());
+    let _ = stderr.flush();
+    drop(stderr);
+    std::thread::sleep(LINE_OUT);
+    extern "C" {
+        fn _exit(status: std::os::raw::c_int) -> !;
+    }
+    // SAFETY: `_exit` (POSIX) ends the process at once and takes any status. It is called
+    // rather than `exit` because the main thread is inside MPI_Init_thread: `exit`'s handlers
+    // (MPI's, stdio's) could wait for locks that thread holds.
+    unsafe { _exit(MpiJob::ABORT_CODE) }
+}
+
 /// One rank's agreement through its [`MpiJob`]: implements [`Collective`] with non-blocking
 /// all-reduces polled against the job's timeout. Past it, the rank prints why and aborts the
 /// job (see [`MpiJob`]'s "Nobody hangs"). Cheap to clone; every clone shares the job's
@@ -362,11 +463,13 @@ impl Collective for MpiRank {
         self.world_size
     }
 
-    /// `MPI_Iallreduce` of `MPI_UINT64_T`, polled; never returns [`AgreementError::Timeout`]:
-    /// past the timeout the job is aborted. Ranks calling it with different lengths are out of
-    /// step; MPI's default error handler then ends the job with its own message.
+    /// `MPI_Iallreduce` of `MPI_INT64_T` (each value moved into the signed range with its
+    /// order kept: see [`to_signed`]), polled; never returns [`AgreementError::Timeout`]: past
+    /// the timeout the job is aborted. Ranks calling it with different lengths are out of step;
+    /// MPI's default error handler then ends the job with its own message.
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
-        let send = values.to_vec();
+        let send: Vec<i64> = values.iter().copied().map(to_signed).collect();
+        let mut reduced = vec![0i64; send.len()];
         let operation = match op {
             ReduceOp::Max => SystemOperation::max(),
             ReduceOp::Min => SystemOperation::min(),
@@ -376,9 +479,13 @@ impl Collective for MpiRank {
         ::mpi::request::scope(|scope| {
             let request =
                 comm.0
-                    .immediate_all_reduce_into(scope, &send[..], &mut *values, operation);
+                    .immediate_all_reduce_into(scope, &send[..], &mut reduced[..], operation);
             self.complete(request, "to agree (MPI_Iallreduce)");
         });
+        drop(held);
+        for (value, reduced) in values.iter_mut().zip(reduced) {
+            *value = from_signed(reduced);
+        }
         Ok(())
     }
 }
@@ -424,6 +531,20 @@ impl MpiRank {
         let why = waited_message(waiting, self.world_size, self.timeout);
         abort_with(self.rank, self.world_size, &why)
     }
+}
+
+/// `value` as the signed integer of the same rank among all `u64`s (`0` is `i64::MIN`,
+/// `u64::MAX` is `i64::MAX`): MIN and MAX of the signed values are those of the unsigned ones.
+/// The all-reduce sends these as `MPI_INT64_T` because MPICH 4.0.2 and Open MPI 4.1.4 compare
+/// `MPI_UINT64_T` as signed in MIN and MAX, so that `u64::MAX` (a rank that needs no further
+/// attempt) would win a MIN against any size. Signed 64-bit MIN and MAX every MPI gets right.
+fn to_signed(value: u64) -> i64 {
+    (value ^ (1 << 63)) as i64
+}
+
+/// The inverse of [`to_signed`].
+fn from_signed(value: i64) -> u64 {
+    (value as u64) ^ (1 << 63)
 }
 
 fn finalized() -> AgreementError {
@@ -524,5 +645,39 @@ impl Pause {
             let micros = u64::from(self.polls.min(1_000));
             std::thread::sleep(Duration::from_micros(micros));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{from_signed, to_signed};
+
+    /// The signed values sort as the unsigned ones, across the sign bit and at both ends, and
+    /// come back unchanged: a MIN or MAX of the signed values is that of the unsigned ones.
+    #[test]
+    fn signed_values_keep_the_order_of_the_unsigned_ones() {
+        let values = [
+            0,
+            1,
+            2,
+            96,
+            (1 << 63) - 1,
+            1 << 63,
+            (1 << 63) + 1,
+            u64::MAX - 1,
+            u64::MAX,
+        ];
+        for &a in &values {
+            assert_eq!(from_signed(to_signed(a)), a);
+            for &b in &values {
+                assert_eq!(
+                    to_signed(a).cmp(&to_signed(b)),
+                    a.cmp(&b),
+                    "{a} against {b}"
+                );
+            }
+        }
+        assert_eq!(to_signed(0), i64::MIN);
+        assert_eq!(to_signed(u64::MAX), i64::MAX);
     }
 }
