@@ -84,6 +84,9 @@ fn rank_main(scenario: &str) -> ExitCode {
     if scenario == "zero_timeout" {
         return zero_timeout();
     }
+    if scenario == "adopt" {
+        return adopt();
+    }
     if matches!(scenario, "late_init" | "stuck_init") {
         before_init(scenario);
     }
@@ -498,6 +501,45 @@ fn zero_timeout() -> ExitCode {
     }
 }
 
+/// The program initializes MPI itself (the `mpi` crate, as a user's MPI program would): the
+/// job adopts it, refuses a second job, leaves MPI to the program when dropped, and after the
+/// program finalized MPI a new job is refused as such.
+fn adopt() -> ExitCode {
+    use ::mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+    let Some((universe, _)) = ::mpi::initialize_with_threading(::mpi::Threading::Multiple) else {
+        eprintln!("the program could not initialize MPI");
+        return ExitCode::FAILURE;
+    };
+    let job = match MpiJob::init_with_timeout(Duration::from_secs(30)) {
+        Ok(job) => job,
+        Err(error) => {
+            println!("rank ? not adopted: {error}");
+            universe.world().abort(MpiJob::ABORT_CODE)
+        }
+    };
+    let me = job.rank();
+    match MpiJob::init() {
+        Ok(_) => println!("rank {me} second job: accepted"),
+        Err(error) => println!("rank {me} second job: {error}"),
+    }
+    let rank = job.agreement();
+    let device = mixed_device(me);
+    let size = match search(&rank, &device) {
+        Ok(size) => size,
+        Err(error) => job.abort(&format!("{error:#}")),
+    };
+    drop(job);
+    // MPI is still the program's: its own collective runs after the job.
+    universe.world().barrier();
+    println!("rank {me} adopted: agreed {size}; the program's MPI still runs after the job");
+    drop(universe); // MPI_Finalize, by the program
+    match MpiJob::init() {
+        Ok(_) => println!("rank {me} after finalize: accepted"),
+        Err(error) => println!("rank {me} after finalize: {error}"),
+    }
+    ExitCode::SUCCESS
+}
+
 /// This rank's number from the launcher's environment, before MPI is initialized.
 fn launcher_rank() -> Option<usize> {
     ["PMI_RANK", "OMPI_COMM_WORLD_RANK"]
@@ -578,6 +620,7 @@ fn launch_all() -> ExitCode {
             Box::new(check_nccl_id_missing),
         ),
         ("zero_timeout".into(), 2, Box::new(check_zero_timeout)),
+        ("adopt".into(), 3, Box::new(check_adopt)),
         ("late_init".into(), 2, Box::new(check_late_init)),
         ("stuck_init".into(), 3, Box::new(check_stuck_init)),
         ("panics".into(), RANKS, Box::new(check_panics)),
@@ -1147,4 +1190,35 @@ fn check_late_init(job: &Job) -> Result<(), String> {
 
 fn check_stuck_init(job: &Job) -> Result<(), String> {
     ended_after_init(job)
+}
+
+fn check_adopt(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    for rank in 0..3 {
+        for (what, words) in [
+            ("second job", "another MpiJob of this process is alive"),
+            // 512 halves to 64, the first size rank 1's GPU (70 samples) holds.
+            (
+                "adopted",
+                "agreed 64; the program's MPI still runs after the job",
+            ),
+            ("after finalize", "MPI is finalized already"),
+        ] {
+            let prefix = format!("rank {rank} {what}: ");
+            let line = job
+                .stdout
+                .lines()
+                .find(|line| line.starts_with(&prefix))
+                .ok_or_else(|| format!("rank {rank} said nothing on {what}"))?;
+            if !line.contains(words) {
+                return Err(format!("rank {rank}: {line:?} does not say {words:?}"));
+            }
+            if rank == 0 {
+                println!("  {line}");
+            }
+        }
+    }
+    Ok(())
 }

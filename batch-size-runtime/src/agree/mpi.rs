@@ -6,6 +6,7 @@
 use std::fmt;
 use std::io::Write;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -23,12 +24,20 @@ use super::nccl::{NcclError, NcclId, NcclRank};
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum MpiError {
-    /// MPI was initialized already, by another `MpiJob` or by code of yours.
+    /// Another [`MpiJob`] of this process is alive: one job a process.
     #[error(
-        "MPI is already initialized (by another MpiJob, or by the `mpi` crate's `initialize` in \
-         your code): create one MpiJob, at the start of `main`, and let it initialize MPI"
+        "another MpiJob of this process is alive: create one, at the start of `main`, and take \
+         as many agreements from it as you need"
     )]
     AlreadyInitialized,
+    /// MPI was finalized already (by an `MpiJob` that was dropped, or by code of yours): MPI
+    /// cannot start twice in one process.
+    #[error(
+        "MPI is finalized already (an MpiJob was dropped, or your code finalized MPI), and MPI \
+         cannot start twice in one process: create one MpiJob at the start of `main` and keep \
+         it until the end"
+    )]
+    Finalized,
     /// [`MpiJob::init_with_timeout`] was given no time: every collective would give up at
     /// once and end the job.
     #[error(
@@ -37,10 +46,13 @@ pub enum MpiError {
          MpiJob::DEFAULT_TIMEOUT, 120 s)"
     )]
     ZeroTimeout,
-    /// The MPI library cannot serve calls from several threads.
+    /// The MPI library cannot serve calls from several threads, or your code initialized it
+    /// for one thread only.
     #[error(
         "the MPI library provides thread level {provided}; the agreement needs \
-         MPI_THREAD_SERIALIZED at least (MPICH and Open MPI both provide MPI_THREAD_MULTIPLE)"
+         MPI_THREAD_SERIALIZED at least (MPICH and Open MPI both provide MPI_THREAD_MULTIPLE; \
+         where your code initializes MPI, ask for it: MPI_Init_thread, or the `mpi` crate's \
+         initialize_with_threading(Threading::Multiple))"
     )]
     ThreadLevel {
         /// What the library provides.
@@ -60,9 +72,10 @@ pub enum MpiError {
 }
 
 /// The MPI job this process is one rank of: `MPI_Init` when created, `MPI_Finalize` when
-/// dropped, or `MPI_Abort` when dropped by a panicking thread. Create one, in `main`, before
-/// anything else uses MPI; [`agreement`](Self::agreement) gives the [`Collective`] a search
-/// agrees through.
+/// dropped, or `MPI_Abort` when dropped by a panicking thread. Create one, in `main`;
+/// [`agreement`](Self::agreement) gives the [`Collective`] a search agrees through. Where your
+/// program initialized MPI itself, the job adopts it and leaves finalizing to you (see
+/// [`init`](Self::init)).
 ///
 /// ```no_run
 /// use batch_size_runtime::agree::{safe_point, MpiJob, MpiRank};
@@ -121,7 +134,8 @@ pub enum MpiError {
 /// your training. An `MpiRank` owns what it needs (it is `'static`, like a `ThreadRank`); used
 /// after its job was dropped (MPI finalized), it returns [`AgreementError::Failed`] saying so.
 pub struct MpiJob {
-    /// `None` once finalized.
+    /// `None` once finalized, and where MPI was initialized by the program (adopted): the
+    /// program finalizes it then.
     universe: Option<Universe>,
     shared: Arc<Shared>,
     rank: usize,
@@ -149,6 +163,8 @@ struct Shared {
     comm: Mutex<Option<Comm>>,
     /// `MPI_THREAD_MULTIPLE`: a rank may abort the job while another thread is in a call.
     multiple: bool,
+    /// MPI was initialized by the program, not by the job: the program finalizes it.
+    adopted: bool,
 }
 
 /// A communicator handle that may move between threads.
@@ -164,6 +180,23 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Option<Comm>> {
         self.comm.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// The communicator, while its job is alive and MPI not finalized (an adopted MPI may be
+    /// finalized by the program while an agreement is kept).
+    fn live<'a>(&self, held: &'a Option<Comm>) -> Result<&'a Comm, AgreementError> {
+        match held {
+            Some(comm) if !::mpi::environment::is_finalized() => Ok(comm),
+            _ => Err(AgreementError::Failed(if self.adopted {
+                "the MpiJob was dropped, or your code finalized MPI, before this agreement (keep \
+                 the job alive in `main` until every rank is done, and finalize MPI after it)"
+                    .to_owned()
+            } else {
+                "MPI is finalized: the MpiJob was dropped before this agreement (keep it alive in \
+                 `main` until every rank is done)"
+                    .to_owned()
+            })),
+        }
+    }
 }
 
 impl MpiJob {
@@ -175,6 +208,13 @@ impl MpiJob {
 
     /// Initializes MPI (`MPI_THREAD_MULTIPLE`) and the agreement's communicator, waiting at
     /// most [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT) for the other ranks.
+    ///
+    /// Where your program initialized MPI itself (`MPI_Init_thread`, the `mpi` crate's
+    /// `initialize_with_threading`), the job adopts it: its agreement runs on a duplicate of
+    /// your `MPI_COMM_WORLD`, and dropping the job leaves MPI to you (finalize it after the
+    /// job is dropped). It is refused only where it cannot work: MPI initialized for one thread
+    /// ([`MpiError::ThreadLevel`]: ask for `MPI_THREAD_MULTIPLE`), MPI already finalized
+    /// ([`MpiError::Finalized`]), or another `MpiJob` alive ([`MpiError::AlreadyInitialized`]).
     pub fn init() -> Result<MpiJob, MpiError> {
         MpiJob::init_with_timeout(MpiJob::DEFAULT_TIMEOUT)
     }
@@ -194,28 +234,49 @@ impl MpiJob {
             return Err(MpiError::ZeroTimeout);
         }
         let started = Instant::now();
-        let watchdog = InitWatchdog::start(timeout);
-        let initialized = ::mpi::initialize_with_threading(Threading::Multiple);
-        watchdog.disarm();
-        let (universe, threading) = initialized.ok_or(MpiError::AlreadyInitialized)?;
+        if JOB_ALIVE.swap(true, Ordering::SeqCst) {
+            return Err(MpiError::AlreadyInitialized);
+        }
+        // From here on, an error gives the place back for another job.
+        let alive = AliveGuard;
+        let (universe, threading) = if ::mpi::environment::is_initialized() {
+            if ::mpi::environment::is_finalized() {
+                return Err(MpiError::Finalized);
+            }
+            // Initialized by the program: adopt it (see `init`).
+            (None, ::mpi::environment::threading_support())
+        } else {
+            let watchdog = InitWatchdog::start(timeout);
+            let initialized = ::mpi::initialize_with_threading(Threading::Multiple);
+            watchdog.disarm();
+            match initialized {
+                Some((universe, threading)) => (Some(universe), threading),
+                // Another thread initialized it in between: adopt it as well.
+                None => (None, ::mpi::environment::threading_support()),
+            }
+        };
         let provided = match threading {
             Threading::Multiple | Threading::Serialized => None,
             Threading::Funneled => Some("MPI_THREAD_FUNNELED"),
             Threading::Single => Some("MPI_THREAD_SINGLE"),
         };
         if let Some(provided) = provided {
-            // Finalizing is safe here: no rank has started a collective yet.
+            // Finalizing (where this job initialized MPI) is safe here: no rank has started a
+            // collective yet.
             drop(universe);
             return Err(MpiError::ThreadLevel { provided });
         }
-        let world = universe.world();
+        let adopted = universe.is_none();
+        let world = SimpleCommunicator::world();
         let rank = usize::try_from(world.rank()).unwrap_or(0);
         let world_size = usize::try_from(world.size()).unwrap_or(1).max(1);
+        std::mem::forget(alive);
         let job = MpiJob {
-            universe: Some(universe),
+            universe,
             shared: Arc::new(Shared {
                 comm: Mutex::new(None),
                 multiple: threading == Threading::Multiple,
+                adopted,
             }),
             rank,
             world_size,
@@ -228,6 +289,7 @@ impl MpiJob {
             rank,
             world_size,
             ?timeout,
+            adopted,
             "MPI job of the batch-size agreement"
         );
         Ok(job)
@@ -343,13 +405,29 @@ impl Drop for MpiJob {
                 "panicked (the panic's message is above)",
             );
         }
-        tracing::debug!(rank = self.rank, "MPI_Finalize");
-        // From now on an `MpiRank` of this job says that MPI is finalized (the communicator is
+        // From now on an `MpiRank` of this job says that its job is gone (the communicator is
         // forgotten, not freed: see `Shared::comm`). Holding the lock, no agreement is under way.
         let mut comm = self.shared.lock();
         std::mem::forget(comm.take());
-        // Dropping the universe calls MPI_Finalize.
-        drop(self.universe.take());
+        drop(comm);
+        // Dropping the universe calls MPI_Finalize; an adopted MPI is the program's to end.
+        if let Some(universe) = self.universe.take() {
+            tracing::debug!(rank = self.rank, "MPI_Finalize");
+            drop(universe);
+        }
+        JOB_ALIVE.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Whether an [`MpiJob`] of this process is alive: one at a time.
+static JOB_ALIVE: AtomicBool = AtomicBool::new(false);
+
+/// Gives the place of the one job back where `init` fails after taking it.
+struct AliveGuard;
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        JOB_ALIVE.store(false, Ordering::SeqCst);
     }
 }
 
@@ -475,7 +553,7 @@ impl Collective for MpiRank {
             ReduceOp::Min => SystemOperation::min(),
         };
         let held = self.shared.lock();
-        let comm = held.as_ref().ok_or_else(finalized)?;
+        let comm = self.shared.live(&held)?;
         ::mpi::request::scope(|scope| {
             let request =
                 comm.0
@@ -495,7 +573,7 @@ impl MpiRank {
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     fn broadcast_from_rank_zero(&self, bytes: &mut [u8]) -> Result<(), AgreementError> {
         let held = self.shared.lock();
-        let comm = held.as_ref().ok_or_else(finalized)?;
+        let comm = self.shared.live(&held)?;
         ::mpi::request::scope(|scope| {
             let root = comm.0.process_at_rank(0);
             let request = root.immediate_broadcast_into(scope, bytes);
@@ -545,14 +623,6 @@ fn to_signed(value: u64) -> i64 {
 /// The inverse of [`to_signed`].
 fn from_signed(value: i64) -> u64 {
     (value as u64) ^ (1 << 63)
-}
-
-fn finalized() -> AgreementError {
-    AgreementError::Failed(
-        "MPI is finalized: the MpiJob was dropped before this agreement (keep it alive in `main` \
-         until every rank is done)"
-            .to_owned(),
-    )
 }
 
 #[cfg(feature = "nccl")]
