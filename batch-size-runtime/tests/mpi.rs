@@ -15,6 +15,12 @@
 //!   out-of-memory, `Chunked` with more items on some ranks, `BatchSizeSearch` with no safe
 //!   point); every rank's result line must be the one the same job gives on `ThreadRanks`,
 //!   run in this process first.
+//! - `two_searches`: two searches at once on every rank (two threads), each through an
+//!   agreement of its own, started in opposite orders on even and odd ranks: each gives what it
+//!   gives alone on `ThreadRanks`.
+//! - `adopt`: the program initializes MPI itself; the job adopts it, refuses a second job,
+//!   leaves MPI running when dropped, and after the program's `MPI_Finalize` a new job is
+//!   refused as such.
 //! - `zero_timeout`: `MpiJob::init_with_timeout(Duration::ZERO)` is refused on every rank.
 //! - `late_init`, `stuck_init`: the last rank comes to `MpiJob::init` four timeouts late, or
 //!   never; the others' watchdogs end the job within the timeout plus 2 s of their `init`.
@@ -100,6 +106,17 @@ fn rank_main(scenario: &str) -> ExitCode {
     let rank = job.agreement();
     let me = job.rank();
     let device = SimulatedDevice::new(DEVICE_MIB[me % RANKS] << 20).named(format!("gpu{me}"));
+    if scenario == "two_searches" {
+        return match two_searches(&job) {
+            Ok(lines) => {
+                for line in lines {
+                    println!("result {line}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(error) => job.abort(&format!("{error:#}")),
+        };
+    }
     if let Some(job_name) = scenario.strip_prefix("mix_") {
         let device = mixed_device(me);
         return match mixed(job_name, &rank, &device) {
@@ -446,14 +463,27 @@ fn mixed_search<C: Collective>(rank: &C, device: &SimulatedDevice) -> anyhow::Re
 /// The same mixed job on `ThreadRanks`, one thread a rank: the line each rank returns, or its
 /// error, in rank order.
 fn on_threads(name: &str, ranks: usize) -> Vec<String> {
+    on_threads_with(ranks, mixed_device, |rank, device| {
+        mixed(name, rank, device)
+    })
+}
+
+/// `job` on `ThreadRanks`, each rank with the device `device` makes for it.
+fn on_threads_with(
+    ranks: usize,
+    device: fn(usize) -> SimulatedDevice,
+    job: impl Fn(&batch_size_runtime::agree::ThreadRank, &SimulatedDevice) -> anyhow::Result<String>
+        + Sync,
+) -> Vec<String> {
     use batch_size_runtime::agree::ThreadRanks;
+    let job = &job;
     std::thread::scope(|scope| {
         let threads: Vec<_> = ThreadRanks::with_timeout(ranks, Duration::from_secs(30))
             .into_iter()
             .map(|rank| {
                 scope.spawn(move || {
-                    let device = mixed_device(rank.rank());
-                    mixed(name, &rank, &device).unwrap_or_else(|error| format!("error {error:#}"))
+                    let device = device(rank.rank());
+                    job(&rank, &device).unwrap_or_else(|error| format!("error {error:#}"))
                 })
             })
             .collect();
@@ -465,6 +495,45 @@ fn on_threads(name: &str, ranks: usize) -> Vec<String> {
                     .unwrap_or_else(|_| "error: the thread panicked".to_owned())
             })
             .collect()
+    })
+}
+
+/// The second search's GPUs, in samples: other sizes than the first's, so that crossed rounds
+/// would show.
+const SECOND_SAMPLES: [u64; 4] = [90, 250, 40, 120];
+
+fn second_device(rank: usize) -> SimulatedDevice {
+    let samples = SECOND_SAMPLES.get(rank).copied().unwrap_or(100);
+    SimulatedDevice::new(samples * PER_SAMPLE).named(format!("second{rank}"))
+}
+
+/// Two searches at once on every rank, on two threads, each through an agreement of its own
+/// taken in the same order on every rank. Even ranks start the first search first, odd ranks
+/// the second: through one communicator their rounds would cross.
+fn two_searches(job: &MpiJob) -> anyhow::Result<Vec<String>> {
+    let me = job.rank();
+    let (first, second) = (job.agreement(), job.agreement());
+    let stagger = |mine_first: bool| {
+        if mine_first != (me % 2 == 0) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    std::thread::scope(|scope| {
+        let one = scope.spawn(|| {
+            stagger(true);
+            mixed_search(&first, &mixed_device(me)).map(|line| format!("first {line}"))
+        });
+        let two = scope.spawn(|| {
+            stagger(false);
+            mixed_search(&second, &second_device(me)).map(|line| format!("second {line}"))
+        });
+        let one = one
+            .join()
+            .map_err(|_| anyhow::anyhow!("the first search panicked"))??;
+        let two = two
+            .join()
+            .map_err(|_| anyhow::anyhow!("the second search panicked"))??;
+        Ok(vec![one, two])
     })
 }
 
@@ -611,6 +680,25 @@ fn launch_all() -> ExitCode {
                 ));
             }
         }
+    }
+    if only.is_empty() || only.split(',').any(|job| job == "two_searches") {
+        // Each search alone on ThreadRanks: what each must give, though they run at once.
+        let mut expected: Vec<String> = on_threads("search", RANKS)
+            .into_iter()
+            .map(|line| format!("first {line}"))
+            .collect();
+        expected.extend(
+            on_threads_with(RANKS, second_device, |rank, device| {
+                mixed_search(rank, device)
+            })
+            .into_iter()
+            .map(|line| format!("second {line}")),
+        );
+        jobs.push((
+            "two_searches".into(),
+            RANKS,
+            Box::new(move |job| check_mixed(job, &expected)),
+        ));
     }
     jobs.extend([
         ("nccl_id".into(), RANKS, Box::new(check_nccl_id) as Check),
@@ -1097,10 +1185,17 @@ fn check_mixed(job: &Job, expected: &[String]) -> Result<(), String> {
         .lines()
         .filter_map(|line| line.strip_prefix("result "))
         .collect();
+    // In the order of `expected`: by search (where there are several), then by rank.
     got.sort_by_key(|line| {
-        line.strip_prefix("rank ")
-            .and_then(|rest| rest.split(':').next())
-            .and_then(|rank| rank.parse::<usize>().ok())
+        let (search, rest) = match line.split_once("rank ") {
+            Some((search, rest)) => (search.to_owned(), rest),
+            None => (String::new(), *line),
+        };
+        let rank = rest
+            .split(':')
+            .next()
+            .and_then(|rank| rank.parse::<usize>().ok());
+        (search != "first " && !search.is_empty(), rank)
     });
     if got != expected {
         return Err(format!(

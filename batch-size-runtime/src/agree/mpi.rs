@@ -6,8 +6,9 @@
 use std::fmt;
 use std::io::Write;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use ::mpi::collective::SystemOperation;
@@ -129,15 +130,21 @@ pub enum MpiError {
 ///
 /// # Threads
 /// MPI is initialized with `MPI_THREAD_MULTIPLE` (`MPI_THREAD_SERIALIZED` at least is needed),
-/// so an [`MpiRank`] may be used from any thread; its calls take turns on one communicator of
-/// their own, a duplicate of `MPI_COMM_WORLD`, so the agreement never meets the collectives of
-/// your training. An `MpiRank` owns what it needs (it is `'static`, like a `ThreadRank`); used
-/// after its job was dropped (MPI finalized), it returns [`AgreementError::Failed`] saying so.
+/// so an [`MpiRank`] may be used from any thread. Each [`agreement`](Self::agreement) is a
+/// communicator of its own (a duplicate of the job's duplicate of `MPI_COMM_WORLD`), so it
+/// never meets the collectives of your training nor another agreement's: two searches running
+/// at once on two threads each take one, in the same order on every rank, and each gets its
+/// own rounds. One agreement serves one search at a time. An `MpiRank` owns what it needs (it
+/// is `'static`, like a `ThreadRank`); used after its job was dropped, it returns
+/// [`AgreementError::Failed`] saying so.
 pub struct MpiJob {
     /// `None` once finalized, and where MPI was initialized by the program (adopted): the
     /// program finalizes it then.
     universe: Option<Universe>,
     shared: Arc<Shared>,
+    /// The job's own duplicate of the world: the NCCL Id's broadcast, and each agreement's
+    /// duplicate of it.
+    own: Arc<Channel>,
     rank: usize,
     world_size: usize,
     timeout: Duration,
@@ -155,38 +162,83 @@ impl fmt::Debug for MpiJob {
     }
 }
 
-/// What the job and its ranks share: the agreement's communicator, one call at a time, and
-/// whether MPI serves calls from several threads at once.
+/// What the job and its agreements share: whether the job is alive, one MPI call at a time,
+/// and how MPI was initialized.
 struct Shared {
-    /// `None` before the communicator exists and once MPI is finalized. Never freed:
-    /// `MPI_Comm_free` is not allowed after `MPI_Finalize`, which frees it.
-    comm: Mutex<Option<Comm>>,
+    /// `false` once the job is dropped. Every collective holds it for reading while it runs;
+    /// the job's drop takes it for writing, so no collective starts after it and MPI is not
+    /// finalized under one.
+    alive: RwLock<bool>,
+    /// Taken for each MPI call (`MPI_THREAD_SERIALIZED` asks no more), never across a whole
+    /// collective: agreements on several threads each make progress while they wait.
+    calls: Mutex<()>,
     /// `MPI_THREAD_MULTIPLE`: a rank may abort the job while another thread is in a call.
     multiple: bool,
     /// MPI was initialized by the program, not by the job: the program finalizes it.
     adopted: bool,
 }
 
-/// A communicator handle that may move between threads.
-struct Comm(SimpleCommunicator);
+impl Shared {
+    fn call(&self) -> MutexGuard<'_, ()> {
+        self.calls.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One communicator of the job, with its collectives one at a time: the job's own (the NCCL
+/// Id's broadcast, duplicating new agreements) or one agreement's.
+struct Channel {
+    job: Arc<Shared>,
+    /// `None` where MPI was finalized (by the program) before the agreement was taken.
+    comm: Option<Comm>,
+    /// Held through each collective on `comm`: MPI matches a communicator's collectives in
+    /// the order each rank starts them, so one agreement's never overlap.
+    turn: Mutex<()>,
+}
+
+/// A communicator handle that may move between threads, never freed: `MPI_Comm_free` is not
+/// allowed after `MPI_Finalize`, which frees it, and an agreement may outlive its job.
+struct Comm(ManuallyDrop<SimpleCommunicator>);
 
 // SAFETY: MPI was initialized with at least MPI_THREAD_SERIALIZED (`MpiJob::init` refuses
-// less), so MPI may be called from any thread as long as no two calls overlap; the handle is
-// only used under `Shared::comm`'s lock, which sees to that. (With Open MPI, `MPI_Comm` is a
-// pointer, hence no automatic `Send`.)
+// less), so MPI may be called from any thread as long as no two calls overlap; every call on
+// the handle is made under `Shared::calls`, which sees to that. (With Open MPI, `MPI_Comm` is
+// a pointer, hence no automatic `Send` or `Sync`.)
 unsafe impl Send for Comm {}
+// SAFETY: as for `Send`: shared references only reach MPI under `Shared::calls`.
+unsafe impl Sync for Comm {}
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Option<Comm>> {
-        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+/// A collective's hold on its channel: its turn, and the job alive throughout.
+struct Entered<'a> {
+    _turn: MutexGuard<'a, ()>,
+    _alive: RwLockReadGuard<'a, bool>,
+    comm: &'a SimpleCommunicator,
+}
+
+impl Channel {
+    fn new(job: &Arc<Shared>, comm: Option<SimpleCommunicator>) -> Channel {
+        Channel {
+            job: Arc::clone(job),
+            comm: comm.map(|comm| Comm(ManuallyDrop::new(comm))),
+            turn: Mutex::new(()),
+        }
     }
 
-    /// The communicator, while its job is alive and MPI not finalized (an adopted MPI may be
-    /// finalized by the program while an agreement is kept).
-    fn live<'a>(&self, held: &'a Option<Comm>) -> Result<&'a Comm, AgreementError> {
-        match held {
-            Some(comm) if !::mpi::environment::is_finalized() => Ok(comm),
-            _ => Err(AgreementError::Failed(if self.adopted {
+    /// This channel's turn, while its job is alive and MPI not finalized (an adopted MPI may
+    /// be finalized by the program while an agreement is kept).
+    fn enter(&self) -> Result<Entered<'_>, AgreementError> {
+        let turn = self.turn.lock().unwrap_or_else(PoisonError::into_inner);
+        let alive = self
+            .job
+            .alive
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        match &self.comm {
+            Some(comm) if *alive && !::mpi::environment::is_finalized() => Ok(Entered {
+                _turn: turn,
+                _alive: alive,
+                comm: &comm.0,
+            }),
+            _ => Err(AgreementError::Failed(if self.job.adopted {
                 "the MpiJob was dropped, or your code finalized MPI, before this agreement (keep \
                  the job alive in `main` until every rank is done, and finalize MPI after it)"
                     .to_owned()
@@ -271,20 +323,23 @@ impl MpiJob {
         let rank = usize::try_from(world.rank()).unwrap_or(0);
         let world_size = usize::try_from(world.size()).unwrap_or(1).max(1);
         std::mem::forget(alive);
+        let shared = Arc::new(Shared {
+            alive: RwLock::new(true),
+            calls: Mutex::new(()),
+            multiple: threading == Threading::Multiple,
+            adopted,
+        });
+        let waiting = "to create the job's communicator (MPI_Comm_idup)";
+        let own = duplicate(&shared, &world, started, timeout, waiting);
         let job = MpiJob {
             universe,
-            shared: Arc::new(Shared {
-                comm: Mutex::new(None),
-                multiple: threading == Threading::Multiple,
-                adopted,
-            }),
+            own: Arc::new(Channel::new(&shared, Some(own))),
+            shared,
             rank,
             world_size,
             timeout,
             _not_send: PhantomData,
         };
-        let own = job.duplicate(&world, started);
-        *job.shared.lock() = Some(Comm(own));
         tracing::info!(
             rank,
             world_size,
@@ -311,11 +366,34 @@ impl MpiJob {
     }
 
     /// The [`Collective`] a search agrees through: `agree = rank` in the attribute,
-    /// `with_agreement(&rank)` on the runners. Every agreement goes through the job's one
-    /// communicator, so take as many as you like, on any thread.
+    /// `with_agreement(&rank)` on the runners.
+    ///
+    /// Each agreement is a communicator of its own (an `MPI_Comm_idup` of the job's, polled
+    /// against the timeout), so its rounds never meet another agreement's nor your training's
+    /// collectives: take one for each search that runs at the same time as another (on other
+    /// threads), and searches on several threads at once each get their own rounds. Like any
+    /// collective, every rank takes its agreements in the same order (the job stays on the
+    /// thread that created it, so they are taken there). One agreement serves one search at a
+    /// time: two searches at once through the same agreement (or its clones) would cross their
+    /// rounds, as two threads using one MPI communicator at once do.
     pub fn agreement(&self) -> MpiRank {
+        let comm = match self.own.enter() {
+            Ok(entered) => Some(duplicate(
+                &self.shared,
+                entered.comm,
+                Instant::now(),
+                self.timeout,
+                "to create an agreement's communicator (MPI_Comm_idup)",
+            )),
+            // MPI was finalized by the program: the agreement says so when used.
+            Err(_) => None,
+        };
+        self.rank_over(Arc::new(Channel::new(&self.shared, comm)))
+    }
+
+    fn rank_over(&self, channel: Arc<Channel>) -> MpiRank {
         MpiRank {
-            shared: Arc::clone(&self.shared),
+            channel,
             rank: self.rank,
             world_size: self.world_size,
             timeout: self.timeout,
@@ -348,7 +426,8 @@ impl MpiJob {
                 Err(error) => failure = Some(error),
             }
         }
-        self.agreement().broadcast_from_rank_zero(&mut message)?;
+        self.rank_over(Arc::clone(&self.own))
+            .broadcast_from_rank_zero(&mut message)?;
         if let Some(error) = failure {
             return Err(MpiError::Nccl(error));
         }
@@ -359,38 +438,53 @@ impl MpiJob {
             _ => Err(MpiError::NoIdFromRankZero),
         }
     }
+}
 
-    /// `MPI_Comm_idup` of `world`, polled until the timeout counted from `started` (when
-    /// `init` began): no user code runs between `MPI_Init` and this, but a rank may still fail
-    /// to start.
-    fn duplicate(&self, world: &SimpleCommunicator, started: Instant) -> SimpleCommunicator {
-        // SAFETY: reading constants that mpi-sys's C shim defines.
-        let (mut own, mut request) = unsafe { (ffi::RSMPI_COMM_NULL, ffi::RSMPI_REQUEST_NULL) };
-        // SAFETY: the world communicator is live (MPI is initialized and not finalized); `own`
-        // and `request` are valid out-pointers that outlive the request, which is completed
-        // below (or the job aborted) before they go out of scope.
-        unsafe { ffi::MPI_Comm_idup(world.as_raw(), &mut own, &mut request) };
-        let mut pause = Pause::new();
-        loop {
-            let mut done = 0;
-            // SAFETY: `request` is the live request of the idup above; STATUS_IGNORE is allowed.
-            unsafe { ffi::MPI_Test(&mut request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
-            if done != 0 {
-                break;
-            }
-            if started.elapsed() >= self.timeout {
-                self.abort(&waited_message(
-                    "to create the agreement's communicator (MPI_Comm_idup)",
-                    self.world_size,
-                    self.timeout,
-                ));
-            }
-            pause.sleep();
-        }
-        // SAFETY: `own` is the live intra-communicator the completed idup created, used only
-        // through the value returned.
-        unsafe { SimpleCommunicator::from_raw(own) }
+/// `MPI_Comm_idup` of `parent`, polled until `timeout` counted from `started`, or past it the
+/// job aborted, saying it waited `waiting`.
+fn duplicate(
+    shared: &Shared,
+    parent: &SimpleCommunicator,
+    started: Instant,
+    timeout: Duration,
+    waiting: &str,
+) -> SimpleCommunicator {
+    // SAFETY: reading constants that mpi-sys's C shim defines.
+    let (mut own, mut request) = unsafe { (ffi::RSMPI_COMM_NULL, ffi::RSMPI_REQUEST_NULL) };
+    {
+        let _call = shared.call();
+        // SAFETY: `parent` is live (MPI is initialized and not finalized); `own` and `request`
+        // are valid out-pointers that outlive the request, which is completed below (or the
+        // job aborted) before they go out of scope.
+        unsafe { ffi::MPI_Comm_idup(parent.as_raw(), &mut own, &mut request) };
     }
+    let mut pause = Pause::new();
+    loop {
+        let mut done = 0;
+        {
+            let _call = shared.call();
+            // SAFETY: `request` is the live request of the idup above; STATUS_IGNORE is
+            // allowed.
+            unsafe { ffi::MPI_Test(&mut request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+        }
+        if done != 0 {
+            break;
+        }
+        if started.elapsed() >= timeout {
+            let world_size = usize::try_from(parent.size()).unwrap_or(0);
+            let rank = usize::try_from(parent.rank()).unwrap_or(0);
+            abort_job(
+                shared,
+                rank,
+                world_size,
+                &waited_message(waiting, world_size, timeout),
+            );
+        }
+        pause.sleep();
+    }
+    // SAFETY: `own` is the live intra-communicator the completed idup created, used only
+    // through the value returned.
+    unsafe { SimpleCommunicator::from_raw(own) }
 }
 
 impl Drop for MpiJob {
@@ -405,11 +499,13 @@ impl Drop for MpiJob {
                 "panicked (the panic's message is above)",
             );
         }
-        // From now on an `MpiRank` of this job says that its job is gone (the communicator is
-        // forgotten, not freed: see `Shared::comm`). Holding the lock, no agreement is under way.
-        let mut comm = self.shared.lock();
-        std::mem::forget(comm.take());
-        drop(comm);
+        // From now on an `MpiRank` of this job says that its job is gone. Taking this waits
+        // for the collectives under way.
+        *self
+            .shared
+            .alive
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = false;
         // Dropping the universe calls MPI_Finalize; an adopted MPI is the program's to end.
         if let Some(universe) = self.universe.take() {
             tracing::debug!(rank = self.rank, "MPI_Finalize");
@@ -516,7 +612,7 @@ fn exit_before_init(timeout: Duration) -> ! {
 /// communicator.
 #[derive(Clone)]
 pub struct MpiRank {
-    shared: Arc<Shared>,
+    channel: Arc<Channel>,
     rank: usize,
     world_size: usize,
     timeout: Duration,
@@ -552,15 +648,20 @@ impl Collective for MpiRank {
             ReduceOp::Max => SystemOperation::max(),
             ReduceOp::Min => SystemOperation::min(),
         };
-        let held = self.shared.lock();
-        let comm = self.shared.live(&held)?;
+        let entered = self.channel.enter()?;
         ::mpi::request::scope(|scope| {
-            let request =
-                comm.0
-                    .immediate_all_reduce_into(scope, &send[..], &mut reduced[..], operation);
+            let request = {
+                let _call = self.channel.job.call();
+                entered.comm.immediate_all_reduce_into(
+                    scope,
+                    &send[..],
+                    &mut reduced[..],
+                    operation,
+                )
+            };
             self.complete(request, "to agree (MPI_Iallreduce)");
         });
-        drop(held);
+        drop(entered);
         for (value, reduced) in values.iter_mut().zip(reduced) {
             *value = from_signed(reduced);
         }
@@ -572,11 +673,13 @@ impl MpiRank {
     /// `MPI_Ibcast` of `bytes` from rank 0, polled against the timeout.
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     fn broadcast_from_rank_zero(&self, bytes: &mut [u8]) -> Result<(), AgreementError> {
-        let held = self.shared.lock();
-        let comm = self.shared.live(&held)?;
+        let entered = self.channel.enter()?;
         ::mpi::request::scope(|scope| {
-            let root = comm.0.process_at_rank(0);
-            let request = root.immediate_broadcast_into(scope, bytes);
+            let request = {
+                let _call = self.channel.job.call();
+                let root = entered.comm.process_at_rank(0);
+                root.immediate_broadcast_into(scope, bytes)
+            };
             self.complete(request, "for rank 0's broadcast (MPI_Ibcast)");
         });
         Ok(())
@@ -593,7 +696,11 @@ impl MpiRank {
         let started = Instant::now();
         let mut pause = Pause::new();
         loop {
-            match request.test() {
+            let tested = {
+                let _call = self.channel.job.call();
+                request.test()
+            };
+            match tested {
                 Ok(_) => return,
                 Err(pending) => request = pending,
             }
@@ -604,10 +711,10 @@ impl MpiRank {
         }
     }
 
-    /// Past the timeout, inside a collective (this thread holds the lock): ends the job.
+    /// Past the timeout, inside a collective (between two calls): ends the job.
     fn give_up(&self, waiting: &str) -> ! {
         let why = waited_message(waiting, self.world_size, self.timeout);
-        abort_with(self.rank, self.world_size, &why)
+        abort_job(&self.channel.job, self.rank, self.world_size, &why)
     }
 }
 
@@ -670,7 +777,7 @@ fn abort_job(shared: &Shared, rank: usize, world_size: usize, why: &str) -> ! {
         // it to give up.
         abort_with(rank, world_size, why)
     }
-    let _turn = shared.lock();
+    let _call = shared.call();
     abort_with(rank, world_size, why)
 }
 
