@@ -638,9 +638,10 @@ impl Collective for MpiRank {
     }
 
     /// `MPI_Iallreduce` of `MPI_INT64_T` (each value moved into the signed range with its
-    /// order kept: see [`to_signed`]), polled; never returns [`AgreementError::Timeout`]: past
-    /// the timeout the job is aborted. Ranks calling it with different lengths are out of step;
-    /// MPI's default error handler then ends the job with its own message.
+    /// order kept, since MPICH 4.0.2 and Open MPI 4.1.4 compare `MPI_UINT64_T` as signed),
+    /// polled; never returns [`AgreementError::Timeout`]: past the timeout the job is aborted.
+    /// Ranks calling it with different lengths are out of step; MPI's default error handler
+    /// then ends the job with its own message.
     fn all_reduce(&self, values: &mut [u64], op: ReduceOp) -> Result<(), AgreementError> {
         let send: Vec<i64> = values.iter().copied().map(to_signed).collect();
         let mut reduced = vec![0i64; send.len()];
