@@ -1,6 +1,6 @@
-//! Real MPI jobs: `mpiexec -n 4` runs this very binary as four ranks (`BATCH_SIZE_MPI_SCENARIO`
-//! names what they do), each with a simulated GPU of its own size, and checks what they print,
-//! how they end and when.
+//! Real MPI jobs: `mpiexec -n 4` (or 2, 3) runs this very binary as the ranks
+//! (`BATCH_SIZE_MPI_SCENARIO` names what they do), each with a simulated GPU of its own size,
+//! and checks what they print, how they end and when.
 //!
 //! - `attribute`: four ranks agree on one size through `#[find_executable_batch_size]`.
 //! - `uneven`: `EffectiveBatch` with uneven shares; rank 3 runs out of memory in step 3 and
@@ -8,6 +8,22 @@
 //! - `chunked`: `Chunked` with the agreement: every rank runs the same chunks, sized for the
 //!   smallest GPU. The `attribute` job also checks that an agreement used after its job was
 //!   dropped fails with a clear error.
+//! - `extremes`: all-reduces of values at both ends of `u64` and across its sign bit give the
+//!   unsigned MIN and MAX (MPICH 4.0.2 and Open MPI 4.1.4 compare `MPI_UINT64_T` as signed).
+//! - `mix_effective`, `mix_chunked`, `mix_search`, each on 2, 3 and 4 ranks: a rank that fits
+//!   and a rank that runs out of memory in one round (`EffectiveBatch` with a late
+//!   out-of-memory, `Chunked` with more items on some ranks, `BatchSizeSearch` with no safe
+//!   point); every rank's result line must be the one the same job gives on `ThreadRanks`,
+//!   run in this process first.
+//! - `two_searches`: two searches at once on every rank (two threads), each through an
+//!   agreement of its own, started in opposite orders on even and odd ranks: each gives what it
+//!   gives alone on `ThreadRanks`.
+//! - `adopt`: the program initializes MPI itself; the job adopts it, refuses a second job,
+//!   leaves MPI running when dropped, and after the program's `MPI_Finalize` a new job is
+//!   refused as such.
+//! - `zero_timeout`: `MpiJob::init_with_timeout(Duration::ZERO)` is refused on every rank.
+//! - `late_init`, `stuck_init`: the last rank comes to `MpiJob::init` four timeouts late, or
+//!   never; the others' watchdogs end the job within the timeout plus 2 s of their `init`.
 //! - `nccl_id`, `nccl_id_missing`: rank 0 creates the NCCL Id (with the fake NCCL of
 //!   `tests/fake-nccl`, compiled here with `rustc`) and MPI carries it to every rank; without
 //!   NCCL, rank 0 says so and every other rank that rank 0 made no Id, at once.
@@ -30,11 +46,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use batch_size_runtime::agree::{safe_point, MpiJob, MpiRank};
+use batch_size_runtime::agree::{safe_point, Collective, MpiJob, MpiRank};
 use batch_size_runtime::memory::SimulatedDevice;
 use batch_size_runtime::{find_executable_batch_size, EffectiveBatch};
 
 const SCENARIO: &str = "BATCH_SIZE_MPI_SCENARIO";
+/// How many ranks the launcher started (read before MPI is initialized).
+const RANKS_VARIABLE: &str = "BATCH_SIZE_MPI_RANKS";
 /// Names the job a process belongs to, to kill a hung job whole.
 const JOB_MARKER: &str = "BATCH_SIZE_MPI_JOB";
 const RANKS: usize = 4;
@@ -62,13 +80,22 @@ fn main() -> ExitCode {
 fn rank_main(scenario: &str) -> ExitCode {
     let timeout = if !matches!(
         scenario,
-        "panics" | "exits" | "stuck" | "returns" | "panics_in_attempt"
+        "panics" | "exits" | "stuck" | "returns" | "panics_in_attempt" | "late_init" | "stuck_init"
     ) {
         // Healthy jobs: long enough never to abort a slow but healthy machine.
         Duration::from_secs(30)
     } else {
         TIMEOUT
     };
+    if scenario == "zero_timeout" {
+        return zero_timeout();
+    }
+    if scenario == "adopt" {
+        return adopt();
+    }
+    if matches!(scenario, "late_init" | "stuck_init") {
+        before_init(scenario);
+    }
     let job = match MpiJob::init_with_timeout(timeout) {
         Ok(job) => job,
         Err(error) => {
@@ -79,8 +106,31 @@ fn rank_main(scenario: &str) -> ExitCode {
     let rank = job.agreement();
     let me = job.rank();
     let device = SimulatedDevice::new(DEVICE_MIB[me % RANKS] << 20).named(format!("gpu{me}"));
+    if scenario == "two_searches" {
+        return match two_searches(&job) {
+            Ok(lines) => {
+                for line in lines {
+                    println!("result {line}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(error) => job.abort(&format!("{error:#}")),
+        };
+    }
+    if let Some(job_name) = scenario.strip_prefix("mix_") {
+        let device = mixed_device(me);
+        return match mixed(job_name, &rank, &device) {
+            Ok(line) => {
+                println!("result {line}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => job.abort(&format!("{error:#}")),
+        };
+    }
     let outcome = match scenario {
         "attribute" => attribute(&rank, &device),
+        "extremes" => extremes(&rank),
+        "late_init" | "stuck_init" => Ok(()),
         "uneven" => uneven(&rank, &device),
         "chunked" => chunked(&rank, &device),
         "nccl_id" | "nccl_id_missing" => nccl_id(&job),
@@ -128,7 +178,6 @@ fn search_panicking(
 }
 
 fn attribute(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
-    use batch_size_runtime::agree::Collective;
     let size = search(rank, device)?;
     println!(
         "rank {} of {}: agreed {size} (this GPU holds {})",
@@ -142,7 +191,7 @@ fn attribute(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
 /// An agreement kept past its job gets a clear error, not MPI's abort for a call after
 /// `MPI_Finalize`.
 fn after_the_job(job: MpiJob) -> ExitCode {
-    use batch_size_runtime::agree::{Collective, ReduceOp};
+    use batch_size_runtime::agree::ReduceOp;
     let late = job.agreement();
     drop(job); // MPI_Finalize, on every rank
     match late.all_reduce(&mut [1], ReduceOp::Max) {
@@ -160,7 +209,6 @@ fn after_the_job(job: MpiJob) -> ExitCode {
 /// 1,000 items in chunks that every rank runs alike: a chunk that did not fit one rank's GPU
 /// is redone smaller on all.
 fn chunked(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
-    use batch_size_runtime::agree::Collective;
     use batch_size_runtime::Chunked;
     let mut runner = Chunked::new(1000)
         .with_starting(256)
@@ -212,7 +260,7 @@ const MICROS_PER_SAMPLE: [u64; RANKS] = [1_000, 1_900, 1_700, 1_000];
 const MICROS_PER_PASS: u64 = 3_000;
 
 fn uneven(rank: &MpiRank, device: &SimulatedDevice) -> anyhow::Result<()> {
-    use batch_size_runtime::agree::{Collective, ReduceOp};
+    use batch_size_runtime::agree::ReduceOp;
     let me = rank.rank();
     let clock = Arc::new(AtomicU64::new(0));
     let read = Arc::clone(&clock);
@@ -298,6 +346,295 @@ fn failing(
     Ok(())
 }
 
+// ---- a fit and an out-of-memory in one round --------------------------------------------
+
+/// Each rank's simulated GPU in the mixed jobs, in samples of [`PER_SAMPLE`]: rank 0 holds
+/// more than any share, rank 1 less than every share, so every first round mixes a rank that
+/// fits with one that runs out of memory, on 2, 3 and 4 ranks.
+const MIXED_SAMPLES: [u64; 4] = [300, 70, 140, 200];
+
+fn mixed_device(rank: usize) -> SimulatedDevice {
+    let samples = MIXED_SAMPLES.get(rank).copied().unwrap_or(100);
+    SimulatedDevice::new(samples * PER_SAMPLE).named(format!("gpu{rank}"))
+}
+
+/// The mixed job `name` on this rank, through any collective: what it returns (one line) must
+/// be the same under MPI as under `ThreadRanks`.
+fn mixed<C: Collective>(name: &str, rank: &C, device: &SimulatedDevice) -> anyhow::Result<String> {
+    match name {
+        "effective" => mixed_effective(rank, device),
+        "chunked" => mixed_chunked(rank, device),
+        "search" => mixed_search(rank, device),
+        other => Err(anyhow::anyhow!("no mixed job {other}")),
+    }
+}
+
+/// `EffectiveBatch` of 384 samples, even shares, four steps; at step 2 another process takes
+/// four fifths of the last rank's GPU, so that step runs out of memory there late.
+fn mixed_effective<C: Collective>(rank: &C, device: &SimulatedDevice) -> anyhow::Result<String> {
+    let me = rank.rank();
+    let last = rank.world_size() - 1;
+    let mut runner = EffectiveBatch::new(384)
+        .with_release(device.clone())
+        .with_agreement(rank);
+    let mut micro = Vec::new();
+    let mut samples_of_all = Vec::new();
+    let mut taken = None;
+    for step in 0..4 {
+        if step == 2 && me == last {
+            taken = Some(device.alloc(device.capacity() / 5 * 4)?);
+        }
+        runner.step_then(
+            |plan| -> anyhow::Result<u64> {
+                let mut samples = 0;
+                for batch in plan.micro_batches() {
+                    let _activations = device.alloc(batch.range.len() as u64 * PER_SAMPLE)?;
+                    samples += batch.range.len() as u64;
+                }
+                Ok(samples)
+            },
+            |plan, samples| {
+                // The gradient all-reduce: every rank is here at every step.
+                let all: u64 = rank.all_gather(samples)?.iter().sum();
+                micro.push(plan.micro());
+                samples_of_all.push(all);
+                Ok(())
+            },
+        )?;
+    }
+    drop(taken);
+    let redone: Vec<(usize, Vec<usize>)> = runner
+        .recoveries()
+        .iter()
+        .map(|recovery| (recovery.step, recovery.tried.clone()))
+        .collect();
+    Ok(format!(
+        "rank {me}: micro {micro:?} samples of all {samples_of_all:?} redone {redone:?}"
+    ))
+}
+
+/// `Chunked` with more items on some ranks than others (1500, 500, 1000, 200), 256 a chunk at
+/// first: every rank runs every item of its own, once.
+fn mixed_chunked<C: Collective>(rank: &C, device: &SimulatedDevice) -> anyhow::Result<String> {
+    use batch_size_runtime::Chunked;
+    let me = rank.rank();
+    let total = [1500, 500, 1000, 200].get(me).copied().unwrap_or(300);
+    let mut runner = Chunked::new(total)
+        .with_starting(256)
+        .with_release(device.clone())
+        .with_agreement(rank);
+    let mut ran = 0;
+    runner.for_each(|range| {
+        let _activations = device.alloc(range.len() as u64 * PER_SAMPLE)?;
+        ran += range.len();
+        anyhow::Ok(())
+    })?;
+    let done: Vec<_> = runner
+        .chunks()
+        .iter()
+        .filter(|chunk| chunk.done)
+        .map(|chunk| chunk.range.clone())
+        .collect();
+    let covered: usize = done.iter().map(|range| range.len()).sum();
+    Ok(format!(
+        "rank {me}: {covered} of {total} items in {} chunks {done:?}; ran {ran}",
+        done.len()
+    ))
+}
+
+/// `BatchSizeSearch` from 1000 with no safe point: a rank's attempt that fits and another's
+/// that runs out of memory meet in the agreement after it.
+fn mixed_search<C: Collective>(rank: &C, device: &SimulatedDevice) -> anyhow::Result<String> {
+    use batch_size_runtime::BatchSizeSearch;
+    let (result, report) = BatchSizeSearch::new(1000)
+        .with_release(device.clone())
+        .with_agreement(rank)
+        .run_with_report(|size| -> anyhow::Result<usize> {
+            let _activations = device.alloc(size as u64 * PER_SAMPLE)?;
+            Ok(size)
+        });
+    let tried: Vec<usize> = report
+        .attempts()
+        .map(|attempt| attempt.batch_size)
+        .collect();
+    Ok(format!("rank {}: {} tried {tried:?}", rank.rank(), result?))
+}
+
+/// The same mixed job on `ThreadRanks`, one thread a rank: the line each rank returns, or its
+/// error, in rank order.
+fn on_threads(name: &str, ranks: usize) -> Vec<String> {
+    on_threads_with(ranks, mixed_device, |rank, device| {
+        mixed(name, rank, device)
+    })
+}
+
+/// `job` on `ThreadRanks`, each rank with the device `device` makes for it.
+fn on_threads_with(
+    ranks: usize,
+    device: fn(usize) -> SimulatedDevice,
+    job: impl Fn(&batch_size_runtime::agree::ThreadRank, &SimulatedDevice) -> anyhow::Result<String>
+        + Sync,
+) -> Vec<String> {
+    use batch_size_runtime::agree::ThreadRanks;
+    let job = &job;
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = ThreadRanks::with_timeout(ranks, Duration::from_secs(30))
+            .into_iter()
+            .map(|rank| {
+                scope.spawn(move || {
+                    let device = device(rank.rank());
+                    job(&rank, &device).unwrap_or_else(|error| format!("error {error:#}"))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|thread| {
+                thread
+                    .join()
+                    .unwrap_or_else(|_| "error: the thread panicked".to_owned())
+            })
+            .collect()
+    })
+}
+
+/// The second search's GPUs, in samples: other sizes than the first's, so that crossed rounds
+/// would show.
+const SECOND_SAMPLES: [u64; 4] = [90, 250, 40, 120];
+
+fn second_device(rank: usize) -> SimulatedDevice {
+    let samples = SECOND_SAMPLES.get(rank).copied().unwrap_or(100);
+    SimulatedDevice::new(samples * PER_SAMPLE).named(format!("second{rank}"))
+}
+
+/// Two searches at once on every rank, on two threads, each through an agreement of its own
+/// taken in the same order on every rank. Even ranks start the first search first, odd ranks
+/// the second: through one communicator their rounds would cross.
+fn two_searches(job: &MpiJob) -> anyhow::Result<Vec<String>> {
+    let me = job.rank();
+    let (first, second) = (job.agreement(), job.agreement());
+    let stagger = |mine_first: bool| {
+        if mine_first != (me % 2 == 0) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    std::thread::scope(|scope| {
+        let one = scope.spawn(|| {
+            stagger(true);
+            mixed_search(&first, &mixed_device(me)).map(|line| format!("first {line}"))
+        });
+        let two = scope.spawn(|| {
+            stagger(false);
+            mixed_search(&second, &second_device(me)).map(|line| format!("second {line}"))
+        });
+        let one = one
+            .join()
+            .map_err(|_| anyhow::anyhow!("the first search panicked"))??;
+        let two = two
+            .join()
+            .map_err(|_| anyhow::anyhow!("the second search panicked"))??;
+        Ok(vec![one, two])
+    })
+}
+
+/// Values at both ends of `u64` and across its sign bit, all-reduced: MIN and MAX must be the
+/// unsigned ones (MPICH 4.0.2 and Open MPI 4.1.4 compare `MPI_UINT64_T` as signed).
+const EXTREMES: [[u64; 5]; 2] = [
+    [96, 1 << 63, u64::MAX, 0, (1 << 63) - 1],
+    [u64::MAX, (1 << 63) - 1, 5, 1, 1 << 63],
+];
+
+fn extremes(rank: &MpiRank) -> anyhow::Result<()> {
+    use batch_size_runtime::agree::ReduceOp;
+    let mine = EXTREMES[rank.rank() % 2];
+    let (mut least, mut most) = (mine, mine);
+    rank.all_reduce(&mut least, ReduceOp::Min)?;
+    rank.all_reduce(&mut most, ReduceOp::Max)?;
+    println!("rank {} min {least:?} max {most:?}", rank.rank());
+    Ok(())
+}
+
+// ---- init ---------------------------------------------------------------------------------
+
+/// A zero timeout is refused before MPI is touched, with an error that says so.
+fn zero_timeout() -> ExitCode {
+    match MpiJob::init_with_timeout(Duration::ZERO) {
+        Ok(job) => {
+            println!("rank {}: a zero timeout was accepted", job.rank());
+            ExitCode::FAILURE
+        }
+        Err(error) => {
+            println!("refused: {error}");
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// The program initializes MPI itself (the `mpi` crate, as a user's MPI program would): the
+/// job adopts it, refuses a second job, leaves MPI to the program when dropped, and after the
+/// program finalized MPI a new job is refused as such.
+fn adopt() -> ExitCode {
+    use ::mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+    let Some((universe, _)) = ::mpi::initialize_with_threading(::mpi::Threading::Multiple) else {
+        eprintln!("the program could not initialize MPI");
+        return ExitCode::FAILURE;
+    };
+    let job = match MpiJob::init_with_timeout(Duration::from_secs(30)) {
+        Ok(job) => job,
+        Err(error) => {
+            println!("rank ? not adopted: {error}");
+            universe.world().abort(MpiJob::ABORT_CODE)
+        }
+    };
+    let me = job.rank();
+    match MpiJob::init() {
+        Ok(_) => println!("rank {me} second job: accepted"),
+        Err(error) => println!("rank {me} second job: {error}"),
+    }
+    let rank = job.agreement();
+    let device = mixed_device(me);
+    let size = match search(&rank, &device) {
+        Ok(size) => size,
+        Err(error) => job.abort(&format!("{error:#}")),
+    };
+    drop(job);
+    // MPI is still the program's: its own collective runs after the job.
+    universe.world().barrier();
+    println!("rank {me} adopted: agreed {size}; the program's MPI still runs after the job");
+    drop(universe); // MPI_Finalize, by the program
+    match MpiJob::init() {
+        Ok(_) => println!("rank {me} after finalize: accepted"),
+        Err(error) => println!("rank {me} after finalize: {error}"),
+    }
+    ExitCode::SUCCESS
+}
+
+/// This rank's number from the launcher's environment, before MPI is initialized.
+fn launcher_rank() -> Option<usize> {
+    ["PMI_RANK", "OMPI_COMM_WORLD_RANK"]
+        .into_iter()
+        .find_map(|name| std::env::var(name).ok()?.parse().ok())
+}
+
+/// In `late_init` the last rank comes to `MpiJob::init` 12 s late (four timeouts); in
+/// `stuck_init` it never comes. The others say when they entered it.
+fn before_init(scenario: &str) {
+    let ranks: usize = std::env::var(RANKS_VARIABLE)
+        .ok()
+        .and_then(|ranks| ranks.parse().ok())
+        .unwrap_or(RANKS);
+    let me = launcher_rank().unwrap_or(0);
+    if me + 1 == ranks {
+        let late = match scenario {
+            "late_init" => TIMEOUT * 4,
+            _ => Duration::from_secs(3600),
+        };
+        std::thread::sleep(late);
+    } else {
+        eprintln!("rank {me} enters init at {}", unix_millis());
+    }
+}
+
 // ---- the launcher -------------------------------------------------------------------------
 
 fn launch_all() -> ExitCode {
@@ -313,6 +650,8 @@ fn launch_all() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     };
+    // `MPI_JOBS=stuck,returns` runs only those jobs.
+    let only = std::env::var("MPI_JOBS").unwrap_or_default();
     let fake_nccl = match build_fake_nccl() {
         Ok(path) => path,
         Err(error) => {
@@ -320,42 +659,90 @@ fn launch_all() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let checks: [(&str, Check); 10] = [
-        ("attribute", check_attribute),
-        ("uneven", check_uneven),
-        ("chunked", check_chunked),
-        ("nccl_id", check_nccl_id),
-        ("nccl_id_missing", check_nccl_id_missing),
-        ("panics", check_panics),
-        ("panics_in_attempt", check_panics_in_attempt),
-        ("exits", check_exits),
-        ("stuck", check_stuck),
-        ("returns", check_returns),
+    let mut jobs: Vec<(String, usize, Check)> = vec![
+        ("attribute".into(), RANKS, Box::new(check_attribute)),
+        ("uneven".into(), RANKS, Box::new(check_uneven)),
+        ("chunked".into(), RANKS, Box::new(check_chunked)),
+        ("extremes".into(), 2, Box::new(check_extremes)),
     ];
-    // `MPI_JOBS=stuck,returns` runs only those jobs.
-    let only = std::env::var("MPI_JOBS").unwrap_or_default();
+    // A rank that fits and a rank that runs out of memory in one round, on 2, 3 and 4 ranks:
+    // each job gives what the same job gives on `ThreadRanks`.
+    for name in ["effective", "chunked", "search"] {
+        for ranks in 2..=4 {
+            let scenario = format!("mix_{name}");
+            let selected = only.is_empty() || only.split(',').any(|job| job == scenario);
+            if selected {
+                let expected = on_threads(name, ranks);
+                jobs.push((
+                    scenario,
+                    ranks,
+                    Box::new(move |job| check_mixed(job, &expected)),
+                ));
+            }
+        }
+    }
+    if only.is_empty() || only.split(',').any(|job| job == "two_searches") {
+        // Each search alone on ThreadRanks: what each must give, though they run at once.
+        let mut expected: Vec<String> = on_threads("search", RANKS)
+            .into_iter()
+            .map(|line| format!("first {line}"))
+            .collect();
+        expected.extend(
+            on_threads_with(RANKS, second_device, |rank, device| {
+                mixed_search(rank, device)
+            })
+            .into_iter()
+            .map(|line| format!("second {line}")),
+        );
+        jobs.push((
+            "two_searches".into(),
+            RANKS,
+            Box::new(move |job| check_mixed(job, &expected)),
+        ));
+    }
+    jobs.extend([
+        ("nccl_id".into(), RANKS, Box::new(check_nccl_id) as Check),
+        (
+            "nccl_id_missing".into(),
+            RANKS,
+            Box::new(check_nccl_id_missing),
+        ),
+        ("zero_timeout".into(), 2, Box::new(check_zero_timeout)),
+        ("adopt".into(), 3, Box::new(check_adopt)),
+        ("late_init".into(), 2, Box::new(check_late_init)),
+        ("stuck_init".into(), 3, Box::new(check_stuck_init)),
+        ("panics".into(), RANKS, Box::new(check_panics)),
+        (
+            "panics_in_attempt".into(),
+            RANKS,
+            Box::new(check_panics_in_attempt),
+        ),
+        ("exits".into(), RANKS, Box::new(check_exits)),
+        ("stuck".into(), RANKS, Box::new(check_stuck)),
+        ("returns".into(), RANKS, Box::new(check_returns)),
+    ]);
     let mut failed = 0;
-    for (scenario, check) in checks {
+    for (scenario, ranks, check) in jobs {
         if !only.is_empty() && !only.split(',').any(|name| name == scenario) {
             continue;
         }
-        let library = match scenario {
+        let library = match scenario.as_str() {
             "nccl_id" => fake_nccl.display().to_string(),
             _ => "/nonexistent/libnccl.so.2".to_owned(),
         };
-        let job = match run_job(&mpiexec, scenario, &library) {
+        let job = match run_job(&mpiexec, &scenario, ranks, &library) {
             Ok(job) => job,
             Err(error) => {
-                eprintln!("FAILED {scenario}: {error}");
+                eprintln!("FAILED {scenario} on {ranks} ranks: {error}");
                 failed += 1;
                 continue;
             }
         };
         match check(&job) {
-            Ok(()) => println!("ok {scenario}: {}", job.summary()),
+            Ok(()) => println!("ok {scenario} on {ranks} ranks: {}", job.summary()),
             Err(error) => {
                 eprintln!(
-                    "FAILED {scenario}: {error}\n{}\n--- stdout\n{}--- stderr\n{}",
+                    "FAILED {scenario} on {ranks} ranks: {error}\n{}\n--- stdout\n{}--- stderr\n{}",
                     job.summary(),
                     job.stdout,
                     job.stderr
@@ -391,7 +778,7 @@ fn find_mpiexec() -> Option<String> {
 }
 
 /// What a job must show.
-type Check = fn(&Job) -> Result<(), String>;
+type Check = Box<dyn Fn(&Job) -> Result<(), String>>;
 
 /// A finished job.
 struct Job {
@@ -482,16 +869,17 @@ fn build_fake_nccl() -> Result<std::path::PathBuf, String> {
     Ok(library)
 }
 
-fn run_job(mpiexec: &str, scenario: &str, nccl_library: &str) -> Result<Job, String> {
+fn run_job(mpiexec: &str, scenario: &str, ranks: usize, nccl_library: &str) -> Result<Job, String> {
     let started = Instant::now();
     let exe = std::env::current_exe().map_err(|error| format!("current_exe: {error}"))?;
     // Every process of the job inherits this marker, by which a hung job is found and killed
     // (MPICH's proxy puts each rank in a process group of its own).
     let marker = format!("{}-{scenario}", std::process::id());
     let mut child = Command::new(mpiexec)
-        .args(["-n", &RANKS.to_string()])
+        .args(["-n", &ranks.to_string()])
         .arg(exe)
         .env(SCENARIO, scenario)
+        .env(RANKS_VARIABLE, ranks.to_string())
         .env(JOB_MARKER, &marker)
         .env("BATCH_SIZE_NCCL_LIBRARY", nccl_library)
         .stdin(Stdio::null())
@@ -782,4 +1170,150 @@ fn check_stuck(job: &Job) -> Result<(), String> {
 fn check_returns(job: &Job) -> Result<(), String> {
     job.ended_in_time()?;
     job.stderr_says("waited 3s for the other ranks to agree (MPI_Iallreduce)")
+}
+
+/// Every rank gave the line its thread gave on `ThreadRanks`, and none an error.
+fn check_mixed(job: &Job, expected: &[String]) -> Result<(), String> {
+    if let Some(error) = expected.iter().find(|line| line.starts_with("error")) {
+        return Err(format!("on ThreadRanks itself: {error}"));
+    }
+    if !job.status.success() {
+        return Err(format!("the job failed; on ThreadRanks: {expected:?}"));
+    }
+    let mut got: Vec<&str> = job
+        .stdout
+        .lines()
+        .filter_map(|line| line.strip_prefix("result "))
+        .collect();
+    // In the order of `expected`: by search (where there are several), then by rank.
+    got.sort_by_key(|line| {
+        let (search, rest) = match line.split_once("rank ") {
+            Some((search, rest)) => (search.to_owned(), rest),
+            None => (String::new(), *line),
+        };
+        let rank = rest
+            .split(':')
+            .next()
+            .and_then(|rank| rank.parse::<usize>().ok());
+        (search != "first " && !search.is_empty(), rank)
+    });
+    if got != expected {
+        return Err(format!(
+            "MPI gave {got:#?}\nwhere ThreadRanks gives {expected:#?}"
+        ));
+    }
+    for line in got {
+        println!("  {line}");
+    }
+    Ok(())
+}
+
+fn check_extremes(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    let [a, b] = EXTREMES;
+    let least: Vec<u64> = a.iter().zip(b).map(|(a, b)| (*a).min(b)).collect();
+    let most: Vec<u64> = a.iter().zip(b).map(|(a, b)| (*a).max(b)).collect();
+    for rank in 0..2 {
+        let expected = format!("rank {rank} min {least:?} max {most:?}");
+        if !job.stdout.lines().any(|line| line == expected) {
+            return Err(format!("no line {expected:?}"));
+        }
+    }
+    println!("  every rank: min {least:?} max {most:?}");
+    Ok(())
+}
+
+fn check_zero_timeout(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed: a zero timeout was not refused".to_owned());
+    }
+    let refused = job
+        .stdout
+        .lines()
+        .filter(|line| line.starts_with("refused: ") && line.contains("zero"))
+        .collect::<Vec<_>>();
+    if refused.len() != 2 {
+        return Err(format!(
+            "{} of 2 ranks refused a zero timeout",
+            refused.len()
+        ));
+    }
+    println!("  {}", refused[0]);
+    Ok(())
+}
+
+/// The job ended, unsuccessfully, within the timeout plus 2 s of the on-time ranks' entering
+/// `MpiJob::init`, saying that a rank did not come.
+fn ended_after_init(job: &Job) -> Result<(), String> {
+    if job.status.success() {
+        return Err("the job succeeded though a rank never came".to_owned());
+    }
+    let entered = job
+        .stderr
+        .lines()
+        .filter_map(|line| {
+            line.split(" enters init at ")
+                .nth(1)?
+                .trim()
+                .parse::<u128>()
+                .ok()
+        })
+        .max()
+        .ok_or("no rank said when it entered init")?;
+    let after = Duration::from_millis(
+        u64::try_from(job.ended_at.saturating_sub(entered)).unwrap_or(u64::MAX),
+    );
+    if after > TIMEOUT + GRACE {
+        return Err(format!(
+            "the job ended {after:?} after the ranks entered init, over {:?}",
+            TIMEOUT + GRACE
+        ));
+    }
+    println!(
+        "  ended {:.2} s after the on-time ranks entered init (limit {:.0} s)",
+        after.as_secs_f64(),
+        (TIMEOUT + GRACE).as_secs_f64()
+    );
+    job.stderr_says("waited 3s for the other ranks to start (MPI_Init_thread)")
+}
+
+fn check_late_init(job: &Job) -> Result<(), String> {
+    ended_after_init(job)
+}
+
+fn check_stuck_init(job: &Job) -> Result<(), String> {
+    ended_after_init(job)
+}
+
+fn check_adopt(job: &Job) -> Result<(), String> {
+    if !job.status.success() {
+        return Err("the job failed".to_owned());
+    }
+    for rank in 0..3 {
+        for (what, words) in [
+            ("second job", "another MpiJob of this process is alive"),
+            // 512 halves to 64, the first size rank 1's GPU (70 samples) holds.
+            (
+                "adopted",
+                "agreed 64; the program's MPI still runs after the job",
+            ),
+            ("after finalize", "MPI is finalized already"),
+        ] {
+            let prefix = format!("rank {rank} {what}: ");
+            let line = job
+                .stdout
+                .lines()
+                .find(|line| line.starts_with(&prefix))
+                .ok_or_else(|| format!("rank {rank} said nothing on {what}"))?;
+            if !line.contains(words) {
+                return Err(format!("rank {rank}: {line:?} does not say {words:?}"));
+            }
+            if rank == 0 {
+                println!("  {line}");
+            }
+        }
+    }
+    Ok(())
 }

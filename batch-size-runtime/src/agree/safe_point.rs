@@ -2,6 +2,8 @@
 //! before the training step's own collectives, so that none waits in one alone.
 
 use super::collective::{Collective, ReduceOp};
+use crate::trial::ChildTrialError;
+use crate::OutOfMemory;
 
 /// Inside an attempt, after the forward and backward passes and before the gradient
 /// all-reduce: every rank learns whether any rank ran out of memory. A rank that did passes
@@ -32,3 +34,19 @@ pub fn safe_point(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("out of device memory on another rank")]
 pub struct OutOfMemoryOnAnotherRank;
+
+/// `safe_point(rank, ...)?` in a function returning this crate's [`OutOfMemory`] (as the
+/// simulated device's allocations do): an out-of-memory with no figures, on "another rank".
+impl From<OutOfMemoryOnAnotherRank> for OutOfMemory {
+    fn from(_: OutOfMemoryOnAnotherRank) -> OutOfMemory {
+        OutOfMemory::new().on_device("another rank")
+    }
+}
+
+/// `safe_point(rank, ...)?` in a function returning [`ChildTrialError`] (one that runs
+/// [`ChildTrial`](crate::ChildTrial)s): [`ChildTrialError::OutOfMemoryOnAnotherRank`].
+impl From<OutOfMemoryOnAnotherRank> for ChildTrialError {
+    fn from(_: OutOfMemoryOnAnotherRank) -> ChildTrialError {
+        ChildTrialError::OutOfMemoryOnAnotherRank
+    }
+}

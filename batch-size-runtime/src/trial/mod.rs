@@ -916,6 +916,11 @@ pub enum ChildTrialError {
     /// No size fit (what a search returns through this type).
     #[error(transparent)]
     NoSizeFits(#[from] NoExecutableBatchSize),
+    /// Another rank ran out of memory in this step (`safe_point(rank, ...)?` in a function
+    /// returning this type): out-of-memory, so a search retries this rank's attempt with the
+    /// others.
+    #[error("out of device memory on another rank")]
+    OutOfMemoryOnAnotherRank,
 }
 
 /// The figures of an out-of-memory first in its text, ` (out of device memory on cpu: tried
