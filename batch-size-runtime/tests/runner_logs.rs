@@ -164,3 +164,55 @@ fn a_growth_is_logged_at_info_not_warn() {
         "{lines:#?}"
     );
 }
+
+// -------------------------------------------------------------------------------------------
+// A retry's WARN line is a sentence a newcomer reads: what happened, what comes next, and why.
+
+#[test]
+fn a_retry_says_what_happened_and_what_comes_next_in_words() {
+    let (_, lines) = capture(|| {
+        BatchSizeSearch::new(64)
+            .with_release(batch_size_runtime::Release::none())
+            .run(|size| -> anyhow::Result<usize> {
+                fits_up_to(20, size)?;
+                Ok(size)
+            })
+            .unwrap()
+    });
+    let warns: Vec<&String> = lines.iter().filter(|l| l.starts_with("WARN")).collect();
+    assert!(
+        warns.iter().any(|line| line.contains(
+            "out of memory with batch size 64; retrying with 32: the error gave no memory figures, so the size is halved"
+        )),
+        "{lines:#?}"
+    );
+    // No jargon from the source: the ladder, rungs, "proved".
+    for line in &warns {
+        for jargon in ["ladder", "rung", "proved"] {
+            assert!(!line.contains(jargon), "{jargon}: {line}");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_retries_because_another_ran_out_says_so_first() {
+    let (_, lines) = capture(|| {
+        BatchSizeSearch::new(64)
+            .with_release(batch_size_runtime::Release::none())
+            .run(|size| -> anyhow::Result<usize> {
+                if size > 32 {
+                    // What `safe_point` answers on a rank whose own step fitted.
+                    Err(batch_size_runtime::agree::OutOfMemoryOnAnotherRank)?;
+                }
+                Ok(size)
+            })
+            .unwrap()
+    });
+    assert!(
+        lines.iter().any(|line| line.starts_with("WARN")
+            && line.contains(
+                "another rank ran out of memory with batch size 64 (this rank's step fitted); retrying with 32"
+            )),
+        "{lines:#?}"
+    );
+}

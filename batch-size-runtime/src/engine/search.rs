@@ -951,8 +951,14 @@ impl Search<'_> {
         let because = self
             .rationale
             .as_deref()
-            .map(|rationale| format!(" ({rationale})"))
+            .map(|rationale| format!(": {rationale}"))
             .unwrap_or_default();
+        // A rank that retries because another ran out says so first: its own step fitted.
+        let what = if description.contains("another rank") {
+            format!("another rank ran out of memory with batch size {failed_size} (this rank's step fitted)")
+        } else {
+            format!("out of memory with batch size {failed_size}")
+        };
         match &self.next {
             Next::Size(next) => tracing::warn!(
                 function = self.label,
@@ -962,7 +968,7 @@ impl Search<'_> {
                 error = %description,
                 memory,
                 free_after_release,
-                "out of memory with batch size {failed_size}; retrying with {next}{because}"
+                "{what}; retrying with {next}{because}"
             ),
             Next::Accepted => tracing::warn!(
                 function = self.label,

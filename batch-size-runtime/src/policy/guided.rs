@@ -634,7 +634,7 @@ impl Guided {
         let (proved_rungs, next_rung) = rungs_proved(first, proved);
         let Some(next_rung) = next_rung else {
             // Below the last rung: as halving, 0, which the engine refuses.
-            self.rationale = Some("every size of halving's ladder failed".to_owned());
+            self.rationale = Some("every size down to 1 ran out of memory".to_owned());
             return Decision::Try(size / 2);
         };
         // Halving makes an attempt at every proved rung and one more to end. Rungs keep this
@@ -666,15 +666,21 @@ impl Guided {
         }
         self.rationale = Some(if latest.is_none() {
             if failures.iter().any(|failure| failure.size == size) {
-                "the figures repeat at every size and say nothing: halving's next size".to_owned()
+                "the failures' memory figures are the same at every size and say nothing of \
+                 it, so the size is halved"
+                    .to_owned()
             } else {
-                "no figures: halving's next size".to_owned()
+                "the error gave no memory figures, so the size is halved".to_owned()
             }
         } else if !in_hand {
-            format!("an estimate failed: halving's next size, {next_rung}")
+            format!(
+                "a size estimated from the figures ran out of memory too, so the size is halved \
+                 to {next_rung}"
+            )
         } else {
             format!(
-                "the largest size of halving's ladder not proved to fail ({next_rung}); sizes from {} up are",
+                "the figures show that every size from {} up is too large, and {next_rung} is \
+                 the largest halving step below that",
                 proved.ceil()
             )
         });
