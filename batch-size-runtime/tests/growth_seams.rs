@@ -241,3 +241,24 @@ fn a_grown_size_that_failed_within_its_first_step_bounds_growth_that_goes_on() {
     );
     assert!(fitted <= fit, "{report}");
 }
+
+/// A framework that counts what it holds but not the device's total (burn and wgpu on a
+/// software driver) leaves the step no room to read: with a failure above, the call bisects
+/// toward it, where halving stopped at half the failed size.
+#[test]
+fn without_figures_the_call_bisects_below_the_smallest_failure() {
+    let fitted = BatchSizeSearch::new(256)
+        .with_release(batch_size_runtime::Release::none())
+        .run(|batch_size| -> anyhow::Result<usize> {
+            if batch_size > 100 {
+                Err(OutOfMemory::new())?; // no figures
+            }
+            step_done()?;
+            Ok(batch_size)
+        })
+        .unwrap();
+    let report = last_report().unwrap();
+    // 256 and 128 fail, 64 runs; then 96 (halfway to 128), 112 fails, 104 fails: 96.
+    assert!(grew(&report) >= 1, "{report}");
+    assert!(fitted >= 90 && fitted <= 100, "{fitted}: {report}");
+}

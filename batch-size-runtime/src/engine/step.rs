@@ -330,15 +330,16 @@ impl StepWatch {
             .at_start
             .clone()
             .unwrap_or_else(|| empty_start(&memory));
-        let Some(step) = measured_step(batch_size, Some(&at_start), Some(&memory)) else {
-            tracing::debug!(
-                batch_size,
-                "step_done(): the release read no figures for the step (no peak, or none at \
-                 all); the attempt does not grow"
-            );
-            return Ok(());
-        };
-        let Some(to) = (growth.rule)(&step).map(|to| to.min(growth.ceiling)) else {
+        let step = measured_step(batch_size, Some(&at_start), Some(&memory));
+        let Some(to) = (growth.rule)(batch_size, step.as_ref()).map(|to| to.min(growth.ceiling))
+        else {
+            if step.is_none() {
+                tracing::debug!(
+                    batch_size,
+                    "step_done(): the release read no figures for the step (no peak, or no \
+                     total) and no failure bounds it; the attempt does not grow"
+                );
+            }
             return Ok(());
         };
         if to < least_growth(batch_size) {
@@ -347,7 +348,7 @@ impl StepWatch {
         let grown = self.grown.get_or_init(|| Grown {
             from: batch_size,
             to,
-            step,
+            step: step.unwrap_or(StepFigures::new(batch_size, 0, 0)),
             at_start,
             memory,
         });

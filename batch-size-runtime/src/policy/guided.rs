@@ -96,6 +96,11 @@ impl Default for Guided {
     }
 }
 
+/// Without figures, growth bisects between the size that ran and the smallest that failed
+/// until the size that ran is this share of it: each bisection may cost a failure, and past it
+/// the gain is less than the risk.
+const BISECTED_NEAR: f64 = 0.9;
+
 impl Guided {
     /// The default margin, 5 % of the device.
     ///
@@ -508,7 +513,15 @@ impl SizePolicy for Guided {
         // just above a curved step's estimate says the curve bends there.
         let below_failures =
             failed.map_or(usize::MAX, |failed| (failed as f64 * GROWN_KEEP) as usize);
-        Some(Box::new(move |step| {
+        Some(Box::new(move |batch_size, step| {
+            let Some(step) = step else {
+                // No figures (a framework that counts what it holds but not the device's
+                // total): halfway to the smallest size that failed, a bisection that each
+                // growth or failure narrows, until the size that ran is within 10 % of it.
+                return failed
+                    .filter(|&failed| (batch_size as f64) < failed as f64 * BISECTED_NEAR)
+                    .map(|failed| batch_size + (failed - batch_size) / 2);
+            };
             let grown = grown_size(step, &earlier, GROWTH_EXPONENT_BOUND);
             let least = step.batch_size + step.batch_size.div_ceil(33);
             let probe = || (step.batch_size as f64 * PROBE_GROWTH).ceil() as usize;
@@ -561,26 +574,30 @@ impl SizePolicy for Guided {
 }
 
 impl Guided {
-    /// A size grown to from measured steps failed: a later step needed more than the first
-    /// (state created at the first optimizer step), so every measured step may understate the
-    /// function. Back, once, to the size the search had reached before growing; a failure
-    /// there is read as any other (`None`).
+    /// A size the search grew to failed. Within its first step (the estimate overshot, or a
+    /// bisection without figures went past the limit): back to the largest size whose first
+    /// step ran, from which growth may go on below the new bound. After it (a later step needed
+    /// more than the first: state created at the first optimizer step): back to the size the
+    /// search had reached before growing, and no more growing. `None` for any other failure.
     fn back_from_a_grown_size(
         &mut self,
         history: &SearchReport,
         last: &Attempt,
     ) -> Option<Decision> {
         let size = last.batch_size;
-        let failures_since_growing = history
+        // Only a size the search grew to; a failure after a later step ends growing (the
+        // rule says so), so this comes once for those, and once a growth for the others.
+        let grown_to = history
             .attempts()
-            .skip_while(|attempt| !matches!(attempt.outcome, Outcome::Grew { .. }))
-            .filter(|attempt| attempt.outcome.is_out_of_memory())
-            .count();
-        if failures_since_growing != 1 {
+            .any(|attempt| attempt.outcome == Outcome::Grew { to: size });
+        if !grown_to {
             return None;
         }
-        let mut measured = grown_steps(history)
-            .map(|(attempt, _)| attempt.batch_size)
+        // Every size that grew had its first step run, with figures or without.
+        let mut measured = history
+            .attempts()
+            .filter(|attempt| matches!(attempt.outcome, Outcome::Grew { .. }))
+            .map(|attempt| attempt.batch_size)
             .filter(|&before| before < size);
         let (back, which) = if last.first_step_done {
             measured

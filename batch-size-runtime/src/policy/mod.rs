@@ -202,9 +202,10 @@ pub trait SizePolicy: Send + fmt::Debug {
         None
     }
 
-    /// How the attempt about to run may grow once its first step is measured: a rule from the
-    /// step's figures ([`StepFigures`]) to a larger size to run the function at instead, or
-    /// `None` to leave the attempt alone. Asked before an attempt that has memory figures, where
+    /// How the attempt about to run may grow once its first step ran: a rule from the step (its
+    /// size, and its figures, [`StepFigures`], where the release read them) to a larger size to
+    /// run the function at instead, or `None` to leave the attempt alone. Asked before each
+    /// attempt, where
     /// the function reports its steps with [`step_done`](crate::step_done); the engine grows
     /// only to a size a few percent larger than the attempt's, below every size that failed,
     /// within `max` and the attempts left. Default: `None` (no growing).
@@ -244,5 +245,8 @@ impl StepFigures {
     }
 }
 
-/// A policy's rule from a measured step to the size to grow to ([`SizePolicy::grow_after_a_step`]).
-pub type GrowRule = Box<dyn Fn(&StepFigures) -> Option<usize> + Send + Sync>;
+/// A policy's rule from a step that ran to the size to grow to
+/// ([`SizePolicy::grow_after_a_step`]): the attempt's batch size, and the step's figures where
+/// the release read them (a framework that counts what it holds but not the device's total
+/// gives none).
+pub type GrowRule = Box<dyn Fn(usize, Option<&StepFigures>) -> Option<usize> + Send + Sync>;
