@@ -260,5 +260,5 @@ fn without_figures_the_call_bisects_below_the_smallest_failure() {
     let report = last_report().unwrap();
     // 256 and 128 fail, 64 runs; then 96 (halfway to 128), 112 fails, 104 fails: 96.
     assert!(grew(&report) >= 1, "{report}");
-    assert!(fitted >= 90 && fitted <= 100, "{fitted}: {report}");
+    assert!((90..=100).contains(&fitted), "{fitted}: {report}");
 }
