@@ -17,7 +17,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::NoExecutableBatchSize;
@@ -39,6 +39,13 @@ const TRIAL_FAILED: i32 = 3;
 
 /// The exit code of a child that could not write its report.
 const REPORT_UNWRITABLE: i32 = 4;
+
+/// The exit code of a child that reached a trial's `run` before `serve` (and was stopped
+/// there rather than start a child of its own).
+const RAN_BEFORE_SERVING: i32 = 5;
+
+/// The trial this process serves, once `serve` found it is that trial's child.
+static SERVING: OnceLock<String> = OnceLock::new();
 
 /// How long the parent waits, once an aborted child has ended, for the rest of its stderr
 /// (Rust's "memory allocation of N bytes failed", already in the pipe) where a process the
@@ -238,6 +245,9 @@ impl ChildTrial {
         let Some(asked) = self.asked() else {
             return;
         };
+        // Remembered past the variables' removal: a `run` of this trial in its own child would
+        // start another child, which would do the same.
+        let _ = SERVING.set(self.name.clone());
         // A process the trial starts must not find these: it would run the trial itself.
         // Removing them is sound while no other thread reads the environment, which is why
         // `serve` comes first, before the program starts threads.
@@ -336,13 +346,34 @@ impl ChildTrial {
     /// for the search to return. The child's stdout and stderr are passed through to this
     /// process's (through `print!` and `eprint!`, so a test harness captures them here too)
     /// unless [`with_output_passed_through(false)`](Self::with_output_passed_through).
+    ///
+    /// A trial's child never starts children of its own for a trial: where this process was
+    /// started as a trial's child and has not reached [`serve`](Self::serve) for it (its
+    /// arguments led elsewhere: a test that calls `run` itself, a `main` that calls `serve`
+    /// late), `run` ends the process at once with an error on stderr that names its arguments,
+    /// and the parent's `run` returns [`ChildTrialError::NotStarted`] saying so; in a child
+    /// serving this trial, it returns [`ChildTrialError::StartedInAChild`]. Either would
+    /// otherwise start the program again, which would do the same, without end.
     pub fn run(&self, batch_size: usize) -> Result<usize, ChildTrialError> {
+        if let Some(asked_for) = std::env::var_os(CHILD_VARIABLE) {
+            refuse_before_serve(&self.name, &asked_for);
+        }
+        if SERVING.get().is_some_and(|serving| *serving == self.name) {
+            return Err(ChildTrialError::StartedInAChild {
+                name: self.name.clone(),
+                args: std::env::args_os().skip(1).collect(),
+            });
+        }
         let args = match &self.args {
             Some(args) => args.clone(),
             None => std::env::args_os().skip(1).collect(),
         };
         let (report_path, abort_path) = trial_files();
-        let _cleanup = RemoveOnDrop(vec![report_path.clone(), abort_path.clone()]);
+        let _cleanup = RemoveOnDrop(vec![
+            report_path.clone(),
+            abort_path.clone(),
+            refused_path(&report_path),
+        ]);
         let mut child = Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
             .args(&args)
             .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
@@ -370,6 +401,16 @@ impl ChildTrial {
             .and_then(|text| Report::parse(&text))
             .filter(|report| report.batch_size == batch_size);
         let Some(report) = report else {
+            let ran_before_serving = std::fs::read_to_string(refused_path(&report_path)).ok();
+            if ran_before_serving.is_some() || status.code() == Some(RAN_BEFORE_SERVING) {
+                return Err(ChildTrialError::NotStarted {
+                    batch_size,
+                    name: self.name.clone(),
+                    args,
+                    status: describe_status(status),
+                    ran_before_serving: Some(ran_before_serving.unwrap_or_default()),
+                });
+            }
             if status.code() == Some(REPORT_UNWRITABLE) {
                 return Err(ChildTrialError::NoReport {
                     batch_size,
@@ -381,6 +422,7 @@ impl ChildTrial {
                 name: self.name.clone(),
                 args,
                 status: describe_status(status),
+                ran_before_serving: None,
             });
         };
         let used_at_abort = abort::read(&abort_path)
@@ -464,7 +506,48 @@ fn trial_files() -> (PathBuf, PathBuf) {
     let abort_path = abort::path_beside(&report_path);
     let _ = std::fs::remove_file(&report_path);
     let _ = std::fs::remove_file(&abort_path);
+    let _ = std::fs::remove_file(refused_path(&report_path));
     (report_path, abort_path)
+}
+
+/// The file a child that reached `run` before `serve` leaves beside its report: the trial
+/// whose `run` it reached.
+fn refused_path(report: &std::path::Path) -> PathBuf {
+    let mut path = report.as_os_str().to_owned();
+    path.push(".refused");
+    path.into()
+}
+
+/// In a process started as a trial's child that reached a trial's `run` before `serve` for its
+/// own: says so where a person reads it, tells the parent, and exits. Returning an error
+/// instead would let a test harness go on to the next test, which may start a child too.
+fn refuse_before_serve(name: &str, asked_for: &std::ffi::OsStr) -> ! {
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let asked_for = asked_for.to_string_lossy();
+    let trial = asked_for
+        .rsplit_once('=')
+        .map_or(&*asked_for, |(trial, _)| trial);
+    tracing::error!(
+        trial,
+        reached = name,
+        args = %Args(&args),
+        "a trial's child reached ChildTrial::run before ChildTrial::serve: it ends here rather \
+         than start a child of its own"
+    );
+    // The process ends now, so stderr is the one place a person reads why (a subscriber may
+    // not be installed); the parent passes it through.
+    eprintln!(
+        "error: this process is the child of ChildTrial `{trial}`, started with {}, and it \
+         reached ChildTrial::run for trial `{name}` before ChildTrial::serve for `{trial}`: it \
+         exits here rather than start a child of its own (each would do the same, without end). \
+         Make its arguments lead to serve first (with_args naming the test that serves, \
+         --exact and --ignored), or call serve first in main.",
+        Args(&args)
+    );
+    if let Some(report) = std::env::var_os(REPORT_VARIABLE) {
+        let _ = std::fs::write(refused_path(std::path::Path::new(&report)), name);
+    }
+    std::process::exit(RAN_BEFORE_SERVING)
 }
 
 /// How a child that started its trial ended: its exit status, Rust's abort message, the
@@ -877,9 +960,10 @@ pub enum ChildTrialError {
     /// `main` that does not call `serve` first). Never a fit.
     #[error(
         "the trial's child process at batch size {batch_size} ended ({status}) without starting \
-         trial `{name}`: started with {}, it never reached ChildTrial::serve for it (check the \
+         trial `{name}`: started with {}, it never reached ChildTrial::serve for it{} (check the \
          test's exact name and --ignored, or that main calls serve first)",
-        Args(args)
+        Args(args),
+        RanBeforeServing(ran_before_serving.as_deref())
     )]
     NotStarted {
         /// The size asked for.
@@ -890,6 +974,24 @@ pub enum ChildTrialError {
         args: Vec<OsString>,
         /// How it ended.
         status: String,
+        /// Where the child reached a trial's [`ChildTrial::run`] before `serve` and was stopped
+        /// there, rather than start a child of its own: that trial's name (empty where the
+        /// child could not say).
+        ran_before_serving: Option<String>,
+    },
+    /// [`ChildTrial::run`] was called in a child serving the same trial (in its step): it
+    /// would start a child of its own, which would do the same, without end.
+    #[error(
+        "this process is trial `{name}`'s child (started with {}): ChildTrial::run for `{name}` \
+         in its step would start a child of its own, which would do the same; call the step's \
+         code directly in the child, and run the trial in the parent",
+        Args(args)
+    )]
+    StartedInAChild {
+        /// The trial's name.
+        name: String,
+        /// This process's arguments.
+        args: Vec<OsString>,
     },
     /// The trial ran past [`ChildTrial::with_deadline`]; the child was killed.
     #[error("the trial's child process at batch size {batch_size} ran past its deadline of {deadline:?} and was killed")]
@@ -916,6 +1018,26 @@ pub enum ChildTrialError {
     /// No size fit (what a search returns through this type).
     #[error(transparent)]
     NoSizeFits(#[from] NoExecutableBatchSize),
+}
+
+/// ", and it reached ChildTrial::run for trial `x` first, where it was stopped", where it did.
+struct RanBeforeServing<'a>(Option<&'a str>);
+
+impl fmt::Display for RanBeforeServing<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            None => Ok(()),
+            Some("") => f.write_str(
+                "; it reached ChildTrial::run first and was stopped there rather than start a \
+                 child of its own",
+            ),
+            Some(trial) => write!(
+                f,
+                "; it reached ChildTrial::run for trial `{trial}` first and was stopped there \
+                 rather than start a child of its own"
+            ),
+        }
+    }
 }
 
 /// The figures of an out-of-memory first in its text, ` (out of device memory on cpu: tried

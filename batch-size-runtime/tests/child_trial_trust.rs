@@ -1,0 +1,96 @@
+//! `ChildTrial` at its edges (issue 54): a child never starts children of its own for a trial;
+//! what the parent reports holds whatever the child did at exit, on a side thread or when it
+//! was killed; the child's files and processes never outlive the trial. Each child is this test
+//! binary, running the ignored `child_entry` (or `chain_entry`) test.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
+
+use batch_size_runtime::{ChildTrial, ChildTrialError};
+
+/// The arguments of this file's children.
+const CHILD: [&str; 3] = ["--exact", "child_entry", "--ignored"];
+
+/// How many processes deep a chain of children may go before a test stops it itself: on a
+/// source that lets a child start children, the chain would otherwise never end.
+const DEPTH: &str = "CHILD_TRIAL_TRUST_DEPTH";
+const MAX_DEPTH: u32 = 3;
+
+fn trial(name: &str) -> ChildTrial {
+    ChildTrial::new(name).with_args(CHILD)
+}
+
+/// One level deeper in a chain of children; `false` where the chain is already too deep.
+fn deeper() -> bool {
+    let depth: u32 = std::env::var(DEPTH)
+        .ok()
+        .and_then(|depth| depth.parse().ok())
+        .unwrap_or(0);
+    // Only this test's process runs here (one test, `--exact`): no other thread reads the
+    // environment.
+    std::env::set_var(DEPTH, (depth + 1).to_string());
+    depth < MAX_DEPTH
+}
+
+/// Every trial of this file, in the child.
+#[test]
+#[ignore = "the child of this file's tests: run by them with --ignored"]
+fn child_entry() {
+    // Its step runs its own trial again: a child of a child of the same trial.
+    trial("runs_itself").serve(|batch_size| -> Result<(), String> {
+        if !deeper() {
+            return Err("a grandchild ran: the chain of children did not stop".to_owned());
+        }
+        match trial("runs_itself").run(batch_size) {
+            Err(error @ ChildTrialError::StartedInAChild { .. }) => Err(error.to_string()),
+            other => Err(format!("the step's own run started a child: {other:?}")),
+        }
+    });
+    panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
+}
+
+/// A test the child of `chain` runs instead of serving: it runs the trial itself, as a test
+/// that sizes a step does, and its child would do the same.
+#[test]
+#[ignore = "the child of a_child_that_never_served_starts_no_child: run by it with --ignored"]
+fn chain_entry() {
+    if !deeper() {
+        std::process::exit(77);
+    }
+    let outcome = ChildTrial::new("chain")
+        .with_args(["--exact", "chain_entry", "--ignored"])
+        .run(8);
+    panic!("the child ran a trial of its own: {outcome:?}");
+}
+
+/// 1: a child whose arguments never reach `serve` (a test that runs the trial itself) stops at
+/// its first `run`, and the parent's error says so, with the arguments; no grandchild starts.
+#[test]
+fn a_child_that_never_served_starts_no_child() {
+    let trial = ChildTrial::new("chain").with_args(["--exact", "chain_entry", "--ignored"]);
+    let error = trial.run(8).unwrap_err();
+    let ChildTrialError::NotStarted {
+        ran_before_serving, ..
+    } = &error
+    else {
+        panic!("not a trial that never started: {error:?}");
+    };
+    assert_eq!(ran_before_serving.as_deref(), Some("chain"), "{error}");
+    let text = error.to_string();
+    assert!(
+        text.contains("chain_entry") && text.contains("reached ChildTrial::run"),
+        "{text}"
+    );
+}
+
+/// 1: a child serving a trial whose step runs the same trial gets an error, not a grandchild.
+#[test]
+fn a_childs_step_that_runs_its_own_trial_starts_no_child() {
+    let error = trial("runs_itself").run(8).unwrap_err();
+    let ChildTrialError::Failed { message, .. } = &error else {
+        panic!("not the child's own failure: {error:?}");
+    };
+    assert!(
+        message.contains("would start a child of its own"),
+        "{message}"
+    );
+}
