@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
+use std::time::Duration;
+
 use batch_size_runtime::{ChildTrial, ChildTrialError};
 
 /// The arguments of this file's children.
@@ -45,6 +47,8 @@ fn child_entry() {
             other => Err(format!("the step's own run started a child: {other:?}")),
         }
     });
+    // Fits.
+    trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
     panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
 }
 
@@ -93,4 +97,13 @@ fn a_childs_step_that_runs_its_own_trial_starts_no_child() {
         message.contains("would start a child of its own"),
         "{message}"
     );
+}
+
+/// 2: any deadline works, the longest one an `Instant` cannot hold included.
+#[test]
+fn the_longest_deadline_is_no_deadline() {
+    for deadline in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+        let trial = trial("fits").with_deadline(deadline);
+        assert_eq!(trial.run(8).unwrap(), 8);
+    }
 }

@@ -475,10 +475,13 @@ impl ChildTrial {
     /// until the deadline where there is one; `None` where the deadline passed (the child is
     /// killed).
     fn wait(&self, child: &mut Child) -> Result<Option<ExitStatus>, ChildTrialError> {
-        let Some(deadline) = self.deadline else {
+        // A deadline past what an `Instant` can hold (`Duration::MAX`) is no deadline.
+        let Some(until) = self
+            .deadline
+            .and_then(|deadline| Instant::now().checked_add(deadline))
+        else {
             return child.wait().map(Some).map_err(ChildTrialError::Wait);
         };
-        let until = Instant::now() + deadline;
         loop {
             if let Some(status) = child.try_wait().map_err(ChildTrialError::Wait)? {
                 return Ok(Some(status));
