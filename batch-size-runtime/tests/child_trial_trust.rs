@@ -21,6 +21,16 @@ fn trial(name: &str) -> ChildTrial {
     ChildTrial::new(name).with_args(CHILD)
 }
 
+/// Sends `signal` to this process with `kill(1)` and waits for it to land.
+fn kill_this_process(signal: &str) -> ! {
+    let _ = std::process::Command::new("kill")
+        .args([format!("-{signal}"), std::process::id().to_string()])
+        .status();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
 /// One level deeper in a chain of children; `false` where the chain is already too deep.
 fn deeper() -> bool {
     let depth: u32 = std::env::var(DEPTH)
@@ -46,6 +56,14 @@ fn child_entry() {
             Err(error @ ChildTrialError::StartedInAChild { .. }) => Err(error.to_string()),
             other => Err(format!("the step's own run started a child: {other:?}")),
         }
+    });
+    // Fits up to 16; above, the process is killed (SIGKILL, as the kernel's out-of-memory
+    // killer does) before the step can say anything.
+    trial("killed_above_16").serve(|batch_size| -> Result<(), String> {
+        if batch_size > 16 {
+            kill_this_process("KILL");
+        }
+        Ok(())
     });
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
@@ -106,4 +124,28 @@ fn the_longest_deadline_is_no_deadline() {
         let trial = trial("fits").with_deadline(deadline);
         assert_eq!(trial.run(8).unwrap(), 8);
     }
+}
+
+/// 3: a child killed before it left figures has none: `memory()` does not give the last
+/// child's as its own.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_killed_child_that_left_no_figures_has_none() {
+    let trial = trial("killed_above_16");
+    let memory = trial.memory();
+    assert_eq!(trial.run(8).unwrap(), 8);
+    // The fit left figures (otherwise this test would prove nothing).
+    let after_fit = memory.memory_backend().memory();
+    assert_eq!(after_fit.devices.len(), 1, "{after_fit:?}");
+
+    let error = trial.run(64).unwrap_err();
+    assert!(
+        matches!(error, ChildTrialError::Died { .. }),
+        "not a kill: {error:?}"
+    );
+    let after_kill = memory.memory_backend().memory();
+    assert!(
+        after_kill.devices.is_empty(),
+        "the fit's figures read as the killed child's: {after_kill:?}"
+    );
 }

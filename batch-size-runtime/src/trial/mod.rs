@@ -720,9 +720,9 @@ struct ChildFigures {
 impl ChildMemory {
     fn ended(&self, used: Option<Used>) {
         let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if used.is_some() {
-            figures.last = used;
-        }
+        // A child that left no figures (killed before it could write them) has none: an
+        // earlier child's would read as this one's.
+        figures.last = used;
         figures.ended = true;
     }
 
