@@ -65,6 +65,19 @@ fn child_entry() {
         }
         Ok(())
     });
+    // Fits, then a library's teardown panics at exit (an `atexit` handler: the panic cannot
+    // unwind out of it, and the process aborts after the panic hook ran).
+    trial("panics_at_exit").serve(|_| -> Result<(), String> {
+        extern "C" fn teardown() {
+            panic!("a library's teardown failed");
+        }
+        extern "C" {
+            fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
+        }
+        // SAFETY: `teardown` is an `extern "C" fn()` that lives as long as the program.
+        unsafe { atexit(teardown) };
+        Ok(())
+    });
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
     panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
@@ -148,4 +161,12 @@ fn a_killed_child_that_left_no_figures_has_none() {
         after_kill.devices.is_empty(),
         "the fit's figures read as the killed child's: {after_kill:?}"
     );
+}
+
+/// 4: a trial that returned `Ok` is a fit, whatever the process does at exit (a panic in a
+/// library's teardown, after the panic hook saw it).
+#[cfg(unix)]
+#[test]
+fn a_fit_stays_a_fit_whatever_happens_at_exit() {
+    assert_eq!(trial("panics_at_exit").run(8).unwrap(), 8);
 }

@@ -275,9 +275,11 @@ impl ChildTrial {
         }
         abort::install(&abort::path_beside(&asked.report));
         // A panic's text is reported as it happens: with `panic = "abort"`, or a panic while
-        // panicking, nothing after the hook runs.
+        // panicking, nothing after the hook runs. It goes to a file of its own, never over the
+        // report: a panic after the trial's outcome (in a library's teardown at exit) must not
+        // take its place.
         let previous = panic::take_hook();
-        let (path, started) = (asked.report.clone(), report.clone());
+        let (path, started) = (panicking_path(&asked.report), report.clone());
         panic::set_hook(Box::new(move |info| {
             let message = panic_text(info.payload());
             let panicking = Report {
@@ -373,6 +375,7 @@ impl ChildTrial {
             report_path.clone(),
             abort_path.clone(),
             refused_path(&report_path),
+            panicking_path(&report_path),
         ]);
         let mut child = Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
             .args(&args)
@@ -425,17 +428,26 @@ impl ChildTrial {
                 ran_before_serving: None,
             });
         };
+        // The trial's own outcome where it reported one; a panic under way only where it did not.
+        let ended = report.ended.clone().or_else(|| {
+            std::fs::read_to_string(panicking_path(&report_path))
+                .ok()
+                .and_then(|text| Report::parse(&text))
+                .filter(|panicking| panicking.batch_size == batch_size)
+                .and_then(|panicking| panicking.ended)
+        });
         let used_at_abort = abort::read(&abort_path)
             .zip(report.start.zip(report.start_own))
             .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
         self.figures.ended(report.used.or(used_at_abort));
+        let ended_as_reported = ended;
         let ended = Ending {
             batch_size,
             status,
             abort_message: &abort_message,
             used_at_abort,
         };
-        ended.outcome(report.ended)
+        ended.outcome(ended_as_reported)
     }
 
     /// Reads the child's stdout and stderr on threads of their own, passing them through where
@@ -510,6 +522,7 @@ fn trial_files() -> (PathBuf, PathBuf) {
     let _ = std::fs::remove_file(&report_path);
     let _ = std::fs::remove_file(&abort_path);
     let _ = std::fs::remove_file(refused_path(&report_path));
+    let _ = std::fs::remove_file(panicking_path(&report_path));
     (report_path, abort_path)
 }
 
@@ -518,6 +531,14 @@ fn trial_files() -> (PathBuf, PathBuf) {
 fn refused_path(report: &std::path::Path) -> PathBuf {
     let mut path = report.as_os_str().to_owned();
     path.push(".refused");
+    path.into()
+}
+
+/// The file a child's panic hook writes beside its report: a panic under way, which the
+/// parent reads only where the report has no outcome.
+fn panicking_path(report: &std::path::Path) -> PathBuf {
+    let mut path = report.as_os_str().to_owned();
+    path.push(".panicking");
     path.into()
 }
 
