@@ -31,6 +31,12 @@ fn kill_this_process(signal: &str) -> ! {
     }
 }
 
+/// A thread that panics on its data, joined: the step goes on.
+fn side_thread_panics() {
+    let joined = std::thread::spawn(|| panic!("corrupt record 3 on a side thread")).join();
+    assert!(joined.is_err());
+}
+
 /// One level deeper in a chain of children; `false` where the chain is already too deep.
 fn deeper() -> bool {
     let depth: u32 = std::env::var(DEPTH)
@@ -76,6 +82,25 @@ fn child_entry() {
         }
         // SAFETY: `teardown` is an `extern "C" fn()` that lives as long as the program.
         unsafe { atexit(teardown) };
+        Ok(())
+    });
+    // A side thread panics on its data and the step carries on (the thread's death is caught
+    // by `join`); then the process is killed, or aborts, as a failed allocation ends it.
+    trial("side_panic_then_killed").serve(|_| -> Result<(), String> {
+        side_thread_panics();
+        kill_this_process("KILL");
+    });
+    trial("side_panic_then_aborts").serve(|_| -> Result<(), String> {
+        side_thread_panics();
+        std::process::abort();
+    });
+    // A panic that cannot unwind (out of an `extern "C"` function) aborts the process: the
+    // panic, not a failed allocation, ended it.
+    trial("panic_aborts").serve(|_| -> Result<(), String> {
+        extern "C" fn parse() {
+            panic!("corrupt record 9");
+        }
+        parse();
         Ok(())
     });
     // Fits.
@@ -169,4 +194,27 @@ fn a_killed_child_that_left_no_figures_has_none() {
 #[test]
 fn a_fit_stays_a_fit_whatever_happens_at_exit() {
     assert_eq!(trial("panics_at_exit").run(8).unwrap(), 8);
+}
+
+/// 5: a kill or an abort after the step started is out of memory, whatever a side thread's
+/// caught panic said before.
+#[test]
+fn a_signal_after_a_side_threads_caught_panic_is_out_of_memory() {
+    for name in ["side_panic_then_killed", "side_panic_then_aborts"] {
+        let error = trial(name).run(8).unwrap_err();
+        assert!(
+            matches!(error, ChildTrialError::Died { batch_size: 8, .. }),
+            "{name}: not out of memory: {error:?}"
+        );
+    }
+}
+
+/// 5: a panic that aborted the process is that panic's failure, not out of memory.
+#[test]
+fn a_panic_that_aborts_is_a_failure() {
+    let error = trial("panic_aborts").run(8).unwrap_err();
+    assert!(
+        matches!(error, ChildTrialError::Failed { batch_size: 8, .. }),
+        "{error:?}"
+    );
 }

@@ -15,7 +15,14 @@ use super::report::Own;
 pub(crate) struct AtAbort {
     pub(crate) own: Own,
     pub(crate) address_space_limit: Option<u64>,
+    /// Whether the thread that aborted was panicking (`panic = "abort"`, a panic while
+    /// panicking, one that cannot unwind): the panic ended the process, not a failed
+    /// allocation. A panic another thread caught earlier is not this.
+    pub(crate) panicking: bool,
 }
+
+/// The line the handler adds where the aborting thread was panicking.
+const PANICKING_LINE: &str = "batch-size-runtime: the aborting thread was panicking";
 
 /// The path of the abort file beside a report.
 pub(crate) fn path_beside(report: &Path) -> std::path::PathBuf {
@@ -36,6 +43,7 @@ pub(crate) fn read(path: &Path) -> Option<AtAbort> {
                 .parse()
                 .ok()
         }),
+        panicking: text.lines().any(|line| line == PANICKING_LINE),
     })
 }
 
@@ -96,6 +104,14 @@ mod handler {
                 }
                 close(fd);
             }
+        }
+        // Whether this thread is panicking: std reads an atomic count and, only where a panic
+        // is under way somewhere, a const-initialised thread-local without a destructor;
+        // neither allocates nor locks.
+        if std::thread::panicking() {
+            let line = b"\nbatch-size-runtime: the aborting thread was panicking\n";
+            // SAFETY: a static buffer and its length.
+            unsafe { write(file, line.as_ptr().cast(), line.len()) };
         }
         // SAFETY: the file opened in `install`, closed once (the swap above took it).
         unsafe { close(file) };

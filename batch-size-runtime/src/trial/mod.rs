@@ -436,7 +436,8 @@ impl ChildTrial {
                 .filter(|panicking| panicking.batch_size == batch_size)
                 .and_then(|panicking| panicking.ended)
         });
-        let used_at_abort = abort::read(&abort_path)
+        let at_abort = abort::read(&abort_path);
+        let used_at_abort = at_abort
             .zip(report.start.zip(report.start_own))
             .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
         self.figures.ended(report.used.or(used_at_abort));
@@ -446,6 +447,7 @@ impl ChildTrial {
             status,
             abort_message: &abort_message,
             used_at_abort,
+            panicking_at_abort: at_abort.map(|at_abort| at_abort.panicking),
         };
         ended.outcome(ended_as_reported)
     }
@@ -581,6 +583,8 @@ struct Ending<'a> {
     status: ExitStatus,
     abort_message: &'a AbortMessage,
     used_at_abort: Option<Used>,
+    /// Whether the thread that aborted was panicking, where the abort handler said.
+    panicking_at_abort: Option<bool>,
 }
 
 impl Ending<'_> {
@@ -609,15 +613,15 @@ impl Ending<'_> {
                 message,
                 figures: OutOfMemory::new(),
             }),
-            // A panic under way when the process ended: the panic, unless Rust's abort message
-            // says a failed allocation ended it (a panic caught inside the step, then the abort).
+            // A panic under way when the process ended: the panic only where it ended the
+            // process. A kill, a segfault or an abort on a thread that was not panicking came
+            // after a panic some thread caught (a side thread's), and is out of memory as any
+            // signal after the trial started is.
             Some(Ended::Panicking {
                 message,
                 out_of_memory: false,
             }) => match ended_by_signal(self.status) {
-                Some(how) if self.abort_message.requested(ABORT_MESSAGE_GRACE).is_some() => {
-                    Err(self.died(how))
-                }
+                Some(how) if !self.the_panic_aborted() => Err(self.died(how)),
                 _ => Err(failed(message)),
             },
             None => match ended_by_signal(self.status) {
@@ -628,6 +632,19 @@ impl Ending<'_> {
                     describe_status(self.status)
                 ))),
             },
+        }
+    }
+
+    /// Whether the panic the child reported is what ended it: an abort (SIGABRT) on the thread
+    /// that was panicking, by the abort handler's word; where the handler left none, an abort
+    /// without Rust's failed-allocation message.
+    fn the_panic_aborted(&self) -> bool {
+        if signal_number(self.status) != Some(SIGABRT) {
+            return false;
+        }
+        match self.panicking_at_abort {
+            Some(panicking) => panicking,
+            None => self.abort_message.requested(ABORT_MESSAGE_GRACE).is_none(),
         }
     }
 
@@ -894,6 +911,20 @@ fn describe_status(status: ExitStatus) -> String {
         (None, Some(how)) => how,
         (None, None) => status.to_string(),
     }
+}
+
+/// SIGABRT's number on every platform Rust supports.
+const SIGABRT: i32 = 6;
+
+#[cfg(unix)]
+fn signal_number(status: ExitStatus) -> Option<i32> {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal()
+}
+
+#[cfg(not(unix))]
+fn signal_number(status: ExitStatus) -> Option<i32> {
+    (status.code() == Some(3)).then_some(SIGABRT)
 }
 
 #[cfg(unix)]
