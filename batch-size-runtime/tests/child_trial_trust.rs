@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use batch_size_runtime::{ChildTrial, ChildTrialError};
@@ -35,6 +36,33 @@ fn kill_this_process(signal: &str) -> ! {
 fn side_thread_panics() {
     let joined = std::thread::spawn(|| panic!("corrupt record 3 on a side thread")).join();
     assert!(joined.is_err());
+}
+
+/// The files a child and its test exchange: "in the step" and "go on".
+fn signal_files(parent: u32, batch_size: usize) -> (PathBuf, PathBuf) {
+    let base = std::env::temp_dir().join(format!("child-trial-trust-{parent}-{batch_size}"));
+    (base.with_extension("ready"), base.with_extension("go"))
+}
+
+/// Waits (at most a minute) for `path` to exist.
+fn wait_for(path: &Path) {
+    for _ in 0..600 {
+        if path.exists() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{} never appeared", path.display());
+}
+
+/// The names at which trials of this process kept their files in the shared temporary folder
+/// before they had a private folder of their own, as another process of the same id (in another
+/// PID namespace sharing `/tmp`) would reach them.
+fn shared_names() -> Vec<PathBuf> {
+    let pid = std::process::id();
+    (0..200)
+        .map(|trial| std::env::temp_dir().join(format!("batch-size-child-{pid}-{trial}.report")))
+        .collect()
 }
 
 /// One level deeper in a chain of children; `false` where the chain is already too deep.
@@ -102,6 +130,18 @@ fn child_entry() {
         }
         parse();
         Ok(())
+    });
+    // Says it is in the step, waits for the parent's word, then is killed (SIGKILL).
+    trial("killed_when_told").serve(|batch_size| -> Result<(), String> {
+        let (ready, go) = signal_files(std::os::unix::process::parent_id(), batch_size);
+        std::fs::write(ready, "in the step").map_err(|error| error.to_string())?;
+        for _ in 0..600 {
+            if go.exists() {
+                kill_this_process("KILL");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err("the parent never said go".to_owned())
     });
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
@@ -217,4 +257,61 @@ fn a_panic_that_aborts_is_a_failure() {
         matches!(error, ChildTrialError::Failed { batch_size: 8, .. }),
         "{error:?}"
     );
+}
+
+/// 6: a child that started its step is never "not started", whatever another process does to
+/// the shared temporary folder meanwhile (here: removes the files at the names this process's
+/// trials once used, as a second run of the program with the same process id in another PID
+/// namespace did at its start); it was killed in the step, so it ran out of memory.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_killed_childs_start_is_read_whatever_others_do_to_the_temporary_folder() {
+    let batch_size = 4201;
+    let (ready, go) = signal_files(std::process::id(), batch_size);
+    let outcome = std::thread::scope(|scope| {
+        let running = scope.spawn(|| trial("killed_when_told").run(batch_size));
+        wait_for(&ready);
+        for path in shared_names() {
+            let _ = std::fs::remove_file(&path);
+        }
+        std::fs::write(&go, "go").unwrap();
+        running.join().unwrap()
+    });
+    let _ = std::fs::remove_file(&ready);
+    let _ = std::fs::remove_file(&go);
+    let error = outcome.unwrap_err();
+    assert!(
+        matches!(error, ChildTrialError::Died { .. }),
+        "a child killed in its step is not out of memory: {error:?}"
+    );
+}
+
+/// 7: a symlink another user planted where a trial's files could go is never followed: the
+/// file it points to stays as it was.
+#[cfg(unix)]
+#[test]
+fn a_planted_symlink_is_never_followed() {
+    let victim =
+        std::env::temp_dir().join(format!("child-trial-trust-{}-victim", std::process::id()));
+    std::fs::write(&victim, "precious").unwrap();
+    let planted: Vec<PathBuf> = shared_names()
+        .into_iter()
+        .flat_map(|report| {
+            let mut partial = report.into_os_string();
+            partial.push(".0.partial");
+            let partial = PathBuf::from(partial);
+            let mut abort = partial.clone().into_os_string();
+            abort.push(".abort");
+            [partial, PathBuf::from(abort)]
+        })
+        .filter(|path| std::os::unix::fs::symlink(&victim, path).is_ok())
+        .collect();
+    let outcome = trial("fits").run(8);
+    for path in &planted {
+        let _ = std::fs::remove_file(path);
+    }
+    let left = std::fs::read_to_string(&victim).unwrap();
+    let _ = std::fs::remove_file(&victim);
+    assert_eq!(left, "precious");
+    assert_eq!(outcome.unwrap(), 8);
 }

@@ -3,7 +3,7 @@
 //! allocation of N bytes failed" and calls `abort()`, which raises SIGABRT; a handler of that
 //! signal still runs, so the child copies `/proc/self/status` (its virtual and resident size
 //! then) and `/proc/self/limits` (the address-space limit it ran under, which a trial may set
-//! itself) into a file the parent reads. Only system calls: the heap is what just failed.
+//! itself) into a file of the trial's folder that the parent reads. Only system calls: the heap is what just failed.
 
 use std::path::Path;
 
@@ -24,16 +24,10 @@ pub(crate) struct AtAbort {
 /// The line the handler adds where the aborting thread was panicking.
 const PANICKING_LINE: &str = "batch-size-runtime: the aborting thread was panicking";
 
-/// The path of the abort file beside a report.
-pub(crate) fn path_beside(report: &Path) -> std::path::PathBuf {
-    let mut path = report.as_os_str().to_owned();
-    path.push(".abort");
-    path.into()
-}
-
-/// Reads what the handler wrote; `None` where it did not run (no abort, not Linux).
-pub(crate) fn read(path: &Path) -> Option<AtAbort> {
-    let text = std::fs::read_to_string(path).ok()?;
+/// Reads what the handler wrote in the trial's folder; `None` where it did not run (no abort,
+/// not Linux).
+pub(crate) fn read(folder: &Path) -> Option<AtAbort> {
+    let text = super::files::read(folder, super::files::ABORT)?;
     Some(AtAbort {
         own: Own::parse(&text)?,
         address_space_limit: text.lines().find_map(|line| {
@@ -71,8 +65,8 @@ mod handler {
 
     /// Opens the abort file and installs the handler; `false` where either failed (the parent
     /// then has the report's figures only).
-    pub(crate) fn install(path: &Path) -> bool {
-        let Ok(file) = std::fs::File::create(path) else {
+    pub(crate) fn install(folder: &Path) -> bool {
+        let Ok(file) = crate::trial::files::create_new(folder, crate::trial::files::ABORT) else {
             return false;
         };
         ABORT_FILE.store(file.into_raw_fd(), Ordering::SeqCst);
@@ -119,15 +113,16 @@ mod handler {
     }
 }
 
-/// Installs the abort handler where the platform has one; `false` elsewhere.
-pub(crate) fn install(path: &Path) -> bool {
+/// Installs the abort handler where the platform has one, its file in the trial's folder;
+/// `false` elsewhere.
+pub(crate) fn install(folder: &Path) -> bool {
     #[cfg(target_os = "linux")]
     {
-        handler::install(path)
+        handler::install(folder)
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = path;
+        let _ = folder;
         false
     }
 }

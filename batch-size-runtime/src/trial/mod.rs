@@ -8,15 +8,15 @@
 //! an error that says so. Nothing the child prints is read: it is passed through.
 
 mod abort;
+mod files;
 mod report;
 
 use std::ffi::OsString;
 use std::fmt;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -25,14 +25,15 @@ use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
 use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
 use crate::memory::{OutOfMemory, Release};
 use crate::oom;
+use files::TrialFolder;
 use report::{Ended, Own, Report, Used};
 
 /// The environment variable that tells a copy of the program it is a trial's child: the
 /// trial's name, `=`, the batch size.
 const CHILD_VARIABLE: &str = "BATCH_SIZE_CHILD_TRIAL";
 
-/// The environment variable that names the file the child reports to.
-const REPORT_VARIABLE: &str = "BATCH_SIZE_CHILD_REPORT";
+/// The environment variable that names the trial's private folder, where the child reports.
+const FOLDER_VARIABLE: &str = "BATCH_SIZE_CHILD_FOLDER";
 
 /// The exit code of a child whose trial did not fit (the report says how).
 const TRIAL_FAILED: i32 = 3;
@@ -140,7 +141,8 @@ pub struct ChildTrial {
 /// What the parent asked of this process, read once.
 struct Asked {
     batch_size: usize,
-    report: PathBuf,
+    /// The trial's private folder, where the child writes its report.
+    folder: PathBuf,
 }
 
 impl ChildTrial {
@@ -252,7 +254,12 @@ impl ChildTrial {
         // Removing them is sound while no other thread reads the environment, which is why
         // `serve` comes first, before the program starts threads.
         std::env::remove_var(CHILD_VARIABLE);
-        std::env::remove_var(REPORT_VARIABLE);
+        std::env::remove_var(FOLDER_VARIABLE);
+        // First, before anything that may fail: the proof that this child entered `serve` for
+        // the trial, so that the parent never takes a child that did for one that did not.
+        let Ok(mut started_file) = files::create_new(&asked.folder, files::STARTED) else {
+            std::process::exit(REPORT_UNWRITABLE);
+        };
 
         // Where backtraces are on, Rust's failed-allocation hook prints one before it aborts,
         // and the first backtrace of a process reads the program's debug information into the
@@ -261,6 +268,7 @@ impl ChildTrial {
         if std::env::var_os("RUST_BACKTRACE").is_some_and(|value| value != "0") {
             let _ = std::backtrace::Backtrace::force_capture().to_string();
         }
+        abort::install(&asked.folder);
         let host = HostMemory::new();
         host.reset_peak();
         let mut report = Report {
@@ -270,16 +278,16 @@ impl ChildTrial {
             used: None,
             ended: None,
         };
-        if report.write(&asked.report).is_err() {
+        if started_file.write_all(report.to_text().as_bytes()).is_err() {
             std::process::exit(REPORT_UNWRITABLE);
         }
-        abort::install(&abort::path_beside(&asked.report));
+        drop(started_file);
         // A panic's text is reported as it happens: with `panic = "abort"`, or a panic while
         // panicking, nothing after the hook runs. It goes to a file of its own, never over the
-        // report: a panic after the trial's outcome (in a library's teardown at exit) must not
+        // outcome: a panic after the trial's outcome (in a library's teardown at exit) must not
         // take its place.
         let previous = panic::take_hook();
-        let (path, started) = (panicking_path(&asked.report), report.clone());
+        let (folder, started) = (asked.folder.clone(), report.clone());
         panic::set_hook(Box::new(move |info| {
             let message = panic_text(info.payload());
             let panicking = Report {
@@ -289,7 +297,7 @@ impl ChildTrial {
                 }),
                 ..started.clone()
             };
-            let _ = panicking.write(&path);
+            let _ = files::write_whole(&folder, files::PANICKING, &panicking.to_text());
             previous(info);
         }));
 
@@ -316,7 +324,7 @@ impl ChildTrial {
         };
         let code = if ended == Ended::Fit { 0 } else { TRIAL_FAILED };
         report.ended = Some(ended);
-        if report.write(&asked.report).is_err() {
+        if files::write_whole(&asked.folder, files::ENDED, &report.to_text()).is_err() {
             std::process::exit(REPORT_UNWRITABLE);
         }
         std::process::exit(code)
@@ -340,7 +348,7 @@ impl ChildTrial {
         }
         Some(Asked {
             batch_size: size.parse().ok()?,
-            report: std::env::var_os(REPORT_VARIABLE)?.into(),
+            folder: std::env::var_os(FOLDER_VARIABLE)?.into(),
         })
     }
 
@@ -370,17 +378,12 @@ impl ChildTrial {
             Some(args) => args.clone(),
             None => std::env::args_os().skip(1).collect(),
         };
-        let (report_path, abort_path) = trial_files();
-        let _cleanup = RemoveOnDrop(vec![
-            report_path.clone(),
-            abort_path.clone(),
-            refused_path(&report_path),
-            panicking_path(&report_path),
-        ]);
+        // Declared before the child, so that it is removed after the child has ended.
+        let folder = TrialFolder::create().map_err(ChildTrialError::Start)?;
         let mut child = Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
             .args(&args)
             .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
-            .env(REPORT_VARIABLE, &report_path)
+            .env(FOLDER_VARIABLE, folder.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -399,12 +402,9 @@ impl ChildTrial {
                 deadline: self.deadline.unwrap_or_default(),
             });
         };
-        let report = std::fs::read_to_string(&report_path)
-            .ok()
-            .and_then(|text| Report::parse(&text))
-            .filter(|report| report.batch_size == batch_size);
-        let Some(report) = report else {
-            let ran_before_serving = std::fs::read_to_string(refused_path(&report_path)).ok();
+        // The child has ended: what it wrote is all there will be.
+        let Some(started) = folder.read(files::STARTED) else {
+            let ran_before_serving = folder.read(files::RAN_BEFORE_SERVING);
             if ran_before_serving.is_some() || status.code() == Some(RAN_BEFORE_SERVING) {
                 return Err(ChildTrialError::NotStarted {
                     batch_size,
@@ -417,7 +417,7 @@ impl ChildTrial {
             if status.code() == Some(REPORT_UNWRITABLE) {
                 return Err(ChildTrialError::NoReport {
                     batch_size,
-                    path: report_path,
+                    path: folder.path().join(files::STARTED),
                 });
             }
             return Err(ChildTrialError::NotStarted {
@@ -428,28 +428,45 @@ impl ChildTrial {
                 ran_before_serving: None,
             });
         };
-        // The trial's own outcome where it reported one; a panic under way only where it did not.
-        let ended = report.ended.clone().or_else(|| {
-            std::fs::read_to_string(panicking_path(&report_path))
-                .ok()
+        let Some(start) = Report::parse(&started).filter(|start| start.batch_size == batch_size)
+        else {
+            // It entered `serve` (the file is there) and ended while it wrote its start.
+            return Err(ChildTrialError::Failed {
+                batch_size,
+                status: status.code(),
+                message: format!(
+                    "the child process entered ChildTrial::serve and ended ({}) before the trial \
+                     started, as it read its memory",
+                    describe_status(status)
+                ),
+            });
+        };
+        let read_report = |name| {
+            folder
+                .read(name)
                 .and_then(|text| Report::parse(&text))
-                .filter(|panicking| panicking.batch_size == batch_size)
-                .and_then(|panicking| panicking.ended)
-        });
-        let at_abort = abort::read(&abort_path);
+                .filter(|report| report.batch_size == batch_size)
+        };
+        let report = read_report(files::ENDED);
+        // The trial's own outcome where it reported one; a panic under way only where it did not.
+        let ended = match &report {
+            Some(report) => report.ended.clone(),
+            None => read_report(files::PANICKING).and_then(|panicking| panicking.ended),
+        };
+        let at_abort = abort::read(folder.path());
         let used_at_abort = at_abort
-            .zip(report.start.zip(report.start_own))
+            .zip(start.start.zip(start.start_own))
             .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
-        self.figures.ended(report.used.or(used_at_abort));
-        let ended_as_reported = ended;
-        let ended = Ending {
+        self.figures
+            .ended(report.and_then(|report| report.used).or(used_at_abort));
+        let ending = Ending {
             batch_size,
             status,
             abort_message: &abort_message,
             used_at_abort,
             panicking_at_abort: at_abort.map(|at_abort| at_abort.panicking),
         };
-        ended.outcome(ended_as_reported)
+        ending.outcome(ended)
     }
 
     /// Reads the child's stdout and stderr on threads of their own, passing them through where
@@ -511,39 +528,6 @@ impl ChildTrial {
     }
 }
 
-/// The report file and the abort file of one trial: one pair per trial of this process, so
-/// that trials at once (threads, tests) never read each other's; none left from before.
-fn trial_files() -> (PathBuf, PathBuf) {
-    static TRIALS: AtomicUsize = AtomicUsize::new(0);
-    let report_path = std::env::temp_dir().join(format!(
-        "batch-size-child-{}-{}.report",
-        std::process::id(),
-        TRIALS.fetch_add(1, Ordering::Relaxed)
-    ));
-    let abort_path = abort::path_beside(&report_path);
-    let _ = std::fs::remove_file(&report_path);
-    let _ = std::fs::remove_file(&abort_path);
-    let _ = std::fs::remove_file(refused_path(&report_path));
-    let _ = std::fs::remove_file(panicking_path(&report_path));
-    (report_path, abort_path)
-}
-
-/// The file a child that reached `run` before `serve` leaves beside its report: the trial
-/// whose `run` it reached.
-fn refused_path(report: &std::path::Path) -> PathBuf {
-    let mut path = report.as_os_str().to_owned();
-    path.push(".refused");
-    path.into()
-}
-
-/// The file a child's panic hook writes beside its report: a panic under way, which the
-/// parent reads only where the report has no outcome.
-fn panicking_path(report: &std::path::Path) -> PathBuf {
-    let mut path = report.as_os_str().to_owned();
-    path.push(".panicking");
-    path.into()
-}
-
 /// In a process started as a trial's child that reached a trial's `run` before `serve` for its
 /// own: says so where a person reads it, tells the parent, and exits. Returning an error
 /// instead would let a test harness go on to the next test, which may start a child too.
@@ -570,8 +554,10 @@ fn refuse_before_serve(name: &str, asked_for: &std::ffi::OsStr) -> ! {
          --exact and --ignored), or call serve first in main.",
         Args(&args)
     );
-    if let Some(report) = std::env::var_os(REPORT_VARIABLE) {
-        let _ = std::fs::write(refused_path(std::path::Path::new(&report)), name);
+    if let Some(folder) = std::env::var_os(FOLDER_VARIABLE) {
+        if let Ok(mut file) = files::create_new(Path::new(&folder), files::RAN_BEFORE_SERVING) {
+            let _ = file.write_all(name.as_bytes());
+        }
     }
     std::process::exit(RAN_BEFORE_SERVING)
 }
@@ -892,17 +878,6 @@ fn pass_through(
         .name("batch-size-child-output".to_owned())
         .spawn(forward)
         .map(drop)
-}
-
-/// Removes the report's files when the trial is over, whichever way `run` returns.
-struct RemoveOnDrop(Vec<PathBuf>);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        for path in &self.0 {
-            let _ = std::fs::remove_file(path);
-        }
-    }
 }
 
 fn describe_status(status: ExitStatus) -> String {
