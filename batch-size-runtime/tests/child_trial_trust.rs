@@ -143,6 +143,22 @@ fn child_entry() {
         }
         Err("the parent never said go".to_owned())
     });
+    // Starts a helper that says when it got SIGTERM, then runs past any deadline.
+    trial("hangs_with_a_helper").serve(|batch_size| -> Result<(), String> {
+        let (ready, terminated) = signal_files(std::os::unix::process::parent_id(), batch_size);
+        std::process::Command::new("sh")
+            .args([
+                "-c",
+                r#"trap 'echo term > "$1"; exit 0' TERM; sleep 120 & touch "$0"; wait"#,
+            ])
+            .arg(&ready)
+            .arg(&terminated)
+            .spawn()
+            .map_err(|error| error.to_string())?;
+        wait_for(&ready);
+        std::thread::sleep(Duration::from_secs(120));
+        Ok(())
+    });
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
     panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
@@ -314,4 +330,26 @@ fn a_planted_symlink_is_never_followed() {
     let _ = std::fs::remove_file(&victim);
     assert_eq!(left, "precious");
     assert_eq!(outcome.unwrap(), 8);
+}
+
+/// 7: a deadline ends the child's whole process group, SIGTERM first: the helper the step
+/// started hears it (and would otherwise outlive the trial).
+#[cfg(unix)]
+#[test]
+fn a_deadline_ends_the_childs_group_with_sigterm_first() {
+    let batch_size = 4202;
+    let (ready, terminated) = signal_files(std::process::id(), batch_size);
+    // Long enough for the child to start its helper on a loaded machine: the helper must have
+    // set its trap before the deadline.
+    let trial = trial("hangs_with_a_helper").with_deadline(Duration::from_secs(10));
+    let error = trial.run(batch_size).unwrap_err();
+    assert!(
+        matches!(error, ChildTrialError::DeadlinePassed { .. }),
+        "{error:?}"
+    );
+    wait_for(&terminated);
+    let said = std::fs::read_to_string(&terminated).unwrap();
+    let _ = std::fs::remove_file(&ready);
+    let _ = std::fs::remove_file(&terminated);
+    assert_eq!(said.trim(), "term");
 }

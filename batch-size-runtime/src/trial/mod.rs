@@ -9,6 +9,7 @@
 
 mod abort;
 mod files;
+mod process;
 mod report;
 
 use std::ffi::OsString;
@@ -26,6 +27,7 @@ use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
 use crate::memory::{OutOfMemory, Release};
 use crate::oom;
 use files::TrialFolder;
+use process::Running;
 use report::{Ended, Own, Report, Used};
 
 /// The environment variable that tells a copy of the program it is a trial's child: the
@@ -180,7 +182,8 @@ impl ChildTrial {
         self
     }
 
-    /// The longest a trial may run: a child still running then is killed, and
+    /// The longest a trial may run: a child still running then is ended with the processes it
+    /// started (its process group gets SIGTERM, then SIGKILL 2 s later), and
     /// [`run`](Self::run) returns [`ChildTrialError::DeadlinePassed`], which a search returns
     /// (it is not out of memory: a swapping machine is slow at every size).
     ///
@@ -380,20 +383,21 @@ impl ChildTrial {
         };
         // Declared before the child, so that it is removed after the child has ended.
         let folder = TrialFolder::create().map_err(ChildTrialError::Start)?;
-        let mut child = Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
-            .args(&args)
-            .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
-            .env(FOLDER_VARIABLE, folder.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(ChildTrialError::Start)?;
+        // Ended (with the processes it starts) wherever this function returns before it has.
+        let mut child = Running::spawn(
+            Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
+                .args(&args)
+                .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
+                .env(FOLDER_VARIABLE, folder.path())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped()),
+        )
+        .map_err(ChildTrialError::Start)?;
         let abort_message = Arc::new(AbortMessage::default());
-        if let Err(error) = self.pass_output_through(&mut child, &abort_message) {
+        if let Err(error) = self.pass_output_through(child.child_mut(), &abort_message) {
             // Without a thread to read its output the child would block on a full pipe.
-            let _ = child.kill();
-            let _ = child.wait();
+            child.end();
             return Err(ChildTrialError::Start(error));
         }
         let Some(status) = self.wait(&mut child)? else {
@@ -503,9 +507,9 @@ impl ChildTrial {
     }
 
     /// Waits for the child itself (not for processes it started, which may hold its pipes),
-    /// until the deadline where there is one; `None` where the deadline passed (the child is
-    /// killed).
-    fn wait(&self, child: &mut Child) -> Result<Option<ExitStatus>, ChildTrialError> {
+    /// until the deadline where there is one; `None` where the deadline passed (the child and
+    /// its group are ended: SIGTERM, a grace, SIGKILL).
+    fn wait(&self, child: &mut Running) -> Result<Option<ExitStatus>, ChildTrialError> {
         // A deadline past what an `Instant` can hold (`Duration::MAX`) is no deadline.
         let Some(until) = self
             .deadline
@@ -519,8 +523,7 @@ impl ChildTrial {
             }
             let now = Instant::now();
             if now >= until {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.end();
                 return Ok(None);
             }
             std::thread::sleep((until - now).min(Duration::from_millis(10)));
