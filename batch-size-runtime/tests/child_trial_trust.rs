@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use batch_size_runtime::{ChildTrial, ChildTrialError};
+use batch_size_runtime::{BatchSizeSearch, ChildTrial, ChildTrialError};
 
 /// The arguments of this file's children.
 const CHILD: [&str; 3] = ["--exact", "child_entry", "--ignored"];
@@ -159,6 +159,29 @@ fn child_entry() {
         std::thread::sleep(Duration::from_secs(120));
         Ok(())
     });
+    // Allocates 1 MiB a sample, touched, under the room `with_memory_limit` gives it; one
+    // trial with `RUST_BACKTRACE=1`, as a program run with it has, the other with `0`.
+    // Only this test's process runs here: no other thread reads the environment.
+    if ChildTrial::new("allocates_with_backtraces").is_child() {
+        std::env::set_var("RUST_BACKTRACE", "1");
+    }
+    if ChildTrial::new("allocates").is_child() {
+        std::env::set_var("RUST_BACKTRACE", "0");
+    }
+    for name in ["allocates", "allocates_with_backtraces"] {
+        trial(name).serve(|batch_size| -> Result<(), String> {
+            let samples = vec![1u8; batch_size << 20];
+            let read: usize = samples
+                .iter()
+                .step_by(4096)
+                .map(|&byte| usize::from(byte))
+                .sum();
+            if read == 0 {
+                return Err("the step read nothing".to_owned());
+            }
+            Ok(())
+        });
+    }
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
     panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
@@ -352,4 +375,30 @@ fn a_deadline_ends_the_childs_group_with_sigterm_first() {
     let _ = std::fs::remove_file(&ready);
     let _ = std::fs::remove_file(&terminated);
     assert_eq!(said.trim(), "term");
+}
+
+/// 8: `with_memory_limit` gives the step its room in the child, with no `unsafe` or shell: a
+/// size past it aborts there and comes back as out of memory, with the figures against that
+/// room; the same room whether `RUST_BACKTRACE` is set or not.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_memory_limit_gives_the_step_its_room_whatever_rust_backtrace_says() {
+    const ROOM: u64 = 64 << 20;
+    for name in ["allocates", "allocates_with_backtraces"] {
+        let trial = trial(name).with_memory_limit(ROOM);
+        assert_eq!(trial.run(40).unwrap(), 40, "{name}");
+        let error = trial.run(96).unwrap_err();
+        let ChildTrialError::Died { out_of_memory, .. } = &error else {
+            panic!("{name}: not an abort: {error:?}");
+        };
+        assert_eq!(out_of_memory.total, Some(ROOM), "{name}: {out_of_memory:?}");
+        assert_eq!(out_of_memory.requested, Some(96 << 20), "{name}");
+        let fitted = BatchSizeSearch::new(256)
+            .with_release(trial.memory())
+            .run(|batch_size| trial.run(batch_size))
+            .unwrap();
+        // Halving's ladder stops at 32 (256, 128, 64 fail); the figures land nearer 64.
+        assert!(fitted > 32 && fitted < 64, "{name}: {fitted}");
+        println!("{name}: room {ROOM} bytes, the search found {fitted}");
+    }
 }

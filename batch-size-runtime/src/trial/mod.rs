@@ -9,6 +9,7 @@
 
 mod abort;
 mod files;
+mod limit;
 mod process;
 mod report;
 
@@ -36,6 +37,10 @@ const CHILD_VARIABLE: &str = "BATCH_SIZE_CHILD_TRIAL";
 
 /// The environment variable that names the trial's private folder, where the child reports.
 const FOLDER_VARIABLE: &str = "BATCH_SIZE_CHILD_FOLDER";
+
+/// The environment variable that gives the child the room its step may map
+/// ([`ChildTrial::with_memory_limit`] of the parent's trial), in bytes.
+const MEMORY_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_MEMORY_LIMIT";
 
 /// The exit code of a child whose trial did not fit (the report says how).
 const TRIAL_FAILED: i32 = 3;
@@ -136,6 +141,8 @@ pub struct ChildTrial {
     deadline: Option<Duration>,
     /// Whether the child's stdout and stderr reach this process's.
     pass_output_through: bool,
+    /// The bytes the child may map above what it maps as the step starts.
+    memory_limit: Option<u64>,
     /// What the last child used, for [`memory`](Self::memory); shared by clones.
     figures: ChildMemory,
 }
@@ -145,6 +152,8 @@ struct Asked {
     batch_size: usize,
     /// The trial's private folder, where the child writes its report.
     folder: PathBuf,
+    /// The room the parent's trial gives the step, where it gives one.
+    memory_limit: Option<u64>,
 }
 
 impl ChildTrial {
@@ -160,6 +169,7 @@ impl ChildTrial {
             args: None,
             deadline: None,
             pass_output_through: true,
+            memory_limit: None,
             figures: ChildMemory::default(),
         }
     }
@@ -197,6 +207,35 @@ impl ChildTrial {
     /// ```
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
+        self
+    }
+
+    /// The memory the child's step may use (set on the trial whose [`run`](Self::run) starts
+    /// the child, which passes it on): in the child, just before the step, `serve` sets
+    /// the process's address-space limit (`RLIMIT_AS`, what `ulimit -v` sets) to `bytes` above
+    /// what the process maps then, so that a size too large fails there (Rust's failed
+    /// allocation aborts the child, libtorch's returns an error) instead of swapping, or of the
+    /// kernel's out-of-memory killer ending a process of its choice. No `unsafe`, `libc` or
+    /// shell needed.
+    ///
+    /// The room is counted from the step's start, so it does not move with what the program
+    /// mapped before (its libraries, the debug information a backtrace reads where
+    /// `RUST_BACKTRACE` is set, which `serve` reads before the limit): the figures the child
+    /// reports (its room, what it held, what it asked for) are against these bytes, in whole
+    /// MiB. The address space counts every mapping, reserved or touched: each thread's stack
+    /// (8 MiB) and glibc's arenas (64 MiB each, reserved by threads that allocate) count too,
+    /// so leave room for them. A tighter limit the program already has stays. Linux only:
+    /// elsewhere the child reports the trial failed, saying so.
+    ///
+    /// # Default
+    /// No limit: the machine's memory, a container's or `ulimit -v`'s.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// let trial = ChildTrial::new("step").with_memory_limit(2 << 30); // 2 GiB for the step
+    /// ```
+    pub fn with_memory_limit(mut self, bytes: u64) -> Self {
+        self.memory_limit = Some(bytes);
         self
     }
 
@@ -258,6 +297,7 @@ impl ChildTrial {
         // `serve` comes first, before the program starts threads.
         std::env::remove_var(CHILD_VARIABLE);
         std::env::remove_var(FOLDER_VARIABLE);
+        std::env::remove_var(MEMORY_LIMIT_VARIABLE);
         // First, before anything that may fail: the proof that this child entered `serve` for
         // the trial, so that the parent never takes a child that did for one that did not.
         let Ok(mut started_file) = files::create_new(&asked.folder, files::STARTED) else {
@@ -304,6 +344,23 @@ impl ChildTrial {
             previous(info);
         }));
 
+        // Last before the step, and counted from what the process maps now, so that the step
+        // has the room asked for whatever ran before (the backtrace read above included).
+        if let Some(room) = asked.memory_limit.or(self.memory_limit) {
+            let limited = Own::now()
+                .ok_or_else(|| std::io::Error::other("no VmSize in /proc/self/status"))
+                .and_then(|own| limit::leave_room(own.virtual_size, room));
+            if let Err(error) = limited {
+                report.ended = Some(Ended::Failed {
+                    message: format!(
+                        "could not limit the child's memory to {room} bytes \
+                         (ChildTrial::with_memory_limit): {error}"
+                    ),
+                });
+                let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
+                std::process::exit(TRIAL_FAILED);
+            }
+        }
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
         report.used = report
             .start_own
@@ -352,6 +409,9 @@ impl ChildTrial {
         Some(Asked {
             batch_size: size.parse().ok()?,
             folder: std::env::var_os(FOLDER_VARIABLE)?.into(),
+            memory_limit: std::env::var(MEMORY_LIMIT_VARIABLE)
+                .ok()
+                .and_then(|bytes| bytes.parse().ok()),
         })
     }
 
@@ -389,6 +449,10 @@ impl ChildTrial {
                 .args(&args)
                 .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
                 .env(FOLDER_VARIABLE, folder.path())
+                .envs(
+                    self.memory_limit
+                        .map(|bytes| (MEMORY_LIMIT_VARIABLE, bytes.to_string())),
+                )
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped()),
