@@ -3,6 +3,7 @@
 //! was killed; the child's files and processes never outlive the trial. Each child is this test
 //! binary, running the ignored `child_entry` (or `chain_entry`) test.
 
+#![cfg(unix)] // signals, process groups, `kill(1)` and `sh`
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use std::path::{Path, PathBuf};

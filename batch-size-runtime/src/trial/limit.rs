@@ -1,4 +1,4 @@
-//! The room a child may use ([`ChildTrial::with_memory_limit`](super::ChildTrial::with_memory_limit)):
+//! The room a child may use (`ChildTrial::with_memory_limit`):
 //! an address-space limit (`RLIMIT_AS`, what `ulimit -v` sets) that the child sets on itself
 //! just before the step, the bytes asked for above what it maps then. Past it the kernel
 //! refuses the mapping, the allocation fails and a Rust process aborts: the parent reads that
@@ -7,10 +7,28 @@
 
 use std::io;
 
+/// The address-space limit as it was before [`leave_room`], to give back once the step has
+/// returned: the child's report must not fail for want of the room the step used.
+#[derive(Debug)]
+#[must_use = "the limit stays until restored"]
+pub(crate) struct Before {
+    soft: Option<u64>,
+    hard: Option<u64>,
+}
+
+impl Before {
+    /// Puts the soft limit back (raising it up to the hard one is always allowed).
+    pub(crate) fn restore(self) {
+        if let Err(error) = rlimit::set_address_space(self.soft, self.hard) {
+            tracing::debug!(%error, "could not lift the step's address-space limit");
+        }
+    }
+}
+
 /// Limits this process's address space to `virtual_size + room` bytes (its soft limit; the
 /// hard one stays, so the step may still lower it). An existing soft limit that is tighter
-/// stays: the step never gets more than the program was given.
-pub(crate) fn leave_room(virtual_size: u64, room: u64) -> io::Result<u64> {
+/// stays: the step never gets more than the program was given. `None` where nothing changed.
+pub(crate) fn leave_room(virtual_size: u64, room: u64) -> io::Result<Option<Before>> {
     let wanted = virtual_size.saturating_add(room);
     let (soft, hard) = rlimit::address_space()?;
     if let Some(soft) = soft.filter(|&soft| soft <= wanted) {
@@ -19,7 +37,7 @@ pub(crate) fn leave_room(virtual_size: u64, room: u64) -> io::Result<u64> {
             wanted,
             "the address-space limit in force is tighter than the room asked for: it stays"
         );
-        return Ok(soft);
+        return Ok(None);
     }
     if hard.is_some_and(|hard| hard < wanted) {
         return Err(io::Error::new(
@@ -31,8 +49,8 @@ pub(crate) fn leave_room(virtual_size: u64, room: u64) -> io::Result<u64> {
             ),
         ));
     }
-    rlimit::set_address_space(wanted, hard)?;
-    Ok(wanted)
+    rlimit::set_address_space(Some(wanted), hard)?;
+    Ok(Some(Before { soft, hard }))
 }
 
 #[cfg(all(
@@ -81,12 +99,16 @@ mod rlimit {
         Ok((finite(limit.current), finite(limit.max)))
     }
 
-    /// Sets the soft limit to `bytes`, the hard one to `hard` (unlimited for `None`).
-    pub(super) fn set_address_space(bytes: u64, hard: Option<u64>) -> io::Result<()> {
-        let to_limit = |bytes: u64| c_ulong::try_from(bytes).unwrap_or(INFINITY);
+    /// Sets the soft and the hard limits (unlimited for `None`).
+    pub(super) fn set_address_space(soft: Option<u64>, hard: Option<u64>) -> io::Result<()> {
+        let to_limit = |bytes: Option<u64>| {
+            bytes.map_or(INFINITY, |bytes| {
+                c_ulong::try_from(bytes).unwrap_or(INFINITY)
+            })
+        };
         let limit = Rlimit {
-            current: to_limit(bytes),
-            max: hard.map_or(INFINITY, to_limit),
+            current: to_limit(soft),
+            max: to_limit(hard),
         };
         // SAFETY: `limit` is a valid `struct rlimit` for the call.
         if unsafe { setrlimit(RLIMIT_AS, &limit) } != 0 {
@@ -121,7 +143,7 @@ mod rlimit {
         Err(unsupported())
     }
 
-    pub(super) fn set_address_space(_bytes: u64, _hard: Option<u64>) -> io::Result<()> {
+    pub(super) fn set_address_space(_soft: Option<u64>, _hard: Option<u64>) -> io::Result<()> {
         Err(unsupported())
     }
 }

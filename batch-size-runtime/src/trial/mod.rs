@@ -1,11 +1,13 @@
 //! Trials in a child process, for frameworks whose failed allocation ends the process: candle's
 //! CPU backend, ndarray, anything that allocates with `Vec` (a failed Rust allocation aborts,
 //! exit 134 by SIGABRT, and no `catch_unwind` sees it). The trial runs in a copy of this
-//! program, which reports to its parent on a channel of its own (a file whose path the parent
-//! gives it): that the trial started, at which size, how it ended and the figures it read.
-//! The exit status speaks only where the report is missing: an abort, a segfault or a kill
-//! after the trial started counts as out-of-memory; a child that never started the trial is
-//! an error that says so. Nothing the child prints is read: it is passed through.
+//! program, which reports to its parent on a channel of its own (files in a private folder the
+//! parent makes for the trial, `files`): that the trial started, at which size, how it ended
+//! and the figures it read. The exit status speaks only where the report is missing: an abort,
+//! a segfault or a kill after the trial started counts as out-of-memory; a child that never
+//! entered `serve` is an error that says so. Nothing the child prints is read: it is passed
+//! through. A child never starts children of its own for a trial, and never outlives `run`
+//! (`process`); `limit` gives its step the room asked for.
 
 mod abort;
 mod files;
@@ -346,25 +348,34 @@ impl ChildTrial {
 
         // Last before the step, and counted from what the process maps now, so that the step
         // has the room asked for whatever ran before (the backtrace read above included).
+        let mut limited = None;
         if let Some(room) = asked.memory_limit.or(self.memory_limit) {
-            let limited = Own::now()
+            let limiting = Own::now()
                 .ok_or_else(|| std::io::Error::other("no VmSize in /proc/self/status"))
                 .and_then(|own| limit::leave_room(own.virtual_size, room));
-            if let Err(error) = limited {
-                report.ended = Some(Ended::Failed {
-                    message: format!(
-                        "could not limit the child's memory to {room} bytes \
+            match limiting {
+                Ok(before) => limited = before,
+                Err(error) => {
+                    report.ended = Some(Ended::Failed {
+                        message: format!(
+                            "could not limit the child's memory to {room} bytes \
                          (ChildTrial::with_memory_limit): {error}"
-                    ),
-                });
-                let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
-                std::process::exit(TRIAL_FAILED);
+                        ),
+                    });
+                    let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
+                    std::process::exit(TRIAL_FAILED);
+                }
             }
         }
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
         report.used = report
             .start_own
             .and_then(|start| used_in_the_room(start, &host));
+        // The figures are read against the step's limit; the report must not fail for want of
+        // the room the step used.
+        if let Some(before) = limited {
+            before.restore();
+        }
         let ended = match outcome {
             Ok(Ok(())) => Ended::Fit,
             Ok(Err(error)) => {

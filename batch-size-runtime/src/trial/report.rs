@@ -1,5 +1,5 @@
 //! The child's report to its parent: small text files in the trial's private folder
-//! ([`super::files`]): `started`, written before the step; `ended`, written whole (by a
+//! (`super::files`): `started`, written before the step; `ended`, written whole (by a
 //! rename) when the step returned; `panicking`, by the panic hook. The parent reads them once
 //! the child has ended. It travels beside the child's stdout and stderr, never through them: a test harness
 //! captures those, and whatever the step printed is the user's, not a message to classify.
