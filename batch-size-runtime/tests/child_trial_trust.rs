@@ -183,9 +183,24 @@ fn child_entry() {
             Ok(())
         });
     }
+    // Says its process id, then runs past any deadline.
+    trial("says_its_pid_and_hangs").serve(|batch_size| -> Result<(), String> {
+        let (ready, _) = signal_files(std::os::unix::process::parent_id(), batch_size);
+        std::fs::write(ready, std::process::id().to_string()).map_err(|error| error.to_string())?;
+        std::thread::sleep(Duration::from_secs(120));
+        Ok(())
+    });
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
     panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
+}
+
+/// A parent that runs a trial whose child hangs: the test kills it outright.
+#[test]
+#[ignore = "the parent that a_child_ends_with_its_parent kills: run by it with --ignored"]
+fn parent_entry() {
+    let outcome = trial("says_its_pid_and_hangs").run(4203);
+    panic!("the child of a killed parent returned: {outcome:?}");
 }
 
 /// A test the child of `chain` runs instead of serving: it runs the trial itself, as a test
@@ -402,4 +417,34 @@ fn a_memory_limit_gives_the_step_its_room_whatever_rust_backtrace_says() {
         assert!(fitted > 32 && fitted < 64, "{name}: {fitted}");
         println!("{name}: room {ROOM} bytes, the search found {fitted}");
     }
+}
+
+/// 7: a parent killed outright (no `Drop` runs) does not leave its child running: on Linux the
+/// kernel ends it.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_child_ends_with_its_parent() {
+    let mut parent = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "parent_entry", "--ignored"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (ready, _) = signal_files(parent.id(), 4203);
+    wait_for(&ready);
+    let child = std::fs::read_to_string(&ready).unwrap();
+    let _ = std::fs::remove_file(&ready);
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    for _ in 0..300 {
+        let gone = std::fs::read_to_string(format!("/proc/{child}/stat")).map_or(true, |stat| {
+            stat.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        });
+        if gone {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("the child {child} outlived its killed parent");
 }

@@ -30,6 +30,17 @@ impl Running {
             use std::os::unix::process::CommandExt;
             command.process_group(0);
         }
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // In a group of its own the child no longer hears the terminal's Ctrl-C, and a
+            // parent killed outright runs no `Drop`: the kernel ends the child when the thread
+            // that started it (which waits in `run` until the child ends) is gone.
+            let parent = std::process::id();
+            // SAFETY: the closure runs in the forked child before `exec`; it makes only the
+            // async-signal-safe system calls `prctl` and `getppid`, and allocates nothing.
+            unsafe { command.pre_exec(move || death_signal::follow_parent(parent)) };
+        }
         Ok(Running {
             child: command.spawn()?,
             reaped: false,
@@ -99,6 +110,38 @@ impl Drop for Running {
             );
             self.end();
         }
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod death_signal {
+    use std::ffi::{c_int, c_ulong};
+    use std::io;
+
+    extern "C" {
+        fn prctl(option: c_int, argument: c_ulong, ...) -> c_int;
+        fn getppid() -> i32;
+    }
+
+    const PR_SET_PDEATHSIG: c_int = 1;
+    const SIGKILL: c_ulong = 9;
+    /// `ESRCH`: no such process (the parent), for an error that needs no allocation.
+    const ESRCH: i32 = 3;
+
+    /// In the forked child: asks for SIGKILL when the parent's thread ends, and fails the start
+    /// where the parent is already gone (it died between the fork and the `prctl`).
+    pub(super) fn follow_parent(parent: u32) -> io::Result<()> {
+        // SAFETY: `prctl(PR_SET_PDEATHSIG, signal)` takes a signal number and touches no memory;
+        // `getppid` takes nothing.
+        unsafe {
+            if prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if u32::try_from(getppid()).ok() != Some(parent) {
+                return Err(io::Error::from_raw_os_error(ESRCH));
+            }
+        }
+        Ok(())
     }
 }
 
