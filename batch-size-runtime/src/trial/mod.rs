@@ -51,7 +51,8 @@ const TRIAL_FAILED: i32 = 3;
 const REPORT_UNWRITABLE: i32 = 4;
 
 /// The exit code of a child that reached a trial's `run` before `serve` (and was stopped
-/// there rather than start a child of its own).
+/// there rather than start a child of its own): for a person reading the status; the parent
+/// reads the file the child leaves.
 const RAN_BEFORE_SERVING: i32 = 5;
 
 /// The trial this process serves, once `serve` found it is that trial's child.
@@ -359,7 +360,7 @@ impl ChildTrial {
                     report.ended = Some(Ended::Failed {
                         message: format!(
                             "could not limit the child's memory to {room} bytes \
-                         (ChildTrial::with_memory_limit): {error}"
+                             (ChildTrial::with_memory_limit): {error}"
                         ),
                     });
                     let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
@@ -483,14 +484,15 @@ impl ChildTrial {
         };
         // The child has ended: what it wrote is all there will be.
         let Some(started) = folder.read(files::STARTED) else {
-            let ran_before_serving = folder.read(files::RAN_BEFORE_SERVING);
-            if ran_before_serving.is_some() || status.code() == Some(RAN_BEFORE_SERVING) {
+            // The file, not the exit code, says the child stopped at a `run`: a program may
+            // exit with any code of its own.
+            if let Some(trial) = folder.read(files::RAN_BEFORE_SERVING) {
                 return Err(ChildTrialError::NotStarted {
                     batch_size,
                     name: self.name.clone(),
                     args,
                     status: describe_status(status),
-                    ran_before_serving: Some(ran_before_serving.unwrap_or_default()),
+                    ran_before_serving: Some(trial),
                 });
             }
             if status.code() == Some(REPORT_UNWRITABLE) {
