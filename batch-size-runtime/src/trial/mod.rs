@@ -226,8 +226,8 @@ impl ChildTrial {
     /// `RUST_BACKTRACE` is set, which `serve` reads before the limit): the figures the child
     /// reports (its room, what it held, what it asked for) are against these bytes, in whole
     /// MiB. The address space counts every mapping, reserved or touched: each thread's stack
-    /// (8 MiB) and glibc's arenas (64 MiB each, reserved by threads that allocate) count too,
-    /// so leave room for them. A tighter limit the program already has stays. Linux only:
+    /// (2 MiB for a Rust thread, 8 MiB for a C library's) and glibc's arenas (64 MiB each,
+    /// reserved by threads that allocate) count too, so leave room for them. A tighter limit the program already has stays. Linux only:
     /// elsewhere the child reports the trial failed, saying so.
     ///
     /// # Default
