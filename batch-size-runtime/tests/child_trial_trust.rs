@@ -448,3 +448,27 @@ fn a_child_ends_with_its_parent() {
     }
     panic!("the child {child} outlived its killed parent");
 }
+
+/// 1: the child itself says why it stops, on its stderr, naming its arguments, even under a
+/// test harness that captures what tests print (it exits before the harness would show it).
+/// Started here by hand, as a trial's `run` starts it (the variables are the crate's own).
+#[test]
+fn a_child_that_never_served_says_why_on_its_stderr() {
+    let folder =
+        std::env::temp_dir().join(format!("child-trial-trust-{}-by-hand", std::process::id()));
+    std::fs::create_dir_all(&folder).unwrap();
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "chain_entry", "--ignored"])
+        .env("BATCH_SIZE_CHILD_TRIAL", "chain=8")
+        .env("BATCH_SIZE_CHILD_FOLDER", &folder)
+        // One level from the bottom: a source that chains starts one grandchild, no more.
+        .env(DEPTH, (MAX_DEPTH - 1).to_string())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&folder);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("child of ChildTrial `chain`, started with --exact chain_entry --ignored"),
+        "{stderr}"
+    );
+}

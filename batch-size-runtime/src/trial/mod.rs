@@ -625,8 +625,10 @@ fn refuse_before_serve(name: &str, asked_for: &std::ffi::OsStr) -> ! {
          than start a child of its own"
     );
     // The process ends now, so stderr is the one place a person reads why (a subscriber may
-    // not be installed); the parent passes it through.
-    eprintln!(
+    // not be installed); the parent passes it through. Written to the stream itself, not with
+    // `eprintln!`, which a test harness captures and would drop at the exit.
+    let _ = writeln!(
+        std::io::stderr(),
         "error: this process is the child of ChildTrial `{trial}`, started with {}, and it \
          reached ChildTrial::run for trial `{name}` before ChildTrial::serve for `{trial}`: it \
          exits here rather than start a child of its own (each would do the same, without end). \
