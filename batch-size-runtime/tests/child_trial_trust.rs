@@ -380,7 +380,7 @@ fn a_deadline_ends_the_childs_group_with_sigterm_first() {
     let (ready, terminated) = signal_files(std::process::id(), batch_size);
     // Long enough for the child to start its helper on a loaded machine: the helper must have
     // set its trap before the deadline.
-    let trial = trial("hangs_with_a_helper").with_deadline(Duration::from_secs(10));
+    let trial = trial("hangs_with_a_helper").with_deadline(Duration::from_secs(5));
     let error = trial.run(batch_size).unwrap_err();
     assert!(
         matches!(error, ChildTrialError::DeadlinePassed { .. }),
