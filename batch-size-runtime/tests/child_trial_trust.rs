@@ -436,6 +436,13 @@ fn a_child_ends_with_its_parent() {
     let _ = std::fs::remove_file(&ready);
     parent.kill().unwrap();
     parent.wait().unwrap();
+    // A parent killed outright leaves its trial's folder: this test removes it.
+    let prefix = format!("batch-size-child-{}-", parent.id());
+    for entry in std::fs::read_dir(std::env::temp_dir()).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
     for _ in 0..300 {
         let gone = std::fs::read_to_string(format!("/proc/{child}/stat")).map_or(true, |stat| {
             stat.rsplit_once(')')

@@ -2,7 +2,8 @@
 //! the parent under the temporary folder with a name no one can guess ahead and, on Unix, mode
 //! 0700, so that no other user can plant a file or a symlink in it; every file in it is
 //! created with `O_EXCL` (`create_new`), which never follows a symlink; the parent removes the
-//! folder when the trial is over, whichever way `run` returns. A name shared in the temporary
+//! folder when the trial is over, whichever way `run` returns (a parent killed outright runs
+//! no code, and leaves it: a few hundred bytes). A name shared in the temporary
 //! folder would be seen, removed or replaced by another process (another run of the same
 //! program whose process id is the same in another PID namespace, a cleaner of `/tmp`).
 
