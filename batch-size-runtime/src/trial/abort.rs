@@ -3,7 +3,7 @@
 //! allocation of N bytes failed" and calls `abort()`, which raises SIGABRT; a handler of that
 //! signal still runs, so the child copies `/proc/self/status` (its virtual and resident size
 //! then) and `/proc/self/limits` (the address-space limit it ran under, which a trial may set
-//! itself) into a file the parent reads. Only system calls: the heap is what just failed.
+//! itself) into a file of the trial's folder that the parent reads. Only system calls: the heap is what just failed.
 
 use std::path::Path;
 
@@ -15,18 +15,19 @@ use super::report::Own;
 pub(crate) struct AtAbort {
     pub(crate) own: Own,
     pub(crate) address_space_limit: Option<u64>,
+    /// Whether the thread that aborted was panicking (`panic = "abort"`, a panic while
+    /// panicking, one that cannot unwind): the panic ended the process, not a failed
+    /// allocation. A panic another thread caught earlier is not this.
+    pub(crate) panicking: bool,
 }
 
-/// The path of the abort file beside a report.
-pub(crate) fn path_beside(report: &Path) -> std::path::PathBuf {
-    let mut path = report.as_os_str().to_owned();
-    path.push(".abort");
-    path.into()
-}
+/// The line the handler adds where the aborting thread was panicking.
+const PANICKING_LINE: &str = "batch-size-runtime: the aborting thread was panicking";
 
-/// Reads what the handler wrote; `None` where it did not run (no abort, not Linux).
-pub(crate) fn read(path: &Path) -> Option<AtAbort> {
-    let text = std::fs::read_to_string(path).ok()?;
+/// Reads what the handler wrote in the trial's folder; `None` where it did not run (no abort,
+/// not Linux).
+pub(crate) fn read(folder: &Path) -> Option<AtAbort> {
+    let text = super::files::read(folder, super::files::ABORT)?;
     Some(AtAbort {
         own: Own::parse(&text)?,
         address_space_limit: text.lines().find_map(|line| {
@@ -36,6 +37,7 @@ pub(crate) fn read(path: &Path) -> Option<AtAbort> {
                 .parse()
                 .ok()
         }),
+        panicking: text.lines().any(|line| line == PANICKING_LINE),
     })
 }
 
@@ -63,8 +65,8 @@ mod handler {
 
     /// Opens the abort file and installs the handler; `false` where either failed (the parent
     /// then has the report's figures only).
-    pub(crate) fn install(path: &Path) -> bool {
-        let Ok(file) = std::fs::File::create(path) else {
+    pub(crate) fn install(folder: &Path) -> bool {
+        let Ok(file) = crate::trial::files::create_new(folder, crate::trial::files::ABORT) else {
             return false;
         };
         ABORT_FILE.store(file.into_raw_fd(), Ordering::SeqCst);
@@ -97,21 +99,30 @@ mod handler {
                 close(fd);
             }
         }
+        // Whether this thread is panicking: std reads an atomic count and, only where a panic
+        // is under way somewhere, a const-initialised thread-local without a destructor;
+        // neither allocates nor locks.
+        if std::thread::panicking() {
+            let line = b"\nbatch-size-runtime: the aborting thread was panicking\n";
+            // SAFETY: a static buffer and its length.
+            unsafe { write(file, line.as_ptr().cast(), line.len()) };
+        }
         // SAFETY: the file opened in `install`, closed once (the swap above took it).
         unsafe { close(file) };
         // Returning lets `abort()` go on: it restores the default action and raises again.
     }
 }
 
-/// Installs the abort handler where the platform has one; `false` elsewhere.
-pub(crate) fn install(path: &Path) -> bool {
+/// Installs the abort handler where the platform has one, its file in the trial's folder;
+/// `false` elsewhere.
+pub(crate) fn install(folder: &Path) -> bool {
     #[cfg(target_os = "linux")]
     {
-        handler::install(path)
+        handler::install(folder)
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = path;
+        let _ = folder;
         false
     }
 }

@@ -1,23 +1,27 @@
 //! Trials in a child process, for frameworks whose failed allocation ends the process: candle's
 //! CPU backend, ndarray, anything that allocates with `Vec` (a failed Rust allocation aborts,
 //! exit 134 by SIGABRT, and no `catch_unwind` sees it). The trial runs in a copy of this
-//! program, which reports to its parent on a channel of its own (a file whose path the parent
-//! gives it): that the trial started, at which size, how it ended and the figures it read.
-//! The exit status speaks only where the report is missing: an abort, a segfault or a kill
-//! after the trial started counts as out-of-memory; a child that never started the trial is
-//! an error that says so. Nothing the child prints is read: it is passed through.
+//! program, which reports to its parent on a channel of its own (files in a private folder the
+//! parent makes for the trial, `files`): that the trial started, at which size, how it ended
+//! and the figures it read. The exit status speaks only where the report is missing: an abort,
+//! a segfault or a kill after the trial started counts as out-of-memory; a child that never
+//! entered `serve` is an error that says so. Nothing the child prints is read: it is passed
+//! through. A child never starts children of its own for a trial, and never outlives `run`
+//! (`process`); `limit` gives its step the room asked for.
 
 mod abort;
+mod files;
+mod limit;
+mod process;
 mod report;
 
 use std::ffi::OsString;
 use std::fmt;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::NoExecutableBatchSize;
@@ -25,20 +29,34 @@ use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
 use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
 use crate::memory::{OutOfMemory, Release};
 use crate::oom;
+use files::TrialFolder;
+use process::Running;
 use report::{Ended, Own, Report, Used};
 
 /// The environment variable that tells a copy of the program it is a trial's child: the
 /// trial's name, `=`, the batch size.
 const CHILD_VARIABLE: &str = "BATCH_SIZE_CHILD_TRIAL";
 
-/// The environment variable that names the file the child reports to.
-const REPORT_VARIABLE: &str = "BATCH_SIZE_CHILD_REPORT";
+/// The environment variable that names the trial's private folder, where the child reports.
+const FOLDER_VARIABLE: &str = "BATCH_SIZE_CHILD_FOLDER";
+
+/// The environment variable that gives the child the room its step may map
+/// ([`ChildTrial::with_memory_limit`] of the parent's trial), in bytes.
+const MEMORY_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_MEMORY_LIMIT";
 
 /// The exit code of a child whose trial did not fit (the report says how).
 const TRIAL_FAILED: i32 = 3;
 
 /// The exit code of a child that could not write its report.
 const REPORT_UNWRITABLE: i32 = 4;
+
+/// The exit code of a child that reached a trial's `run` before `serve` (and was stopped
+/// there rather than start a child of its own): for a person reading the status; the parent
+/// reads the file the child leaves.
+const RAN_BEFORE_SERVING: i32 = 5;
+
+/// The trial this process serves, once `serve` found it is that trial's child.
+static SERVING: OnceLock<String> = OnceLock::new();
 
 /// How long the parent waits, once an aborted child has ended, for the rest of its stderr
 /// (Rust's "memory allocation of N bytes failed", already in the pipe) where a process the
@@ -126,6 +144,8 @@ pub struct ChildTrial {
     deadline: Option<Duration>,
     /// Whether the child's stdout and stderr reach this process's.
     pass_output_through: bool,
+    /// The bytes the child may map above what it maps as the step starts.
+    memory_limit: Option<u64>,
     /// What the last child used, for [`memory`](Self::memory); shared by clones.
     figures: ChildMemory,
 }
@@ -133,7 +153,10 @@ pub struct ChildTrial {
 /// What the parent asked of this process, read once.
 struct Asked {
     batch_size: usize,
-    report: PathBuf,
+    /// The trial's private folder, where the child writes its report.
+    folder: PathBuf,
+    /// The room the parent's trial gives the step, where it gives one.
+    memory_limit: Option<u64>,
 }
 
 impl ChildTrial {
@@ -149,6 +172,7 @@ impl ChildTrial {
             args: None,
             deadline: None,
             pass_output_through: true,
+            memory_limit: None,
             figures: ChildMemory::default(),
         }
     }
@@ -171,7 +195,8 @@ impl ChildTrial {
         self
     }
 
-    /// The longest a trial may run: a child still running then is killed, and
+    /// The longest a trial may run: a child still running then is ended with the processes it
+    /// started (its process group gets SIGTERM, then SIGKILL 2 s later), and
     /// [`run`](Self::run) returns [`ChildTrialError::DeadlinePassed`], which a search returns
     /// (it is not out of memory: a swapping machine is slow at every size).
     ///
@@ -185,6 +210,35 @@ impl ChildTrial {
     /// ```
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
+        self
+    }
+
+    /// The memory the child's step may use (set on the trial whose [`run`](Self::run) starts
+    /// the child, which passes it on): in the child, just before the step, `serve` sets
+    /// the process's address-space limit (`RLIMIT_AS`, what `ulimit -v` sets) to `bytes` above
+    /// what the process maps then, so that a size too large fails there (Rust's failed
+    /// allocation aborts the child, libtorch's returns an error) instead of swapping, or of the
+    /// kernel's out-of-memory killer ending a process of its choice. No `unsafe`, `libc` or
+    /// shell needed.
+    ///
+    /// The room is counted from the step's start, so it does not move with what the program
+    /// mapped before (its libraries, the debug information a backtrace reads where
+    /// `RUST_BACKTRACE` is set, which `serve` reads before the limit): the figures the child
+    /// reports (its room, what it held, what it asked for) are against these bytes, in whole
+    /// MiB. The address space counts every mapping, reserved or touched: each thread's stack
+    /// (2 MiB for a Rust thread, 8 MiB for a C library's) and glibc's arenas (64 MiB each,
+    /// reserved by threads that allocate) count too, so leave room for them. A tighter limit the program already has stays. Linux only:
+    /// elsewhere the child reports the trial failed, saying so.
+    ///
+    /// # Default
+    /// No limit: the machine's memory, a container's or `ulimit -v`'s.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// let trial = ChildTrial::new("step").with_memory_limit(2 << 30); // 2 GiB for the step
+    /// ```
+    pub fn with_memory_limit(mut self, bytes: u64) -> Self {
+        self.memory_limit = Some(bytes);
         self
     }
 
@@ -238,11 +292,20 @@ impl ChildTrial {
         let Some(asked) = self.asked() else {
             return;
         };
+        // Remembered past the variables' removal: a `run` of this trial in its own child would
+        // start another child, which would do the same.
+        let _ = SERVING.set(self.name.clone());
         // A process the trial starts must not find these: it would run the trial itself.
         // Removing them is sound while no other thread reads the environment, which is why
         // `serve` comes first, before the program starts threads.
         std::env::remove_var(CHILD_VARIABLE);
-        std::env::remove_var(REPORT_VARIABLE);
+        std::env::remove_var(FOLDER_VARIABLE);
+        std::env::remove_var(MEMORY_LIMIT_VARIABLE);
+        // First, before anything that may fail: the proof that this child entered `serve` for
+        // the trial, so that the parent never takes a child that did for one that did not.
+        let Ok(mut started_file) = files::create_new(&asked.folder, files::STARTED) else {
+            std::process::exit(REPORT_UNWRITABLE);
+        };
 
         // Where backtraces are on, Rust's failed-allocation hook prints one before it aborts,
         // and the first backtrace of a process reads the program's debug information into the
@@ -251,6 +314,7 @@ impl ChildTrial {
         if std::env::var_os("RUST_BACKTRACE").is_some_and(|value| value != "0") {
             let _ = std::backtrace::Backtrace::force_capture().to_string();
         }
+        abort::install(&asked.folder);
         let host = HostMemory::new();
         host.reset_peak();
         let mut report = Report {
@@ -260,14 +324,16 @@ impl ChildTrial {
             used: None,
             ended: None,
         };
-        if report.write(&asked.report).is_err() {
+        if started_file.write_all(report.to_text().as_bytes()).is_err() {
             std::process::exit(REPORT_UNWRITABLE);
         }
-        abort::install(&abort::path_beside(&asked.report));
+        drop(started_file);
         // A panic's text is reported as it happens: with `panic = "abort"`, or a panic while
-        // panicking, nothing after the hook runs.
+        // panicking, nothing after the hook runs. It goes to a file of its own, never over the
+        // outcome: a panic after the trial's outcome (in a library's teardown at exit) must not
+        // take its place.
         let previous = panic::take_hook();
-        let (path, started) = (asked.report.clone(), report.clone());
+        let (folder, started) = (asked.folder.clone(), report.clone());
         panic::set_hook(Box::new(move |info| {
             let message = panic_text(info.payload());
             let panicking = Report {
@@ -277,14 +343,40 @@ impl ChildTrial {
                 }),
                 ..started.clone()
             };
-            let _ = panicking.write(&path);
+            let _ = files::write_whole(&folder, files::PANICKING, &panicking.to_text());
             previous(info);
         }));
 
+        // Last before the step, and counted from what the process maps now, so that the step
+        // has the room asked for whatever ran before (the backtrace read above included).
+        let mut limited = None;
+        if let Some(room) = asked.memory_limit.or(self.memory_limit) {
+            let limiting = Own::now()
+                .ok_or_else(|| std::io::Error::other("no VmSize in /proc/self/status"))
+                .and_then(|own| limit::leave_room(own.virtual_size, room));
+            match limiting {
+                Ok(before) => limited = before,
+                Err(error) => {
+                    report.ended = Some(Ended::Failed {
+                        message: format!(
+                            "could not limit the child's memory to {room} bytes \
+                             (ChildTrial::with_memory_limit): {error}"
+                        ),
+                    });
+                    let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
+                    std::process::exit(TRIAL_FAILED);
+                }
+            }
+        }
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
         report.used = report
             .start_own
             .and_then(|start| used_in_the_room(start, &host));
+        // The figures are read against the step's limit; the report must not fail for want of
+        // the room the step used.
+        if let Some(before) = limited {
+            before.restore();
+        }
         let ended = match outcome {
             Ok(Ok(())) => Ended::Fit,
             Ok(Err(error)) => {
@@ -304,7 +396,7 @@ impl ChildTrial {
         };
         let code = if ended == Ended::Fit { 0 } else { TRIAL_FAILED };
         report.ended = Some(ended);
-        if report.write(&asked.report).is_err() {
+        if files::write_whole(&asked.folder, files::ENDED, &report.to_text()).is_err() {
             std::process::exit(REPORT_UNWRITABLE);
         }
         std::process::exit(code)
@@ -328,7 +420,10 @@ impl ChildTrial {
         }
         Some(Asked {
             batch_size: size.parse().ok()?,
-            report: std::env::var_os(REPORT_VARIABLE)?.into(),
+            folder: std::env::var_os(FOLDER_VARIABLE)?.into(),
+            memory_limit: std::env::var(MEMORY_LIMIT_VARIABLE)
+                .ok()
+                .and_then(|bytes| bytes.parse().ok()),
         })
     }
 
@@ -336,27 +431,49 @@ impl ChildTrial {
     /// for the search to return. The child's stdout and stderr are passed through to this
     /// process's (through `print!` and `eprint!`, so a test harness captures them here too)
     /// unless [`with_output_passed_through(false)`](Self::with_output_passed_through).
+    ///
+    /// A trial's child never starts children of its own for a trial: where this process was
+    /// started as a trial's child and has not reached [`serve`](Self::serve) for it (its
+    /// arguments led elsewhere: a test that calls `run` itself, a `main` that calls `serve`
+    /// late), `run` ends the process at once with an error on stderr that names its arguments,
+    /// and the parent's `run` returns [`ChildTrialError::NotStarted`] saying so; in a child
+    /// serving this trial, it returns [`ChildTrialError::StartedInAChild`]. Either would
+    /// otherwise start the program again, which would do the same, without end.
     pub fn run(&self, batch_size: usize) -> Result<usize, ChildTrialError> {
+        if let Some(asked_for) = std::env::var_os(CHILD_VARIABLE) {
+            refuse_before_serve(&self.name, &asked_for);
+        }
+        if SERVING.get().is_some_and(|serving| *serving == self.name) {
+            return Err(ChildTrialError::StartedInAChild {
+                name: self.name.clone(),
+                args: std::env::args_os().skip(1).collect(),
+            });
+        }
         let args = match &self.args {
             Some(args) => args.clone(),
             None => std::env::args_os().skip(1).collect(),
         };
-        let (report_path, abort_path) = trial_files();
-        let _cleanup = RemoveOnDrop(vec![report_path.clone(), abort_path.clone()]);
-        let mut child = Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
-            .args(&args)
-            .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
-            .env(REPORT_VARIABLE, &report_path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(ChildTrialError::Start)?;
+        // Declared before the child, so that it is removed after the child has ended.
+        let folder = TrialFolder::create().map_err(ChildTrialError::Start)?;
+        // Ended (with the processes it starts) wherever this function returns before it has.
+        let mut child = Running::spawn(
+            Command::new(std::env::current_exe().map_err(ChildTrialError::Start)?)
+                .args(&args)
+                .env(CHILD_VARIABLE, format!("{}={batch_size}", self.name))
+                .env(FOLDER_VARIABLE, folder.path())
+                .envs(
+                    self.memory_limit
+                        .map(|bytes| (MEMORY_LIMIT_VARIABLE, bytes.to_string())),
+                )
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped()),
+        )
+        .map_err(ChildTrialError::Start)?;
         let abort_message = Arc::new(AbortMessage::default());
-        if let Err(error) = self.pass_output_through(&mut child, &abort_message) {
+        if let Err(error) = self.pass_output_through(child.child_mut(), &abort_message) {
             // Without a thread to read its output the child would block on a full pipe.
-            let _ = child.kill();
-            let _ = child.wait();
+            child.end();
             return Err(ChildTrialError::Start(error));
         }
         let Some(status) = self.wait(&mut child)? else {
@@ -365,15 +482,23 @@ impl ChildTrial {
                 deadline: self.deadline.unwrap_or_default(),
             });
         };
-        let report = std::fs::read_to_string(&report_path)
-            .ok()
-            .and_then(|text| Report::parse(&text))
-            .filter(|report| report.batch_size == batch_size);
-        let Some(report) = report else {
+        // The child has ended: what it wrote is all there will be.
+        let Some(started) = folder.read(files::STARTED) else {
+            // The file, not the exit code, says the child stopped at a `run`: a program may
+            // exit with any code of its own.
+            if let Some(trial) = folder.read(files::RAN_BEFORE_SERVING) {
+                return Err(ChildTrialError::NotStarted {
+                    batch_size,
+                    name: self.name.clone(),
+                    args,
+                    status: describe_status(status),
+                    ran_before_serving: Some(trial),
+                });
+            }
             if status.code() == Some(REPORT_UNWRITABLE) {
                 return Err(ChildTrialError::NoReport {
                     batch_size,
-                    path: report_path,
+                    path: folder.path().join(files::STARTED),
                 });
             }
             return Err(ChildTrialError::NotStarted {
@@ -381,19 +506,48 @@ impl ChildTrial {
                 name: self.name.clone(),
                 args,
                 status: describe_status(status),
+                ran_before_serving: None,
             });
         };
-        let used_at_abort = abort::read(&abort_path)
-            .zip(report.start.zip(report.start_own))
+        let Some(start) = Report::parse(&started).filter(|start| start.batch_size == batch_size)
+        else {
+            // It entered `serve` (the file is there) and ended while it wrote its start.
+            return Err(ChildTrialError::Failed {
+                batch_size,
+                status: status.code(),
+                message: format!(
+                    "the child process entered ChildTrial::serve and ended ({}) before the trial \
+                     started, as it read its memory",
+                    describe_status(status)
+                ),
+            });
+        };
+        let read_report = |name| {
+            folder
+                .read(name)
+                .and_then(|text| Report::parse(&text))
+                .filter(|report| report.batch_size == batch_size)
+        };
+        let report = read_report(files::ENDED);
+        // The trial's own outcome where it reported one; a panic under way only where it did not.
+        let ended = match &report {
+            Some(report) => report.ended.clone(),
+            None => read_report(files::PANICKING).and_then(|panicking| panicking.ended),
+        };
+        let at_abort = abort::read(folder.path());
+        let used_at_abort = at_abort
+            .zip(start.start.zip(start.start_own))
             .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
-        self.figures.ended(report.used.or(used_at_abort));
-        let ended = Ending {
+        self.figures
+            .ended(report.and_then(|report| report.used).or(used_at_abort));
+        let ending = Ending {
             batch_size,
             status,
             abort_message: &abort_message,
             used_at_abort,
+            panicking_at_abort: at_abort.map(|at_abort| at_abort.panicking),
         };
-        ended.outcome(report.ended)
+        ending.outcome(ended)
     }
 
     /// Reads the child's stdout and stderr on threads of their own, passing them through where
@@ -430,21 +584,23 @@ impl ChildTrial {
     }
 
     /// Waits for the child itself (not for processes it started, which may hold its pipes),
-    /// until the deadline where there is one; `None` where the deadline passed (the child is
-    /// killed).
-    fn wait(&self, child: &mut Child) -> Result<Option<ExitStatus>, ChildTrialError> {
-        let Some(deadline) = self.deadline else {
+    /// until the deadline where there is one; `None` where the deadline passed (the child and
+    /// its group are ended: SIGTERM, a grace, SIGKILL).
+    fn wait(&self, child: &mut Running) -> Result<Option<ExitStatus>, ChildTrialError> {
+        // A deadline past what an `Instant` can hold (`Duration::MAX`) is no deadline.
+        let Some(until) = self
+            .deadline
+            .and_then(|deadline| Instant::now().checked_add(deadline))
+        else {
             return child.wait().map(Some).map_err(ChildTrialError::Wait);
         };
-        let until = Instant::now() + deadline;
         loop {
             if let Some(status) = child.try_wait().map_err(ChildTrialError::Wait)? {
                 return Ok(Some(status));
             }
             let now = Instant::now();
             if now >= until {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.end();
                 return Ok(None);
             }
             std::thread::sleep((until - now).min(Duration::from_millis(10)));
@@ -452,19 +608,40 @@ impl ChildTrial {
     }
 }
 
-/// The report file and the abort file of one trial: one pair per trial of this process, so
-/// that trials at once (threads, tests) never read each other's; none left from before.
-fn trial_files() -> (PathBuf, PathBuf) {
-    static TRIALS: AtomicUsize = AtomicUsize::new(0);
-    let report_path = std::env::temp_dir().join(format!(
-        "batch-size-child-{}-{}.report",
-        std::process::id(),
-        TRIALS.fetch_add(1, Ordering::Relaxed)
-    ));
-    let abort_path = abort::path_beside(&report_path);
-    let _ = std::fs::remove_file(&report_path);
-    let _ = std::fs::remove_file(&abort_path);
-    (report_path, abort_path)
+/// In a process started as a trial's child that reached a trial's `run` before `serve` for its
+/// own: says so where a person reads it, tells the parent, and exits. Returning an error
+/// instead would let a test harness go on to the next test, which may start a child too.
+fn refuse_before_serve(name: &str, asked_for: &std::ffi::OsStr) -> ! {
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let asked_for = asked_for.to_string_lossy();
+    let trial = asked_for
+        .rsplit_once('=')
+        .map_or(&*asked_for, |(trial, _)| trial);
+    tracing::error!(
+        trial,
+        reached = name,
+        args = %Args(&args),
+        "a trial's child reached ChildTrial::run before ChildTrial::serve: it ends here rather \
+         than start a child of its own"
+    );
+    // The process ends now, so stderr is the one place a person reads why (a subscriber may
+    // not be installed); the parent passes it through. Written to the stream itself, not with
+    // `eprintln!`, which a test harness captures and would drop at the exit.
+    let _ = writeln!(
+        std::io::stderr(),
+        "error: this process is the child of ChildTrial `{trial}`, started with {}, and it \
+         reached ChildTrial::run for trial `{name}` before ChildTrial::serve for `{trial}`: it \
+         exits here rather than start a child of its own (each would do the same, without end). \
+         Make its arguments lead to serve first (with_args naming the test that serves, \
+         --exact and --ignored), or call serve first in main.",
+        Args(&args)
+    );
+    if let Some(folder) = std::env::var_os(FOLDER_VARIABLE) {
+        if let Ok(mut file) = files::create_new(Path::new(&folder), files::RAN_BEFORE_SERVING) {
+            let _ = file.write_all(name.as_bytes());
+        }
+    }
+    std::process::exit(RAN_BEFORE_SERVING)
 }
 
 /// How a child that started its trial ended: its exit status, Rust's abort message, the
@@ -474,6 +651,8 @@ struct Ending<'a> {
     status: ExitStatus,
     abort_message: &'a AbortMessage,
     used_at_abort: Option<Used>,
+    /// Whether the thread that aborted was panicking, where the abort handler said.
+    panicking_at_abort: Option<bool>,
 }
 
 impl Ending<'_> {
@@ -502,15 +681,15 @@ impl Ending<'_> {
                 message,
                 figures: OutOfMemory::new(),
             }),
-            // A panic under way when the process ended: the panic, unless Rust's abort message
-            // says a failed allocation ended it (a panic caught inside the step, then the abort).
+            // A panic under way when the process ended: the panic only where it ended the
+            // process. A kill, a segfault or an abort on a thread that was not panicking came
+            // after a panic some thread caught (a side thread's), and is out of memory as any
+            // signal after the trial started is.
             Some(Ended::Panicking {
                 message,
                 out_of_memory: false,
             }) => match ended_by_signal(self.status) {
-                Some(how) if self.abort_message.requested(ABORT_MESSAGE_GRACE).is_some() => {
-                    Err(self.died(how))
-                }
+                Some(how) if !self.the_panic_aborted() => Err(self.died(how)),
                 _ => Err(failed(message)),
             },
             None => match ended_by_signal(self.status) {
@@ -521,6 +700,19 @@ impl Ending<'_> {
                     describe_status(self.status)
                 ))),
             },
+        }
+    }
+
+    /// Whether the panic the child reported is what ended it: an abort (SIGABRT) on the thread
+    /// that was panicking, by the abort handler's word; where the handler left none, an abort
+    /// without Rust's failed-allocation message.
+    fn the_panic_aborted(&self) -> bool {
+        if signal_number(self.status) != Some(SIGABRT) {
+            return false;
+        }
+        match self.panicking_at_abort {
+            Some(panicking) => panicking,
+            None => self.abort_message.requested(ABORT_MESSAGE_GRACE).is_none(),
         }
     }
 
@@ -634,9 +826,9 @@ struct ChildFigures {
 impl ChildMemory {
     fn ended(&self, used: Option<Used>) {
         let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if used.is_some() {
-            figures.last = used;
-        }
+        // A child that left no figures (killed before it could write them) has none: an
+        // earlier child's would read as this one's.
+        figures.last = used;
         figures.ended = true;
     }
 
@@ -770,23 +962,26 @@ fn pass_through(
         .map(drop)
 }
 
-/// Removes the report's files when the trial is over, whichever way `run` returns.
-struct RemoveOnDrop(Vec<PathBuf>);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        for path in &self.0 {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-}
-
 fn describe_status(status: ExitStatus) -> String {
     match (status.code(), ended_by_signal(status)) {
         (Some(code), _) => format!("exit code {code}"),
         (None, Some(how)) => how,
         (None, None) => status.to_string(),
     }
+}
+
+/// SIGABRT's number on every platform Rust supports.
+const SIGABRT: i32 = 6;
+
+#[cfg(unix)]
+fn signal_number(status: ExitStatus) -> Option<i32> {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal()
+}
+
+#[cfg(not(unix))]
+fn signal_number(status: ExitStatus) -> Option<i32> {
+    (status.code() == Some(3)).then_some(SIGABRT)
 }
 
 #[cfg(unix)]
@@ -877,9 +1072,10 @@ pub enum ChildTrialError {
     /// `main` that does not call `serve` first). Never a fit.
     #[error(
         "the trial's child process at batch size {batch_size} ended ({status}) without starting \
-         trial `{name}`: started with {}, it never reached ChildTrial::serve for it (check the \
+         trial `{name}`: started with {}, it never reached ChildTrial::serve for it{} (check the \
          test's exact name and --ignored, or that main calls serve first)",
-        Args(args)
+        Args(args),
+        RanBeforeServing(ran_before_serving.as_deref())
     )]
     NotStarted {
         /// The size asked for.
@@ -890,6 +1086,24 @@ pub enum ChildTrialError {
         args: Vec<OsString>,
         /// How it ended.
         status: String,
+        /// Where the child reached a trial's [`ChildTrial::run`] before `serve` and was stopped
+        /// there, rather than start a child of its own: that trial's name (empty where the
+        /// child could not say).
+        ran_before_serving: Option<String>,
+    },
+    /// [`ChildTrial::run`] was called in a child serving the same trial (in its step): it
+    /// would start a child of its own, which would do the same, without end.
+    #[error(
+        "this process is trial `{name}`'s child (started with {}): ChildTrial::run for `{name}` \
+         in its step would start a child of its own, which would do the same; call the step's \
+         code directly in the child, and run the trial in the parent",
+        Args(args)
+    )]
+    StartedInAChild {
+        /// The trial's name.
+        name: String,
+        /// This process's arguments.
+        args: Vec<OsString>,
     },
     /// The trial ran past [`ChildTrial::with_deadline`]; the child was killed.
     #[error("the trial's child process at batch size {batch_size} ran past its deadline of {deadline:?} and was killed")]
@@ -921,6 +1135,26 @@ pub enum ChildTrialError {
     /// others.
     #[error("out of device memory on another rank")]
     OutOfMemoryOnAnotherRank,
+}
+
+/// ", and it reached ChildTrial::run for trial `x` first, where it was stopped", where it did.
+struct RanBeforeServing<'a>(Option<&'a str>);
+
+impl fmt::Display for RanBeforeServing<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            None => Ok(()),
+            Some("") => f.write_str(
+                "; it reached ChildTrial::run first and was stopped there rather than start a \
+                 child of its own",
+            ),
+            Some(trial) => write!(
+                f,
+                "; it reached ChildTrial::run for trial `{trial}` first and was stopped there \
+                 rather than start a child of its own"
+            ),
+        }
+    }
 }
 
 /// The figures of an out-of-memory first in its text, ` (out of device memory on cpu: tried

@@ -1,6 +1,7 @@
-//! The child's report to its parent: a small text file the child writes (each time whole, by a
-//! rename, so the parent never reads half of one) and the parent reads once the child has
-//! ended. It travels beside the child's stdout and stderr, never through them: a test harness
+//! The child's report to its parent: small text files in the trial's private folder
+//! (`super::files`): `started`, written before the step; `ended`, written whole (by a
+//! rename) when the step returned; `panicking`, by the panic hook. The parent reads them once
+//! the child has ended. It travels beside the child's stdout and stderr, never through them: a test harness
 //! captures those, and whatever the step printed is the user's, not a message to classify.
 //!
 //! ```text
@@ -26,9 +27,6 @@
 //! ```
 
 use std::fs;
-use std::io::{self, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::memory::OutOfMemory;
 use crate::memory::{HostLimit, HostLimitKind};
@@ -304,23 +302,6 @@ impl Report {
             used,
             ended,
         })
-    }
-
-    /// Writes the report whole to `path`: to a file of its own beside it first, then renamed
-    /// over it, so the parent reads this report or the one before, never part of one (a panic
-    /// hook on another thread may write at the same moment).
-    pub(crate) fn write(&self, path: &Path) -> io::Result<()> {
-        static WRITES: AtomicUsize = AtomicUsize::new(0);
-        let mut partial = path.as_os_str().to_owned();
-        partial.push(format!(
-            ".{}.partial",
-            WRITES.fetch_add(1, Ordering::Relaxed)
-        ));
-        let partial = PathBuf::from(partial);
-        let mut file = fs::File::create(&partial)?;
-        file.write_all(self.to_text().as_bytes())?;
-        drop(file);
-        fs::rename(&partial, path)
     }
 }
 
