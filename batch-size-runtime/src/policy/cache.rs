@@ -101,6 +101,11 @@ pub struct CacheEntry {
     /// from `fits` with the trials it is given, rather than stopping there.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unfinished: bool,
+    /// The size that fit was reached by growing after a step ([`step_done`](crate::step_done)):
+    /// a shrinking search serves it above its starting size, which it could not reach
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grown: bool,
 }
 
 /// The entries kept in this process, each with the thread whose search wrote it.
@@ -321,6 +326,7 @@ impl CacheSlot {
             other_step: None,
             failure_reached: None,
             unfinished: false,
+            grown: false,
         });
     }
 
@@ -344,6 +350,7 @@ impl CacheSlot {
             other_step: None,
             failure_reached: None,
             unfinished: false,
+            grown: false,
         };
         let entry = CacheEntry {
             key: self.key.clone(),
@@ -390,7 +397,7 @@ const GROWN_REACH: usize = 16;
 
 /// Why a cached size cannot start this search: only a size the search could have reached itself
 /// is used, so that nothing read from outside steers it out of its range. A shrinking search
-/// tries `min..=starting` and grows after a step up to `max` (or [`GROWN_REACH`] times
+/// tries `min..=starting`, and where the entry says it grew (`grown`) up to `max` (or [`GROWN_REACH`] times
 /// `starting`); a growing one (a tuner) starts at `starting`, its smallest size, and goes up.
 fn unusable(
     entry: &CacheEntry,
@@ -399,7 +406,11 @@ fn unusable(
     shrinking: bool,
 ) -> Option<String> {
     let (low, high) = if shrinking {
-        let grown = max.unwrap_or_else(|| starting.saturating_mul(GROWN_REACH));
+        // Above `starting` only a size its growth reached, and no further than growth goes.
+        let grown = match entry.grown {
+            true => max.unwrap_or_else(|| starting.saturating_mul(GROWN_REACH)),
+            false => starting,
+        };
         (min.max(1), grown.max(starting))
     } else {
         (starting.max(min).max(1), usize::MAX)
@@ -567,6 +578,11 @@ impl<P: SizePolicy> Cached<P> {
             other_step: steps.other_step,
             failure_reached: steps.failure_reached,
             unfinished: false,
+            // Grown in this search, or served from an entry that was.
+            grown: history
+                .attempts()
+                .any(|attempt| matches!(attempt.outcome, Outcome::Grew { .. }))
+                || earlier.is_some_and(|entry| entry.grown && entry.fits == fits),
         };
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
         self.slot.write(entry);
