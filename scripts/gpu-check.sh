@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks, on a machine with an NVIDIA GPU, that the CUDA backend gives the memory of failed
 # attempts back to the device: builds tests/src/bin/gpu_check.rs and runs the CUDA end-to-end
-# scenario of tests/tests/cuda_fake_driver.rs against the real driver (no CUDA toolkit needed:
+# scenario of tests/tests/fake_cuda/driver.rs against the real driver (no CUDA toolkit needed:
 # cudarc loads libcuda at run time).
 #
 # A model is sized from the device's free memory so that batch sizes 64 and 32 overflow it on

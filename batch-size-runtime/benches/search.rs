@@ -6,7 +6,7 @@
 //! (`BatchSizeSearch`), so the release, the figures and the engine's rules are the ones users get.
 //!
 //! The workloads, on a simulated 16 GiB device, are defined in `tests/common/workloads.rs`, shared
-//! with `tests/guided_never_worse.rs`; each runs from the starts 128, 256 and 512 that are above
+//! with `tests/search/guided_never_worse.rs`; each runs from the starts 128, 256 and 512 that are above
 //! its fit, and from 4¼ and 16¼ times its fit (a start a little above a power of two times the
 //! fit: halving's worst case, where it ends near half the fit).
 

@@ -1,5 +1,7 @@
 //! Run a training function with the largest batch size that fits in device memory: on an
-//! out-of-memory error, release the memory, pick a smaller size and run it again.
+//! out-of-memory error, release the memory, pick a smaller size and run it again. Where a failed
+//! allocation aborts the process instead (candle on the CPU, any `Vec`), each size runs in a
+//! child process ([`ChildTrial`]).
 //!
 //! The Rust home of Hugging Face Accelerate's `find_executable_batch_size`. Annotate the
 //! function whose first parameter is the batch size; call it without that parameter:
@@ -40,6 +42,43 @@
 //!
 //! The engine is usable without the attribute, as [`BatchSizeSearch`].
 //!
+//! # Which door
+//!
+//! | your case | the door |
+//! |---|---|
+//! | training on a GPU: one function that trains (or evaluates) | the attribute, as above; [`BatchSizeSearch`] for a search in your own code |
+//! | a training loop with gradient accumulation | [`EffectiveBatch`]: each optimizer step keeps the effective batch, a step that runs out of memory is redone with smaller micro-batches |
+//! | inference over a dataset | [`Chunked`]: chunks that grow and shrink, never redoing finished work |
+//! | one global batch across ranks | [`EffectiveBatch::with_agreement`] and [`EffectiveBatch::with_uneven_shares`]: each rank its share at its own micro-batch, every rank retrying together ([`agree`]: threads, NCCL, MPI) |
+//! | the CPU, with a framework whose failed allocation aborts the process (candle, ndarray, `Vec`) | child trials: [`Tuner`] with a [`ChildTrial`] per size and [`ChildTrial::memory`] as its release, before training; then train at the size found, in the parent |
+//! | choosing once, before training | [`Tuner`]: the largest size that fits (or the fastest) in a few short trials |
+//!
+//! Each door's page has its example; the README runs one for each case as a whole program. On
+//! the CPU, a `Vec` that cannot be allocated aborts the process: nothing in it can be retried,
+//! so each size runs in a child process, which reports to its parent how it ended and what it
+//! used. The tuner, growing and bisecting from the children's figures, ended at 0.94 to 0.95 of
+//! the largest size that fits for candle's MLP; the attribute alone, which stops at its first
+//! success, nearer halving's rung (0.75 in those runs). The tuner:
+//!
+//! ```no_run
+//! use batch_size_runtime::{ChildTrial, Tuner};
+//!
+//! fn step(batch_size: usize) -> Result<(), String> {
+//!     let _inputs = vec![1.0f32; batch_size * 1024]; // candle's CPU backend allocates so
+//!     Ok(())
+//! }
+//!
+//! fn main() -> anyhow::Result<()> {
+//!     let trial = ChildTrial::new("step");
+//!     trial.serve(step); // first thing: in a child, runs the step at its size and exits
+//!     let tuned = Tuner::new()
+//!         .with_release(trial.memory()) // the children's figures
+//!         .run(|batch_size| trial.run(batch_size))?;
+//!     println!("train at batch size {}, in this process", tuned.batch_size());
+//!     Ok(())
+//! }
+//! ```
+//!
 //! # What is recognised as out-of-memory
 //! See [`oom`]: cudarc's error codes by type (without ever formatting them, so no libcuda is
 //! needed), this crate's [`OutOfMemory`], and the messages of tch, candle, burn, PyTorch and
@@ -62,9 +101,12 @@
 //! - `burn`, `wgpu`, `ort`: those frameworks' figures and release (`Release::burn`,
 //!   `Release::wgpu`, `Release::ort`), and with `burn`, `memory::BurnDryRun`.
 //! - `nccl`: the agreement between ranks over NCCL (`agree::NcclRank`, `agree::IdExchange`).
+//! - `mpi`: the agreement between ranks over MPI (`agree::MpiJob`, `agree::MpiRank`) for jobs
+//!   launched with `mpirun`, `mpiexec` or `srun`, and with `nccl` the NCCL Id broadcast by MPI
+//!   (`NcclRank::from_mpi`). Needs an MPI library and libclang to build.
 //!
 //! Each feature's items are marked with the feature they need in the documentation docs.rs
-//! builds (every feature on).
+//! builds (every feature on but `mpi`: docs.rs has no MPI library to build it against).
 
 #![warn(missing_docs)]
 // docs.rs (`--cfg docsrs`): each feature-gated item says which feature it needs.

@@ -1,5 +1,5 @@
 //! A training scenario whose memory grows with the batch size, through cudarc, for the CUDA
-//! end-to-end tests (on the fake driver, `tests/tests/cuda_fake_driver.rs`) and the GPU check
+//! end-to-end tests (on the fake driver, `tests/tests/fake_cuda/driver.rs`) and the GPU check
 //! (on a real one, `src/bin/gpu_check.rs`): the model, its error type, a backend that reads
 //! figures without releasing, and a log capture.
 

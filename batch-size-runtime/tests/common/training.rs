@@ -1,5 +1,5 @@
 //! Training steps on a simulated 16 GiB device, for the runners that learn from every step:
-//! shared by `tests/convergence.rs` and `benches/convergence.rs`.
+//! shared by `tests/runners/convergence.rs` and `benches/convergence.rs`.
 //!
 //! Each shape keeps its model state between steps, as a framework does: the weights from the
 //! start, gradients allocated at the first backward and optimizer state at the first optimizer

@@ -1,5 +1,5 @@
 //! The simulated memory workloads of the search benchmark, defined once: `benches/search.rs`
-//! prints every policy's results on them and `tests/guided_never_worse.rs` holds the default
+//! prints every policy's results on them and `tests/search/guided_never_worse.rs` holds the default
 //! policy to halving's promise on them. Both include this file with `#[path = "…"] mod
 //! workloads;` (a bench and an integration test cannot import each other); it sits in a folder of
 //! `tests/` so that Cargo does not take it for a test or bench of its own.

@@ -1,4 +1,4 @@
-//! The CUDA end-to-end scenario of `tests/tests/cuda_fake_driver.rs`, against the real driver
+//! The CUDA end-to-end scenario of `tests/tests/fake_cuda/driver.rs`, against the real driver
 //! (`scripts/gpu-check.sh` builds and runs it; `cargo run -p batch-size-tests --bin gpu_check
 //! [ORDINAL]` does too).
 //!

@@ -8,8 +8,7 @@ use batch_size_runtime::{
 };
 use proptest::prelude::*;
 
-#[path = "common/bisect.rs"]
-mod bisect;
+use crate::bisect;
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]

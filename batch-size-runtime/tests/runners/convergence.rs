@@ -15,10 +15,7 @@ use batch_size_runtime::agree::{Collective, ThreadRanks};
 use batch_size_runtime::{memory::SimulatedDevice, BatchPlan, Chunked, EffectiveBatch};
 use proptest::prelude::*;
 
-#[path = "common/bisect.rs"]
-mod bisect;
-#[path = "common/training.rs"]
-mod training;
+use crate::training;
 
 use training::{largest_fit, mean_gradient, Model, Shape, DEVICE, GIB, MIB, SHAPES};
 

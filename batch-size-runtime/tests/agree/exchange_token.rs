@@ -4,8 +4,8 @@
 //! with the right ranks (a rank does not wait for its timeout); words from a peer
 //! that has not proved the token are never shown as rank 0's; silent connections cost the
 //! ranks nothing; rank 0 warns when it listens beyond loopback with no token; the Id file is
-//! its owner's only. (Two processes: `tests/exchange.rs`; trickling peers:
-//! `tests/exchange_deadlines.rs`.)
+//! its owner's only. (Two processes: `tests/agree/exchange.rs`; trickling peers:
+//! `tests/agree/exchange_deadlines.rs`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
@@ -16,12 +16,10 @@ use std::time::{Duration, Instant};
 
 use batch_size_runtime::agree::{ExchangeError, IdExchange};
 
-#[path = "common/warnings.rs"]
-mod warnings;
+use crate::warnings;
 use warnings::Warnings;
 
-#[path = "common/free_port.rs"]
-mod free_port;
+use crate::free_port;
 use free_port::free_port;
 
 const TOKEN: &str = "job 25 secret";

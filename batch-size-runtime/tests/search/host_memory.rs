@@ -11,6 +11,9 @@ use batch_size_runtime::memory::{HostLimitKind, HostMemory, MemoryBackend};
 use batch_size_runtime::oom;
 use batch_size_runtime::Release;
 
+use crate::exact_name;
+use exact_name::exact_name;
+
 /// A procfs and a cgroup hierarchy in a temporary directory, removed on drop.
 struct FakeHost {
     root: PathBuf,
@@ -182,7 +185,7 @@ fn in_child(test: &str) {
     let output = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            test,
+            &exact_name(module_path!(), test),
             "--ignored",
             "--nocapture",
             "--test-threads=1",
@@ -201,8 +204,7 @@ fn in_child(test: &str) {
 }
 
 #[cfg(target_os = "linux")]
-#[path = "common/address_space.rs"]
-mod address_space;
+use crate::address_space;
 
 /// A training step on the host that fails as libtorch's CPU allocator does: weights in small
 /// blocks (glibc keeps them in its heap), then the batch.

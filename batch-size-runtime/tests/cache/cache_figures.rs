@@ -15,13 +15,11 @@ const MIB: u64 = 1 << 20;
 /// 2 GiB, then 24 layers of 5 MiB a sample: 119 fit on 16 GiB.
 const FIT: usize = 119;
 
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "batch-size-cache-figures-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+use crate::temp_folder;
+use temp_folder::TempFolder;
+
+fn folder(name: &str) -> TempFolder {
+    TempFolder::new("batch-size-cache-figures", name)
 }
 
 /// One search of the layered step from `starting`, cached under `key` in `dir`: the size it

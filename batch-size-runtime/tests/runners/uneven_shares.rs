@@ -16,10 +16,7 @@ use std::time::Duration;
 
 use batch_size_runtime::agree::{Collective, ThreadRank, ThreadRanks};
 
-#[path = "common/bisect.rs"]
-mod bisect;
-#[path = "common/training.rs"]
-mod training;
+use crate::training;
 
 use batch_size_runtime::{
     memory::SimulatedDevice, BatchPlan, EffectiveBatch, NoExecutableBatchSize, OutOfMemory,

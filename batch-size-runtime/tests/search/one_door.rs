@@ -8,8 +8,7 @@
 
 use std::error::Error as _;
 
-#[path = "common/block_on.rs"]
-mod block_on;
+use crate::block_on;
 use block_on::block_on;
 
 use batch_size_runtime::{

@@ -15,8 +15,7 @@ use batch_size_runtime::{
 };
 use proptest::prelude::*;
 
-#[path = "common/warnings.rs"]
-mod warnings;
+use crate::warnings;
 use warnings::Warnings;
 
 /// A training run's settings: three the remedies may change, three they must never touch.
@@ -92,7 +91,7 @@ fn no_size(error: &anyhow::Error) -> &NoExecutableBatchSize {
 }
 
 /// The tests that use the process's cache: one at a time.
-fn cache_lock() -> MutexGuard<'static, ()> {
+pub(crate) fn cache_lock() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

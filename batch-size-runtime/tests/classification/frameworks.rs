@@ -13,8 +13,7 @@ use batch_size_runtime::BatchSizeSearch;
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::DriverError;
 
-#[path = "common/candle_cuda_error.rs"]
-mod candle_cuda_error;
+use crate::candle_cuda_error;
 use candle_cuda_error::CandleCudaError;
 
 /// An error with a fixed text and an optional source, as thiserror would generate.

@@ -13,8 +13,7 @@ use batch_size_runtime::{
 };
 use proptest::prelude::*;
 
-#[path = "common/workloads.rs"]
-mod workloads;
+use crate::workloads;
 
 use workloads::{hold, noise, TextOnly, Workload, DEVICE, GIB, MIB};
 

@@ -4,10 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-#[path = "common/bisect.rs"]
-mod bisect;
-#[path = "common/training.rs"]
-mod training;
+use crate::training;
 
 use batch_size_runtime::{memory::SimulatedDevice, EffectiveBatch};
 use training::{Model, DEVICE, SHAPES};

@@ -13,8 +13,7 @@ use std::cell::Cell;
 use batch_size_runtime::policy::Halve;
 use batch_size_runtime::{step_done, BatchSizeSearch};
 
-#[path = "common/workloads.rs"]
-mod workloads;
+use crate::workloads;
 
 use workloads::{noise, Workload};
 

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use batch_size_runtime::agree::{ExchangeError, IdExchange};
 
-#[path = "common/free_port.rs"]
-mod free_port;
+use crate::exact_name;
+use crate::free_port;
+use exact_name::exact_name;
 use free_port::free_port;
 
 fn id(seed: u8) -> [u8; 128] {
@@ -487,7 +488,7 @@ fn run_child_to_the_end(env: &[(&str, String)]) -> (bool, String, String) {
     command
         .args([
             "--exact",
-            "child_exchange_rank",
+            &exact_name(module_path!(), "child_exchange_rank"),
             "--ignored",
             "--nocapture",
             "--test-threads=1",

@@ -6,8 +6,7 @@
 use batch_size_runtime::{memory::SimulatedDevice, ChunkError, Chunked};
 use proptest::prelude::*;
 
-#[path = "common/block_on.rs"]
-mod block_on;
+use crate::block_on;
 use block_on::block_on;
 
 const UNIT: u64 = 1 << 20; // 1 MiB of activations a unit of cost

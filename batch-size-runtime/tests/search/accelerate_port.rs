@@ -6,8 +6,7 @@ use std::error::Error;
 
 use batch_size_runtime::policy::Halve;
 
-#[path = "common/block_on.rs"]
-mod block_on;
+use crate::block_on;
 use batch_size_runtime::{
     last_report, memory::SimulatedDevice, BatchSizeSearch, NoExecutableBatchSize, OutOfMemory,
     Outcome, StopReason,

@@ -11,8 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use batch_size_runtime::policy::clear_process_cache;
 use batch_size_runtime::{last_report, BatchSizeSearch, OutOfMemory};
 
-#[path = "common/warnings.rs"]
-mod warnings;
+use crate::warnings;
 use warnings::Warnings;
 
 /// The tests share the process's cache: one at a time.
@@ -21,14 +20,11 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "batch-size-cache-validation-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_file(&dir);
-    dir
+use crate::temp_folder;
+use temp_folder::TempFolder;
+
+fn folder(name: &str) -> TempFolder {
+    TempFolder::new("batch-size-cache-validation", name)
 }
 
 /// One search from 64 where 16 fits, with a fresh process cache, caching in `dir`: the size, the
@@ -128,8 +124,7 @@ fn a_cache_folder_that_cannot_be_used_gives_one_warn_per_search() {
     // A folder under a file.
     let under_a_file = folder("under-a-file");
     std::fs::write(&under_a_file, "a file, not a folder").unwrap();
-    let under_a_file = under_a_file.join("cache");
-    for dir in [&file_in_place, &under_a_file] {
+    for dir in [file_in_place.path(), &under_a_file.join("cache")] {
         for round in 0..3 {
             let (found, tried, warnings) = search("unusable folder", dir);
             assert_eq!(found, 16, "{}: round {round}", dir.display());

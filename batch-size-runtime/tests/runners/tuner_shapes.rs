@@ -9,8 +9,7 @@
 use batch_size_runtime::{memory::SimulatedDevice, OutOfMemory, Release, Tuned, Tuner};
 use proptest::prelude::*;
 
-#[path = "common/bisect.rs"]
-mod bisect;
+use crate::bisect;
 
 const MIB: u64 = 1 << 20;
 const DEVICE: u64 = 16 << 30;
@@ -166,7 +165,7 @@ fn a_buffer_appearing_above_a_threshold_is_not_taken_for_a_steep_line() {
         };
         let tuned = step.tune();
         let fit = assert_sound(&step, &tuned);
-        // The tuner's own bound (tests/tuner.rs): its trials stop within a quarter of the
+        // The tuner's own bound (tests/runners/tuner.rs): its trials stop within a quarter of the
         // margin, so the margin's size is within about 1 % (and a sample) of 95 % of the fit.
         assert!(
             tuned.batch_size() as f64 >= 0.95 * fit as f64 / 1.0125 - 1.0,

@@ -174,6 +174,8 @@ fn a_knob_never_goes_below_its_floor_and_the_error_names_every_remedy() {
 
 #[test]
 fn the_cache_restores_the_settings_with_the_size() {
+    // The process's cache is shared with `remedies`' tests, in this binary.
+    let _one = crate::remedies::cache_lock();
     policy::clear_process_cache();
     let device = SimulatedDevice::new(1_740 << 20);
     let run = |remedies: &Remedies<Settings>| {

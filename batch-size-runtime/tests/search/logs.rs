@@ -3,8 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-#[path = "common/warnings.rs"]
-mod warnings;
+use crate::warnings;
 
 use batch_size_runtime::{BatchSizeSearch, Chunked, EffectiveBatch, OutOfMemory, Tuner};
 use warnings::Warnings;

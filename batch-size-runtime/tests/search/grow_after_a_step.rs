@@ -5,8 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-#[path = "common/block_on.rs"]
-mod block_on;
+use crate::block_on;
 
 use batch_size_runtime::{
     find_executable_batch_size, last_report, memory::SimulatedDevice, step_done, BatchSizeSearch,

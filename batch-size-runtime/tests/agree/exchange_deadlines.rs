@@ -5,8 +5,8 @@
 //! that trickles its answer to a rank, and a peer that trickles its greeting or its proof to
 //! rank 0. Every limit is asserted as "within the limit + 10 % + 100 ms".
 //!
-//! The figures each test measured are printed (`cargo test --test exchange_deadlines --
-//! --nocapture`).
+//! The figures each test measured are printed (`cargo test -p batch-size-runtime --test agree
+//! exchange_deadlines -- --nocapture`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
@@ -19,8 +19,7 @@ use std::time::{Duration, Instant};
 
 use batch_size_runtime::agree::{ExchangeError, IdExchange};
 
-#[path = "common/free_port.rs"]
-mod free_port;
+use crate::free_port;
 use free_port::free_port;
 
 const TOKEN: &str = "job 31 secret";

@@ -4,19 +4,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use batch_size_runtime::policy::{clear_process_cache, CacheEntry};
 use batch_size_runtime::{last_report, memory::SimulatedDevice, BatchSizeSearch, OutOfMemory};
 
-fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "batch-size-cache-test-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+use crate::exact_name;
+use exact_name::exact_name;
+
+use crate::temp_folder;
+use temp_folder::TempFolder;
+
+fn folder(name: &str) -> TempFolder {
+    TempFolder::new("batch-size-cache-test", name)
 }
 
 /// One search of `key` that fits up to `fits`, caching in `dir`. Returns the size and attempts.
@@ -53,27 +54,27 @@ fn a_rerun_makes_one_attempt_in_the_process_and_from_disk() {
     assert_eq!(search("rerun in process", None, 100), (64, 1));
 
     let dir = folder("rerun");
-    assert_eq!(search("rerun on disk", Some(&dir), 100), (64, 3));
+    assert_eq!(search("rerun on disk", Some(dir.path()), 100), (64, 3));
     let written = entries(&dir);
     assert_eq!(written.len(), 1);
     assert_eq!((written[0].fits, written[0].failed_at), (64, Some(128)));
     // A new process: nothing in memory, the file is read.
     clear_process_cache();
-    assert_eq!(search("rerun on disk", Some(&dir), 100), (64, 1));
+    assert_eq!(search("rerun on disk", Some(dir.path()), 100), (64, 1));
     // Another key, another entry.
-    assert_eq!(search("another key", Some(&dir), 100), (64, 3));
+    assert_eq!(search("another key", Some(dir.path()), 100), (64, 3));
     assert_eq!(entries(&dir).len(), 2);
 }
 
 #[test]
 fn a_cached_size_that_fails_goes_on_downward_and_updates_the_entry() {
     let dir = folder("downward");
-    assert_eq!(search("downward", Some(&dir), 100), (64, 3));
+    assert_eq!(search("downward", Some(dir.path()), 100), (64, 3));
     // Less room now: 64 fails, the search goes on from there.
-    assert_eq!(search("downward", Some(&dir), 40), (32, 2));
+    assert_eq!(search("downward", Some(dir.path()), 40), (32, 2));
     let written = entries(&dir);
     assert_eq!((written[0].fits, written[0].failed_at), (32, Some(64)));
-    assert_eq!(search("downward", Some(&dir), 40), (32, 1));
+    assert_eq!(search("downward", Some(dir.path()), 40), (32, 1));
 }
 
 #[test]
@@ -109,7 +110,7 @@ fn bad_files_and_folders_never_fail_a_search() {
     // Corrupt, truncated, a folder where the file should be (unreadable), an entry of another
     // key: each ignored, the search runs whole and still finds its size.
     let dir = folder("bad");
-    assert_eq!(search("bad file", Some(&dir), 100), (64, 3));
+    assert_eq!(search("bad file", Some(dir.path()), 100), (64, 3));
     let file = std::fs::read_dir(&dir)
         .unwrap()
         .next()
@@ -124,12 +125,16 @@ fn bad_files_and_folders_never_fail_a_search() {
     ] {
         std::fs::write(&file, broken).unwrap();
         clear_process_cache();
-        assert_eq!(search("bad file", Some(&dir), 100), (64, 3), "{broken}");
+        assert_eq!(
+            search("bad file", Some(dir.path()), 100),
+            (64, 3),
+            "{broken}"
+        );
     }
     std::fs::remove_file(&file).unwrap();
     std::fs::create_dir(&file).unwrap();
     clear_process_cache();
-    assert_eq!(search("bad file", Some(&dir), 100), (64, 3));
+    assert_eq!(search("bad file", Some(dir.path()), 100), (64, 3));
 
     // A folder that cannot be created (a file stands in its way): the search still succeeds,
     // and the process keeps the entry.
@@ -180,7 +185,12 @@ fn two_processes_write_one_folder() {
         .map(|_| {
             // The child's own `test result` line stays in the pipe, out of this run's output.
             Command::new(std::env::current_exe().unwrap())
-                .args(["writer_child", "--exact", "--ignored", "--quiet"])
+                .args([
+                    &exact_name(module_path!(), "writer_child"),
+                    "--exact",
+                    "--ignored",
+                    "--quiet",
+                ])
                 .env("BATCH_SIZE_TEST_WRITER_DIR", &dir)
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
