@@ -16,3 +16,4 @@ mod agree;
 mod exchange;
 mod exchange_deadlines;
 mod exchange_token;
+mod safe_point_composes;

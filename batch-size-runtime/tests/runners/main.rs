@@ -22,4 +22,5 @@ mod tuner_budget;
 mod tuner_noise;
 mod tuner_shapes;
 mod tuner_throughput;
+mod tuner_trust;
 mod uneven_shares;

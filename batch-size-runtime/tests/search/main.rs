@@ -21,6 +21,8 @@ mod accelerate_port;
 mod docs_layout;
 mod engine_rules;
 mod grow_after_a_step;
+mod growth_as_a_value;
+mod growth_seams;
 mod growth_targets;
 mod guided;
 mod guided_never_worse;
