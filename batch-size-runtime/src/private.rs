@@ -26,7 +26,7 @@ pub use crate::{drive_attempts, drive_attempts_async};
 #[doc(hidden)]
 #[macro_export]
 macro_rules! drive_attempts {
-    ($ret:expr, $search:expr, $attempt:expr $(,)?) => {{
+    ($ret:expr_2021, $search:expr_2021, $attempt:expr_2021 $(,)?) => {{
         #[allow(unused_imports)]
         use $crate::__private::ladder::*;
         let ret = $ret;
@@ -46,13 +46,13 @@ macro_rules! drive_attempts {
 macro_rules! drive_attempts_async {
     // `&mut self`: an async closure, which lends it to each attempt. First, so that `@lending`
     // is never read as the start of the return type's expression.
-    (@lending $ret:expr, $search:expr, $attempt:expr $(,)?) => {
+    (@lending $ret:expr_2021, $search:expr_2021, $attempt:expr_2021 $(,)?) => {
         $crate::drive_attempts_async!(@returning returning_lending, $ret, $search, $attempt)
     };
-    ($ret:expr, $search:expr, $attempt:expr $(,)?) => {
+    ($ret:expr_2021, $search:expr_2021, $attempt:expr_2021 $(,)?) => {
         $crate::drive_attempts_async!(@returning returning_async, $ret, $search, $attempt)
     };
-    (@returning $returning:ident, $ret:expr, $search:expr, $attempt:expr) => {{
+    (@returning $returning:ident, $ret:expr_2021, $search:expr_2021, $attempt:expr_2021) => {{
         #[allow(unused_imports)]
         use $crate::__private::ladder::*;
         let ret = $ret;

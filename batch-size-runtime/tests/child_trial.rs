@@ -55,7 +55,7 @@ fn child_entry() {
         extern "C" fn crash() {
             std::process::abort();
         }
-        extern "C" {
+        unsafe extern "C" {
             fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
         }
         // SAFETY: `crash` is an `extern "C" fn()` that lives as long as the program.

@@ -72,9 +72,9 @@ fn deeper() -> bool {
         .ok()
         .and_then(|depth| depth.parse().ok())
         .unwrap_or(0);
-    // Only this test's process runs here (one test, `--exact`): no other thread reads the
-    // environment.
-    std::env::set_var(DEPTH, (depth + 1).to_string());
+    // SAFETY: only this test's process runs here (one test, `--exact`): no other thread reads
+    // the environment.
+    unsafe { std::env::set_var(DEPTH, (depth + 1).to_string()) };
     depth < MAX_DEPTH
 }
 
@@ -106,7 +106,7 @@ fn child_entry() {
         extern "C" fn teardown() {
             panic!("a library's teardown failed");
         }
-        extern "C" {
+        unsafe extern "C" {
             fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
         }
         // SAFETY: `teardown` is an `extern "C" fn()` that lives as long as the program.
@@ -162,12 +162,13 @@ fn child_entry() {
     });
     // Allocates 1 MiB a sample, touched, under the room `with_memory_limit` gives it; one
     // trial with `RUST_BACKTRACE=1`, as a program run with it has, the other with `0`.
-    // Only this test's process runs here: no other thread reads the environment.
+    // SAFETY (both): only this test's process runs here, in a child: no other thread reads
+    // the environment.
     if ChildTrial::new("allocates_with_backtraces").is_child() {
-        std::env::set_var("RUST_BACKTRACE", "1");
+        unsafe { std::env::set_var("RUST_BACKTRACE", "1") };
     }
     if ChildTrial::new("allocates").is_child() {
-        std::env::set_var("RUST_BACKTRACE", "0");
+        unsafe { std::env::set_var("RUST_BACKTRACE", "0") };
     }
     for name in ["allocates", "allocates_with_backtraces"] {
         trial(name).serve(|batch_size| -> Result<(), String> {

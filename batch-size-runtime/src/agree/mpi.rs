@@ -597,7 +597,7 @@ fn exit_before_init(timeout: Duration) -> ! {
     let _ = stderr.flush();
     drop(stderr);
     std::thread::sleep(LINE_OUT);
-    extern "C" {
+    unsafe extern "C" {
         fn _exit(status: std::os::raw::c_int) -> !;
     }
     // SAFETY: `_exit` (POSIX) ends the process at once and takes any status. It is called

@@ -297,7 +297,7 @@ macro_rules! settings_setters {
     // One setter: its doc, then an example calling it on the runner's constructor, then the
     // method, which changes the settings (bound to `$settings` in `$change`).
     (@setter $new:literal, $call:literal, $(#[$doc:meta])*
-        fn $name:ident($value:ident: $ty:ty) |$settings:ident| $change:expr) => {
+        fn $name:ident($value:ident: $ty:ty) |$settings:ident| $change:expr_2021) => {
         $(#[$doc])*
         ///
         /// ```

@@ -501,7 +501,7 @@ mod loader {
 
     type Callback = unsafe extern "C" fn(*mut DlPhdrInfo, usize, *mut c_void) -> c_int;
 
-    extern "C" {
+    unsafe extern "C" {
         // glibc, musl and bionic (API 21+) all provide it.
         fn dl_iterate_phdr(callback: Option<Callback>, data: *mut c_void) -> c_int;
     }

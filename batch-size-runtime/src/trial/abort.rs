@@ -48,7 +48,7 @@ mod handler {
     use std::path::Path;
     use std::sync::atomic::{AtomicI32, Ordering};
 
-    extern "C" {
+    unsafe extern "C" {
         fn signal(signum: c_int, handler: usize) -> usize;
         fn open(path: *const c_char, flags: c_int, ...) -> c_int;
         fn read(fd: c_int, buffer: *mut c_void, count: usize) -> isize;

@@ -73,7 +73,7 @@ mod rlimit {
         max: c_ulong,
     }
 
-    extern "C" {
+    unsafe extern "C" {
         fn getrlimit(resource: c_int, limit: *mut Rlimit) -> c_int;
         fn setrlimit(resource: c_int, limit: *const Rlimit) -> c_int;
     }

@@ -298,9 +298,13 @@ impl ChildTrial {
         // A process the trial starts must not find these: it would run the trial itself.
         // Removing them is sound while no other thread reads the environment, which is why
         // `serve` comes first, before the program starts threads.
-        std::env::remove_var(CHILD_VARIABLE);
-        std::env::remove_var(FOLDER_VARIABLE);
-        std::env::remove_var(MEMORY_LIMIT_VARIABLE);
+        // SAFETY: `serve` is documented to come first, before the program starts threads, so
+        // no other thread reads or writes the environment while these are removed.
+        unsafe {
+            std::env::remove_var(CHILD_VARIABLE);
+            std::env::remove_var(FOLDER_VARIABLE);
+            std::env::remove_var(MEMORY_LIMIT_VARIABLE);
+        }
         // First, before anything that may fail: the proof that this child entered `serve` for
         // the trial, so that the parent never takes a child that did for one that did not.
         let Ok(mut started_file) = files::create_new(&asked.folder, files::STARTED) else {

@@ -118,7 +118,7 @@ mod death_signal {
     use std::ffi::{c_int, c_ulong};
     use std::io;
 
-    extern "C" {
+    unsafe extern "C" {
         fn prctl(option: c_int, argument: c_ulong, ...) -> c_int;
         fn getppid() -> i32;
     }
@@ -149,7 +149,7 @@ mod death_signal {
 mod group {
     use std::ffi::c_int;
 
-    extern "C" {
+    unsafe extern "C" {
         fn kill(pid: i32, signal: c_int) -> c_int;
     }
 

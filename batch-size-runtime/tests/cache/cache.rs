@@ -154,9 +154,12 @@ fn bad_files_and_folders_never_fail_a_search() {
 fn the_environment_names_the_folder() {
     let dir = folder("environment");
     // Only this test reads the variable through a search without a folder of its own.
-    std::env::set_var("BATCH_SIZE_CACHE_DIR", &dir);
+    // SAFETY: the other tests of this binary read the environment only through `std::env`,
+    // which takes the same lock as `set_var`; none calls C's `getenv` on a thread of its own.
+    unsafe { std::env::set_var("BATCH_SIZE_CACHE_DIR", &dir) };
     let found = search("from the environment", None, 50);
-    std::env::remove_var("BATCH_SIZE_CACHE_DIR");
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("BATCH_SIZE_CACHE_DIR") };
     assert_eq!(found, (32, 4));
     // Other tests running at the same time may write there too: look for this one's entry.
     assert!(entries(&dir)

@@ -12,7 +12,7 @@ pub fn limit_address_space(bytes: u64) -> std::io::Result<()> {
         current: u64,
         max: u64,
     }
-    extern "C" {
+    unsafe extern "C" {
         fn setrlimit(resource: std::ffi::c_int, limit: *const Rlimit) -> std::ffi::c_int;
     }
     // Linux's RLIMIT_AS, on every architecture Rust supports.

@@ -356,7 +356,7 @@ fn bind(library: Library, path: String) -> Result<NcclLibrary, NcclError> {
 mod tests {
     use super::*;
 
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
         let pairs: Vec<(String, String)> = pairs
             .iter()
             .map(|(key, value)| (key.to_string(), value.to_string()))
