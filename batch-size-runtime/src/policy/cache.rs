@@ -313,20 +313,10 @@ impl CacheSlot {
     /// A runner's result: `fits` (and the smallest size above it that failed), where it changed.
     pub(crate) fn remember(&mut self, fits: usize, failed_at: Option<usize>) {
         let failed_at = failed_at.filter(|&failed| failed > fits);
-        self.write(CacheEntry {
-            key: self.key.clone(),
+        self.write_own(|blank| CacheEntry {
             fits,
-            largest_fit: None,
-            largest: None,
             failed_at,
-            free_when_written: self.free_now,
-            remedies: None,
-            peak_at_fits: None,
-            room: None,
-            other_step: None,
-            failure_reached: None,
-            unfinished: false,
-            grown: false,
+            ..blank
         });
     }
 
