@@ -951,14 +951,14 @@ impl Search<'_> {
                 error = %description,
                 memory,
                 free_after_release,
-                "out of memory with batch size {failed_size}; retrying with {next}{because}"
+                "out of memory with batch size {failed_size} ({description}); retrying with {next}{because}"
             ),
             Next::Accepted => tracing::warn!(
                 function = self.label,
                 batch_size = failed_size,
                 attempt = number,
                 error = %description,
-                "out of memory with batch size {failed_size}; keeping the last size that ran"
+                "out of memory with batch size {failed_size} ({description}); keeping the last size that ran"
             ),
             Next::Stop(_) | Next::Ended => tracing::warn!(
                 function = self.label,
@@ -967,7 +967,7 @@ impl Search<'_> {
                 error = %description,
                 memory,
                 free_after_release,
-                "out of memory with batch size {failed_size}; no smaller size is left"
+                "out of memory with batch size {failed_size} ({description}); no smaller size is left"
             ),
         }
     }

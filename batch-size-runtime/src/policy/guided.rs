@@ -751,15 +751,16 @@ impl Guided {
         }
         self.rationale = Some(if latest.is_none() {
             if failures.iter().any(|failure| failure.size == size) {
-                "the figures repeat at every size and say nothing: halving's next size".to_owned()
+                "every failure gave the same figures, which cannot tell how much smaller fits: halving's next size".to_owned()
             } else {
-                "no figures: halving's next size".to_owned()
+                "the error gave no memory figures to estimate a size from: halving's next size"
+                    .to_owned()
             }
         } else if !in_hand {
-            format!("an estimate failed: halving's next size, {next_rung}")
+            format!("the size estimated from the figures ran out of memory too: halving's next size, {next_rung}")
         } else {
             format!(
-                "the largest size of halving's ladder not proved to fail ({next_rung}); sizes from {} up are",
+                "the failures rule out every size from {} up; {next_rung} is the largest size of halving's ladder below them",
                 proved.ceil()
             )
         });
