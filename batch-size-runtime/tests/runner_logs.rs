@@ -182,7 +182,7 @@ fn a_retry_says_what_happened_and_what_comes_next_in_words() {
     let warns: Vec<&String> = lines.iter().filter(|l| l.starts_with("WARN")).collect();
     assert!(
         warns.iter().any(|line| line.contains(
-            "out of memory with batch size 64; retrying with 32: the error gave no memory figures, so the size is halved"
+            "out of memory with batch size 64 (out of device memory); retrying with 32: the error gave no memory figures, so the size is halved"
         )),
         "{lines:#?}"
     );

@@ -957,7 +957,7 @@ impl Search<'_> {
         let what = if description.contains("another rank") {
             format!("another rank ran out of memory with batch size {failed_size} (this rank's step fitted)")
         } else {
-            format!("out of memory with batch size {failed_size}")
+            format!("out of memory with batch size {failed_size} ({description})")
         };
         match &self.next {
             Next::Size(next) => tracing::warn!(
@@ -975,7 +975,7 @@ impl Search<'_> {
                 batch_size = failed_size,
                 attempt = number,
                 error = %description,
-                "out of memory with batch size {failed_size}; keeping the last size that ran"
+                "out of memory with batch size {failed_size} ({description}); keeping the last size that ran"
             ),
             Next::Stop(_) | Next::Ended => tracing::warn!(
                 function = self.label,
@@ -984,7 +984,7 @@ impl Search<'_> {
                 error = %description,
                 memory,
                 free_after_release,
-                "out of memory with batch size {failed_size}; no smaller size is left"
+                "out of memory with batch size {failed_size} ({description}); no smaller size is left"
             ),
         }
     }

@@ -28,6 +28,7 @@ mod guided;
 mod guided_never_worse;
 mod host_memory;
 mod leftovers;
+mod log_words;
 mod logs;
 mod one_door;
 mod one_way_to_build;

@@ -386,7 +386,8 @@ fn memory_figures_appear_in_the_warn_log_and_in_no_executable_batch_size() -> Te
     let warnings: Vec<&str> = logs.lines().filter(|line| line.contains("WARN")).collect();
     assert_eq!(warnings.len(), 3, "{logs}");
     assert!(
-        warnings[0].contains("out of memory with batch size 4; retrying with 2"),
+        warnings[0].contains("out of memory with batch size 4 (")
+            && warnings[0].contains("); retrying with 2"),
         "{logs}"
     );
     // `memory` is the device as the attempt failed (as PyTorch's message gives it), before the
