@@ -493,7 +493,7 @@ impl SizePolicy for Guided {
     }
 
     /// After a step, the size the model of the step's memory gives from the steps measured
-    /// ([`grown_size`]), kept below every size that failed; where the first step measured
+    /// (`policy::model`), kept below every size that failed; where the first step measured
     /// proves no gain and no failure bounds the size, a probe a quarter larger (its step is the second measured
     /// size that separates a fixed part from growth). Not once a grown size ran out of memory
     /// after its first step ran: later steps need more than the first, so no first step's
