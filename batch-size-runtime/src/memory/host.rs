@@ -82,9 +82,6 @@ pub struct HostMemory {
     cgroup_root: PathBuf,
     /// The process's counters when the peak was last reset.
     at_reset: Mutex<Option<Counters>>,
-    /// Whether the counters are this process's own (`/proc`), so that what its C allocator
-    /// holds free can be read beside them; not for another root's figures.
-    own_process: bool,
 }
 
 /// Which limit binds the host's memory.
@@ -190,10 +187,8 @@ impl HostMemory {
     /// # Ok::<(), std::io::Error>(())
     /// ```
     pub fn with_roots(proc_root: impl Into<PathBuf>, cgroup_root: impl Into<PathBuf>) -> Self {
-        let proc_root = proc_root.into();
         HostMemory {
-            own_process: proc_root == Path::new("/proc"),
-            proc_root,
+            proc_root: proc_root.into(),
             cgroup_root: cgroup_root.into(),
             at_reset: Mutex::new(None),
         }
@@ -306,20 +301,13 @@ impl MemoryBackend for HostMemory {
         let Some(limit) = self.limit_with(counters) else {
             return MemorySnapshot::default();
         };
-        // Against the address-space limit, what the C allocator holds free is mapped (counted
-        // in `VmSize`) yet serves the next allocation without a new mapping: room, as a CUDA
-        // pool's reserved-but-unallocated bytes are. glibc keeps freed blocks mapped for reuse,
-        // so after failed attempts `VmSize` stays grown while that room is all there.
-        let held_free = (limit.kind == HostLimitKind::AddressSpace && self.own_process)
-            .then(allocator_free_bytes)
-            .flatten();
         MemorySnapshot {
             devices: vec![DeviceMemory {
                 device: "cpu".to_owned(),
                 total: limit.total,
                 free: limit.free(),
                 pool_reserved: Some(limit.own),
-                pool_used: held_free.map(|held_free| limit.own.saturating_sub(held_free)),
+                pool_used: None,
                 peak: self.peak(limit.kind, counters),
             }],
         }
@@ -357,42 +345,6 @@ fn malloc_trim() -> Option<MallocTrim> {
             None
         }
     })
-}
-
-/// glibc's `struct mallinfo2`: ten `size_t` counters, `fordblks` (the bytes in free chunks,
-/// fast bins and the top chunk included) the ninth.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Mallinfo2 {
-    counters: [usize; 10],
-}
-
-type Mallinfo2Fn = unsafe extern "C" fn() -> Mallinfo2;
-
-/// The bytes the C allocator holds free for reuse, in every arena (glibc 2.33 and later's
-/// `mallinfo2().fordblks`); `None` where the process has no such function.
-fn allocator_free_bytes() -> Option<u64> {
-    static MALLINFO2: OnceLock<Option<Mallinfo2Fn>> = OnceLock::new();
-    let mallinfo2 = (*MALLINFO2.get_or_init(|| {
-        #[cfg(all(unix, target_env = "gnu"))]
-        {
-            let this = libloading::os::unix::Library::this();
-            // SAFETY: the symbol, where present, is glibc's `struct mallinfo2 mallinfo2(void)`,
-            // which matches `Mallinfo2Fn` (ten `size_t` returned by value). The pointer stays
-            // valid after `this` is dropped: libc is never unloaded from a running process.
-            unsafe { this.get::<Mallinfo2Fn>(b"mallinfo2\0") }
-                .ok()
-                .map(|symbol| *symbol)
-        }
-        #[cfg(not(all(unix, target_env = "gnu")))]
-        {
-            None
-        }
-    }))?;
-    // SAFETY: `mallinfo2` takes no argument and only reads the allocator's own state, under
-    // its locks; it may be called at any time from any thread.
-    let info = unsafe { mallinfo2() };
-    Some(info.counters[8] as u64)
 }
 
 fn read(path: &Path) -> Option<String> {
@@ -462,27 +414,5 @@ fn tightest(root: &Path, path: &str, limit_file: &str, usage_file: &str) -> Opti
         if dir == root || !dir.pop() || !dir.starts_with(root) {
             return best;
         }
-    }
-}
-
-#[cfg(all(test, target_os = "linux", target_env = "gnu"))]
-mod tests {
-    use super::*;
-
-    /// Freed heap blocks stay mapped for reuse: the allocator's free bytes count them, which is
-    /// what the host's room adds back against `RLIMIT_AS`.
-    #[test]
-    fn the_allocators_free_blocks_are_read() {
-        let before = allocator_free_bytes().unwrap_or(0);
-        // Blocks below glibc's mmap threshold come from the heap; the one kept after them stops
-        // the heap's top from being trimmed when they are freed.
-        let blocks: Vec<Vec<u8>> = (0..256).map(|_| vec![1u8; 64 << 10]).collect();
-        let kept = vec![1u8; 64 << 10];
-        drop(blocks);
-        let after = allocator_free_bytes();
-        assert!(after.is_some(), "glibc has mallinfo2 since 2.33");
-        let freed = after.unwrap_or(0).saturating_sub(before);
-        assert!(freed >= 8 << 20, "{freed} bytes read free of 16 MiB freed");
-        drop(kept);
     }
 }
