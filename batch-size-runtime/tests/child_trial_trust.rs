@@ -1,4 +1,4 @@
-//! `ChildTrial` at its edges (issue 54): a child never starts children of its own for a trial;
+//! `ChildTrial` at its edges: a child never starts children of its own for a trial;
 //! what the parent reports holds whatever the child did at exit, on a side thread or when it
 //! was killed; the child's files and processes never outlive the trial. Each child is this test
 //! binary, running the ignored `child_entry` (or `chain_entry`) test.

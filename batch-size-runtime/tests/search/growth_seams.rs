@@ -1,7 +1,7 @@
 //! Growth after a step where it meets the other features: figures that come with the first
 //! child, `effective = N`, remedies, a search nested in the step, the cache's rerun, and a grown
 //! size that failed within its first step. Each case ran wrong before the one model of the
-//! step's memory (issue 53): it stayed put, grew past its bound, or grew into a failure.
+//! step's memory: it stayed put, grew past its bound, or grew into a failure.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
