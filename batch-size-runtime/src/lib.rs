@@ -297,7 +297,7 @@ pub use engine::{step_done, step_handle, Grow, Search, StepHandle};
 pub use error::{NoExecutableBatchSize, StopReason};
 pub use memory::out_of_memory::OutOfMemory;
 pub use memory::release::Release;
-pub use record::{last_report, Attempt, Outcome, SearchReport};
+pub use record::{last_report, Attempt, Figures, Outcome, SearchReport};
 pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use runners::effective::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
 pub use runners::search::BatchSizeSearch;

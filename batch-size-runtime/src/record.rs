@@ -110,8 +110,8 @@ pub struct Attempt {
     pub memory_at_end: Option<MemorySnapshot>,
     /// Device memory after the release that followed.
     pub memory_after_release: Option<MemorySnapshot>,
-    /// Bytes the failed allocation asked for, when the out-of-memory error said.
-    pub requested: Option<u64>,
+    /// What the attempt's memory came to, read once where it ended ([`Figures`]).
+    pub figures: Figures,
     /// How the policy chose this size, when it says (an estimate, a fitted limit).
     pub rationale: Option<String>,
     /// The remedies in force during this attempt ("activation checkpointing, context length
@@ -121,6 +121,80 @@ pub struct Attempt {
     /// watched for growing before the attempt ended: where it then ran out of memory, a later
     /// step needed more than the first.
     pub first_step_done: bool,
+}
+
+/// The figures of one attempt, in one frame: what it had to itself and what it used of it.
+///
+/// The frame: what was *held at the start* is what the attempt did not allocate and could not
+/// use (other processes, the context, what a pool had allocated); its *room* is the rest (free,
+/// plus what a pool held unallocated, which it reuses); its *peak* is the most it held above
+/// what was held at its start. An out-of-memory's own figures (the bytes asked for, free and
+/// total at the failure) come from the error as values: the crate's [`OutOfMemory`](crate::OutOfMemory)
+/// and those of a child are read as they are, only a foreign error's text is parsed. Each
+/// figure is `None` where nothing said it.
+///
+/// ```
+/// use batch_size_runtime::{last_report, BatchSizeSearch, memory::SimulatedDevice};
+///
+/// let device = SimulatedDevice::new(1000);
+/// let _: anyhow::Result<usize> = BatchSizeSearch::new(64)
+///     .with_release(device.clone())
+///     .run(|batch_size| {
+///         let _weights = device.alloc(200)?;
+///         let _batch = device.alloc(batch_size as u64 * 20)?;
+///         Ok(batch_size)
+///     });
+/// let report = last_report().unwrap();
+/// let first = report.attempts().next().unwrap().figures;
+/// assert_eq!(first.requested, Some(64 * 20));
+/// assert_eq!((first.free_at_failure, first.total), (Some(800), Some(1000)));
+/// assert_eq!((first.held_at_start, first.room), (Some(0), Some(1000)));
+/// assert_eq!(first.peak, Some(200));
+/// assert_eq!(first.needed_at_least(), Some(200 + 64 * 20));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Figures {
+    /// Bytes the failing allocation asked for.
+    pub requested: Option<u64>,
+    /// Bytes free on the device when the allocation failed, as the error said.
+    pub free_at_failure: Option<u64>,
+    /// The device's total bytes: the error's, else the memory backend's.
+    pub total: Option<u64>,
+    /// Bytes held when the attempt started that it could not use.
+    pub held_at_start: Option<u64>,
+    /// The most bytes the attempt held above what was held at its start.
+    pub peak: Option<u64>,
+    /// The bytes the attempt could use: free at its start plus a pool's unallocated reserve.
+    pub room: Option<u64>,
+    /// Bytes held once the release after a failure ran (less than at the start where it gave
+    /// back what a pool kept from earlier work).
+    pub held_after_release: Option<u64>,
+}
+
+impl Figures {
+    /// Bytes in use on the device when the allocation failed: the error's free bytes against
+    /// the total, else what was held at the start plus the attempt's peak.
+    ///
+    /// ```
+    /// use batch_size_runtime::Figures;
+    /// let mut figures = Figures::default();
+    /// (figures.free_at_failure, figures.total) = (Some(1 << 30), Some(4 << 30));
+    /// assert_eq!(figures.used_at_failure(), Some(3 << 30));
+    /// ```
+    pub fn used_at_failure(&self) -> Option<u64> {
+        match (self.total, self.free_at_failure) {
+            (Some(total), Some(free)) if free <= total => Some(total - free),
+            (Some(_), Some(_)) => None,
+            _ => Some(self.held_at_start?.saturating_add(self.peak?)),
+        }
+    }
+
+    /// Bytes the attempt needed at least: what was in use when the allocation failed plus
+    /// what it asked for (a failure part-way through the step knows only part of it).
+    pub fn needed_at_least(&self) -> Option<u64> {
+        Some(self.used_at_failure()?.saturating_add(self.requested?))
+    }
 }
 
 impl fmt::Display for Attempt {

@@ -83,7 +83,7 @@ impl<'a> OomRules<'a> {
                 oom::chain_of(error).any(when).then(|| OomMatch {
                     kind: OomKind::Rule,
                     description: oom::describe(error),
-                    requested: None,
+                    figures: Default::default(),
                 })
             })
             // The whole chain: what lost device work says may be below the first line.
@@ -98,7 +98,7 @@ impl<'a> OomRules<'a> {
                 when(&TextError(text.to_owned())).then(|| OomMatch {
                     kind: OomKind::Rule,
                     description: text.lines().next().unwrap_or_default().to_owned(),
-                    requested: None,
+                    figures: Default::default(),
                 })
             })
             .or_else(|| self.side_thread_oom(|| text.to_owned()))

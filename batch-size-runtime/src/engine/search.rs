@@ -15,9 +15,9 @@ use crate::error::KeptError;
 use crate::error::{NoExecutableBatchSize, StopReason};
 use crate::memory::{Bytes, MemorySnapshot, Release};
 use crate::oom::{self, OomMatch};
+use crate::policy::{figures_of, Decision, SizePolicy};
 use crate::policy::{Cached, Remediate};
-use crate::policy::{Decision, SizePolicy};
-use crate::record::{self, Attempt, CacheHit, Outcome, SearchReport};
+use crate::record::{self, Attempt, CacheHit, Figures, Outcome, SearchReport};
 use crate::unwind::PanicPayload;
 
 #[derive(Debug)]
@@ -443,6 +443,7 @@ impl Search<'_> {
         if attempt.memory_at_start.is_none() {
             attempt.memory_at_start = non_empty(grown.at_start);
         }
+        read_figures(&mut attempt, Default::default());
         let number = attempt.number;
         self.report.push(attempt);
         self.growths += 1;
@@ -454,18 +455,31 @@ impl Search<'_> {
         self.rationale = self.policy.rationale();
         self.next = self.within_the_rules(decision);
         if let Next::Size(next) = &self.next {
-            tracing::info!(
-                function = self.label,
-                batch_size = grown.from,
-                next_batch_size = *next,
-                attempt = number,
-                peak = %Bytes(grown.step.peak),
-                room = %Bytes(grown.step.room),
-                "the first step with batch size {} used {} of {}: running again with {next}",
-                grown.from,
-                Bytes(grown.step.peak),
-                Bytes(grown.step.room),
-            );
+            if grown.step.room == 0 {
+                // No figures: the size is a guess, and the log says so.
+                tracing::info!(
+                    function = self.label,
+                    batch_size = grown.from,
+                    next_batch_size = *next,
+                    attempt = number,
+                    "the first step with batch size {} ran; with no memory figures to size from, \
+                     running again with {next}, a guess halfway to the smallest size that failed",
+                    grown.from,
+                );
+            } else {
+                tracing::info!(
+                    function = self.label,
+                    batch_size = grown.from,
+                    next_batch_size = *next,
+                    attempt = number,
+                    peak = %Bytes(grown.step.peak),
+                    room = %Bytes(grown.step.room),
+                    "the first step with batch size {} used {} of {}: running again with {next}",
+                    grown.from,
+                    Bytes(grown.step.peak),
+                    Bytes(grown.step.room),
+                );
+            }
         }
         self.notify_last();
     }
@@ -576,7 +590,7 @@ impl Search<'_> {
             memory_at_start,
             memory_at_end: None,
             memory_after_release: None,
-            requested: None,
+            figures: Default::default(),
             rationale: self.rationale.take(),
             remedies,
             first_step_done: self.watch.take().is_some_and(|watch| watch.measured()),
@@ -612,6 +626,7 @@ impl Search<'_> {
         let mut attempt = self.finish_attempt(Outcome::Succeeded);
         if self.policy.reads_memory_after_success() {
             attempt.memory_at_end = non_empty(self.release.memory());
+            read_figures(&mut attempt, Default::default());
         }
         self.succeeded_once = true;
         self.report.push(attempt);
@@ -777,11 +792,11 @@ impl Search<'_> {
             error: found.description.clone(),
         });
         let failed_size = attempt.batch_size;
-        attempt.requested = found.requested;
         attempt.memory_at_end = non_empty(self.release.memory());
 
         self.release_before_next_attempt();
         attempt.memory_after_release = non_empty(self.release.memory());
+        read_figures(&mut attempt, found.figures);
         let number = attempt.number;
         let held = self.held_from_earlier_work(&attempt);
         self.report.push(attempt);
@@ -841,7 +856,7 @@ impl Search<'_> {
         }
         let at_start = failed.memory_at_start.as_ref()?;
         let held = at_start.pool_unallocated().filter(|&held| held > 0)?;
-        let requested = failed.requested?;
+        let requested = failed.figures.requested?;
         let peak = failed.memory_at_end.as_ref()?.peak()?;
         let in_use_at_start = at_start.pool_used().unwrap_or(0);
         let room = in_use_at_start
@@ -1011,6 +1026,16 @@ impl Search<'_> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct LastOutOfMemory(String);
+
+/// Fills an attempt's figures once, from what its error `stated` and the readings kept on it.
+fn read_figures(attempt: &mut Attempt, stated: Figures) {
+    attempt.figures = figures_of(
+        stated,
+        attempt.memory_at_start.as_ref(),
+        attempt.memory_at_end.as_ref(),
+        attempt.memory_after_release.as_ref(),
+    );
+}
 
 fn non_empty(snapshot: MemorySnapshot) -> Option<MemorySnapshot> {
     (!snapshot.is_empty()).then_some(snapshot)

@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::error::OutOfMemory;
+use crate::record::Figures;
 
 static QUIET_OOM_PANICS: AtomicBool = AtomicBool::new(true);
 
@@ -405,7 +406,7 @@ pub enum OomKind {
 /// let pytorch = "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total)\n\
 ///                Traceback (most recent call last): ...";
 /// let found = oom::classify_text(pytorch).unwrap();
-/// assert_eq!(found.requested, Some(20 << 20));
+/// assert_eq!(found.figures.requested, Some(20 << 20));
 /// assert_eq!(
 ///     found.description, // the first line
 ///     "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total)"
@@ -417,8 +418,10 @@ pub struct OomMatch {
     pub kind: OomKind,
     /// What the error said, safe to print (cudarc errors are described by code name).
     pub description: String,
-    /// Bytes the failed allocation asked for, when the error says.
-    pub requested: Option<u64>,
+    /// What the error stated of the failure: the bytes asked for, free and total, read as
+    /// values from the crate's own [`OutOfMemory`] (a child's too) and parsed from a foreign
+    /// error's text, here and nowhere else. The search adds the memory backend's readings.
+    pub figures: Figures,
 }
 
 /// A rule that says whether an error is out-of-memory, for frameworks this crate does not know.
@@ -499,14 +502,14 @@ pub fn classify_error(error: &(dyn Error + 'static)) -> Option<OomMatch> {
             .map(|kind| OomMatch {
                 description: describe_cudarc_chain(error),
                 kind,
-                requested: None,
+                figures: Figures::default(),
             });
     }
-    if let Some((kind, requested)) = chain().find_map(classify_typed) {
+    if let Some((kind, figures)) = chain().find_map(classify_typed) {
         return Some(OomMatch {
             kind,
             description: describe_chain(error),
-            requested,
+            figures,
         });
     }
     // One quiet section for every layer's text and every rule: the panic filter goes in and
@@ -529,7 +532,7 @@ fn classify_by_text(error: &(dyn Error + 'static)) -> Option<OomMatch> {
         // A rule's message has no known form: its figures are not guessed.
         .then_some(OomMatch {
             kind: OomKind::Rule,
-            requested: None,
+            figures: Figures::default(),
             description: truncate(&text),
         })
 }
@@ -540,7 +543,7 @@ fn classify_by_text(error: &(dyn Error + 'static)) -> Option<OomMatch> {
 /// use batch_size_runtime::oom;
 ///
 /// let tch = "Internal torch error: CUDA out of memory. Tried to allocate 2.00 GiB";
-/// assert_eq!(oom::classify_text(tch).unwrap().requested, Some(2 << 30));
+/// assert_eq!(oom::classify_text(tch).unwrap().figures.requested, Some(2 << 30));
 /// assert!(oom::classify_text("index out of bounds").is_none());
 /// ```
 pub fn classify_text(text: &str) -> Option<OomMatch> {
@@ -558,7 +561,7 @@ pub fn classify_text(text: &str) -> Option<OomMatch> {
         .then(|| OomMatch {
             kind: OomKind::Rule,
             description: truncate(text),
-            requested: None,
+            figures: Figures::default(),
         })
 }
 
@@ -576,7 +579,7 @@ pub fn classify_text(text: &str) -> Option<OomMatch> {
 ///
 /// let oom = || panic!("CUDA out of memory. Tried to allocate 1.00 GiB");
 /// let payload = catch_unwind(oom).unwrap_err();
-/// assert_eq!(oom::classify_panic(&*payload).unwrap().requested, Some(1 << 30));
+/// assert_eq!(oom::classify_panic(&*payload).unwrap().figures.requested, Some(1 << 30));
 ///
 /// let payload = catch_unwind(|| panic_any(OutOfMemory::new())).unwrap_err();
 /// assert_eq!(oom::classify_panic(&*payload).unwrap().kind, OomKind::Crate);
@@ -670,7 +673,7 @@ fn match_patterns(text: &str) -> Option<OomMatch> {
     matched_pattern(text).map(|pattern| OomMatch {
         kind: OomKind::Pattern(pattern),
         description: truncate(what_ran_out(text)),
-        requested: read_figures(pattern.figures, text).requested,
+        figures: stated(&read_figures(pattern.figures, text)),
     })
 }
 
@@ -708,7 +711,22 @@ fn unwrapped(line: &str) -> &str {
     line.trim()
 }
 
-fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>)> {
+/// The figures an out-of-memory states, as the record keeps them; free above total contradicts
+/// itself, and neither is kept.
+fn stated(own: &OutOfMemory) -> Figures {
+    let consistent = own
+        .free
+        .zip(own.total)
+        .is_none_or(|(free, total)| free <= total);
+    Figures {
+        requested: own.requested,
+        free_at_failure: own.free.filter(|_| consistent),
+        total: own.total.filter(|_| consistent),
+        ..Figures::default()
+    }
+}
+
+fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Figures)> {
     use cudarc::cublas::result::CublasError;
     use cudarc::cublas::sys::cublasStatus_t;
     use cudarc::curand::result::CurandError;
@@ -717,24 +735,30 @@ fn classify_typed(error: &(dyn Error + 'static)) -> Option<(OomKind, Option<u64>
     use cudarc::driver::DriverError;
 
     if let Some(own) = error.downcast_ref::<OutOfMemory>() {
-        return Some((OomKind::Crate, own.requested));
+        return Some((OomKind::Crate, stated(own)));
     }
     if let Some(DriverError(code)) = error.downcast_ref::<DriverError>() {
-        return (*code == CUresult::CUDA_ERROR_OUT_OF_MEMORY)
-            .then_some((OomKind::Cudarc("CUDA_ERROR_OUT_OF_MEMORY"), None));
+        return (*code == CUresult::CUDA_ERROR_OUT_OF_MEMORY).then_some((
+            OomKind::Cudarc("CUDA_ERROR_OUT_OF_MEMORY"),
+            Figures::default(),
+        ));
     }
     if let Some(CublasError(status)) = error.downcast_ref::<CublasError>() {
-        return (*status == cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED)
-            .then_some((OomKind::Cudarc("CUBLAS_STATUS_ALLOC_FAILED"), None));
+        return (*status == cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED).then_some((
+            OomKind::Cudarc("CUBLAS_STATUS_ALLOC_FAILED"),
+            Figures::default(),
+        ));
     }
     if let Some(CurandError(status)) = error.downcast_ref::<CurandError>() {
-        return (*status == curandStatus_t::CURAND_STATUS_ALLOCATION_FAILED)
-            .then_some((OomKind::Cudarc("CURAND_STATUS_ALLOCATION_FAILED"), None));
+        return (*status == curandStatus_t::CURAND_STATUS_ALLOCATION_FAILED).then_some((
+            OomKind::Cudarc("CURAND_STATUS_ALLOCATION_FAILED"),
+            Figures::default(),
+        ));
     }
     if let Some(io) = error.downcast_ref::<std::io::Error>() {
         // An io::Error that merely wraps another error is judged by that error, further down.
         return (io.kind() == std::io::ErrorKind::OutOfMemory && io.get_ref().is_none())
-            .then_some((OomKind::Io, None));
+            .then_some((OomKind::Io, Figures::default()));
     }
     None
 }
@@ -932,7 +956,7 @@ mod tests {
                     void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) \
                     Available memory of 234881024 is smaller than requested bytes of 268435456";
         assert_eq!(
-            classify_text(text).map(|found| found.requested),
+            classify_text(text).map(|found| found.figures.requested),
             Some(Some(268_435_456))
         );
         let read = figures(text);
@@ -942,7 +966,7 @@ mod tests {
         );
         let uncapped = "Failed to allocate memory for requested buffer of size 268435456";
         assert_eq!(
-            classify_text(uncapped).map(|found| found.requested),
+            classify_text(uncapped).map(|found| found.figures.requested),
             Some(Some(268_435_456))
         );
     }
@@ -951,7 +975,7 @@ mod tests {
     fn describes_the_line_that_says_what_ran_out() {
         // burn 0.22's ExecutionError wraps cubecl's IoError below its own first line.
         let burn = "An error happened during execution\nCaused by:\n  out of device memory allocating 4096 bytes\n   0: backtrace";
-        let found = classify_text(burn).map(|found| (found.description, found.requested));
+        let found = classify_text(burn).map(|found| (found.description, found.figures.requested));
         assert_eq!(
             found,
             Some((
@@ -961,7 +985,7 @@ mod tests {
         );
         let pages = "Can't allocate 8192 bytes: every page size the memory tracks still holds live allocations\n";
         assert_eq!(
-            classify_text(pages).map(|found| found.requested),
+            classify_text(pages).map(|found| found.figures.requested),
             Some(Some(8192))
         );
         // The lost handle alone is not out-of-memory: only a device thread's panic says so.
@@ -979,7 +1003,7 @@ mod tests {
             found.description,
             "DefaultCPUAllocator: can't allocate memory: you tried to allocate 85899345920 bytes. Error code 12 (Cannot allocate memory)"
         );
-        assert_eq!(found.requested, Some(85_899_345_920));
+        assert_eq!(found.figures.requested, Some(85_899_345_920));
         // Its `f_*` methods: the error's `Display`, with real newlines.
         let returned = "Internal torch error: DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes. Error code 12 (Cannot allocate memory)\nException raised from alloc_cpu at ../c10/core/impl/alloc_cpu.cpp:72\nframe #0: <unknown function> + 0x4c062";
         let found = classify_text(returned).expect("tch's allocator message");

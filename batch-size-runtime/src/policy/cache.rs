@@ -108,6 +108,40 @@ pub struct CacheEntry {
     pub grown: bool,
 }
 
+impl CacheEntry {
+    /// Why the entry's fields cannot all be true together (a damaged or forged file): no search
+    /// writes a failure at or below a size that ran, nor a peak above the room it ran in.
+    fn inconsistency(&self) -> Option<String> {
+        let failed = self.failed_at.unwrap_or(usize::MAX);
+        let why = if self.fits == 0 {
+            "its size is 0"
+        } else if failed <= self.fits {
+            "its failed size is not above its size"
+        } else if self.largest_fit.is_some_and(|largest| largest < self.fits) {
+            "its largest size is below its size"
+        } else if self
+            .other_step
+            .is_some_and(|(size, peak)| size == 0 || peak == 0)
+        {
+            "its other measured step is empty"
+        } else if self
+            .failure_reached
+            .is_some_and(|(size, _)| size <= self.fits)
+        {
+            "its failure's size is not above its size"
+        } else if self
+            .room
+            .zip(self.peak_at_fits)
+            .is_some_and(|(room, peak)| peak > room || room == 0)
+        {
+            "its peak is above its room"
+        } else {
+            return None;
+        };
+        Some(why.to_owned())
+    }
+}
+
 /// The entries kept in this process, each with the thread whose search wrote it.
 static IN_PROCESS: Mutex<Option<HashMap<String, (std::thread::ThreadId, CacheEntry)>>> =
     Mutex::new(None);
@@ -251,15 +285,17 @@ impl CacheSlot {
                 tracing::warn!(file = %file.display(), reason = why, "the batch size cache is ignored: the search starts at its starting size");
             }
         };
-        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| match unusable(entry) {
-            Some(why) => {
-                warn(
-                    file.as_deref().unwrap_or(Path::new("(in this process)")),
-                    &why,
-                );
-                false
+        let entry = load(&key, file.as_deref(), &mut warn).filter(|entry| {
+            match entry.inconsistency().or_else(|| unusable(entry)) {
+                Some(why) => {
+                    warn(
+                        file.as_deref().unwrap_or(Path::new("(in this process)")),
+                        &why,
+                    );
+                    false
+                }
+                None => true,
             }
-            None => true,
         });
         CacheSlot {
             key,
@@ -277,9 +313,7 @@ impl CacheSlot {
         what: &str,
         release: &Release,
     ) -> Self {
-        let slot = CacheSlot::open(settings, label, what, release, |entry| {
-            (entry.fits == 0).then(|| "its size is 0".to_owned())
-        });
+        let slot = CacheSlot::open(settings, label, what, release, |_| None);
         if let Some(fits) = slot.fits() {
             tracing::info!(
                 function = label,
@@ -568,11 +602,12 @@ impl<P: SizePolicy> Cached<P> {
             other_step: steps.other_step,
             failure_reached: steps.failure_reached,
             unfinished: false,
-            // Grown in this search, or served from an entry that was.
+            // Grown in this search, or started from an entry that was (whatever it ended at:
+            // a size above `starting` is reached no other way).
             grown: history
                 .attempts()
                 .any(|attempt| matches!(attempt.outcome, Outcome::Grew { .. }))
-                || earlier.is_some_and(|entry| entry.grown && entry.fits == fits),
+                || earlier.is_some_and(|entry| entry.grown),
         };
         tracing::debug!(function = self.label, fits, ?failed_at, "batch size cached");
         self.slot.write(entry);
@@ -678,9 +713,10 @@ impl<P: SizePolicy> PolicyWrapper for Cached<P> {
 
     /// Served from the cache, the size is what the entry measured in this room (its failures
     /// and growths included): a rerun does not grow again, and so never into a failure the
-    /// entry remembers. Without an entry, or with clearly more room, the inner policy's rule.
+    /// entry remembers. Once a cached size failed, the room is not what the entry measured:
+    /// the rerun goes on as a first run, growing included, as without an entry.
     fn grow_after_a_step(&self, history: &SearchReport) -> Option<GrowRule> {
-        if self.from_cache {
+        if self.from_cache && history.out_of_memory_count() == 0 {
             None
         } else {
             self.inner.grow_after_a_step(history)

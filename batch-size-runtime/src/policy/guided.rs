@@ -2,9 +2,9 @@
 //! grows with the batch size, without ever ending below the size halving would have found or
 //! taking more than three attempts more than halving.
 
-use super::evidence::Evidence;
 use super::model::{
-    grown_size, measured_step, GROWN_KEEP, GROWTH_EXPONENT_BOUND, PROBE_GROWTH, PROOF_TOLERANCE,
+    exponent, failures, fixed_part_does_not_fit, grown_size, line_through_failures, measured,
+    Failure, GROWN_KEEP, GROWTH_EXPONENT_BOUND, PROBE_GROWTH,
 };
 use super::{Decision, GrowRule, SizePolicy, StepFigures};
 use crate::error::StopReason;
@@ -238,250 +238,16 @@ impl Guided {
     }
 }
 
-/// The line through `latest` and a larger failure on the same device (each failure's bytes
-/// reached, against the size to `exponent`), where every other failure lies on it, its slope
-/// is no steeper than the failing allocations' own growth, and it meets the `room` below
-/// `latest`'s size: the size it fits at, the failure it was drawn to, and its fixed part.
-fn line_through_failures<'f>(
-    latest: &Failure,
-    failures: &'f [Failure],
-    exponent: f64,
-    room: u64,
-) -> Option<(f64, &'f Failure, f64)> {
-    let size = latest.size as f64;
-    let reached = latest.reached() as f64;
-    failures
-        .iter()
-        .rev()
-        .filter(|earlier| earlier.size > latest.size && earlier.total == latest.total)
-        .find_map(|earlier| {
-            let earlier_reached = earlier.reached() as f64;
-            let (x0, x1) = (size.powf(exponent), (earlier.size as f64).powf(exponent));
-            let slope = (earlier_reached - reached) / (x1 - x0);
-            let fixed = reached - slope * x0;
-            let fit = ((room as f64 - fixed) / slope).powf(1.0 / exponent);
-            // A line steeper than the failing allocation's own growth says that the failures
-            // came at different points of the step (where the room ran out each time), not
-            // that the rest is fixed: nothing to read from it.
-            let per_unit = (latest.requested as f64 / x0).max(earlier.requested as f64 / x1);
-            // Every other failure must lie on it too: a failure off the line came at another
-            // point of the step, and the line between these two is a coincidence.
-            let on_line = failures.iter().all(|other| {
-                other.total != latest.total || {
-                    let predicted = fixed + slope * (other.size as f64).powf(exponent);
-                    (predicted - other.reached() as f64).abs() <= 0.01 * other.reached() as f64
-                }
-            });
-            (slope > 0.0
-                && on_line
-                && (slope <= 1.5 * per_unit
-                    // A failing allocation of the same bytes at both sizes does not grow:
-                    // the growth is elsewhere, and its own says nothing of the line.
-                    || close(latest.requested, earlier.requested))
-                && fixed < room as f64
-                && fit.is_finite()
-                && fit < size)
-                .then_some((fit, earlier, fixed))
-        })
-}
-
-/// How fast the failing allocation grows with the size: linear unless two failures of the
-/// same allocation at different sizes show more (the exponent of `requested ∝ size^k`).
-fn exponent(latest: &Failure, failures: &[Failure]) -> f64 {
-    failures
-        .iter()
-        .rev()
-        .find(|earlier| earlier.size != latest.size && earlier.site == latest.site)
-        .map(|earlier| {
-            (latest.requested as f64 / earlier.requested as f64).ln()
-                / (latest.size as f64 / earlier.size as f64).ln()
-        })
-        .filter(|k| k.is_finite() && (1.2..=3.0).contains(k))
-        .unwrap_or(1.0)
-}
-
-/// One failure with every figure the estimate needs.
-#[derive(Debug, Clone)]
-struct Failure {
-    /// Which allocation failed, as far as the text tells.
-    site: String,
-    size: usize,
-    requested: u64,
-    /// Free when the allocation failed.
-    free: u64,
-    /// The device's total, where the text or the backend said.
-    total: Option<u64>,
-    /// In use before the attempt, where the memory backend said.
-    used_at_start: Option<u64>,
-    /// In use once the release after the attempt ran, where the backend said: less than at the
-    /// start where the release gave back what a pool kept from earlier work.
-    used_after_release: Option<u64>,
-    /// The most in use during the attempt, where the backend keeps a peak.
-    peak: Option<u64>,
-}
-
-impl Failure {
-    /// In use when the allocation failed.
-    fn used(&self) -> Option<u64> {
-        Some(self.total?.saturating_sub(self.free))
-    }
-
-    /// What the attempt itself held when it failed (all that was in use where the backend did not
-    /// say what was in use before: the bound stays a bound).
-    fn own(&self) -> u64 {
-        self.used()
-            .unwrap_or(0)
-            .saturating_sub(self.used_at_start.unwrap_or(0))
-    }
-
-    /// What the attempt needed at least: its own bytes plus the allocation that failed, or its
-    /// peak where it freed memory before failing and the peak was higher.
-    fn reached(&self) -> u64 {
-        let peak = self.peak.map_or(0, |peak| {
-            peak.saturating_sub(self.used_at_start.unwrap_or(0))
-        });
-        self.own().saturating_add(self.requested).max(peak)
-    }
-
-    /// The bytes the next attempt can use: the total less what was in use before this one, or
-    /// less what is in use after the release where that is less (a pool's leftovers from
-    /// earlier work given back: ONNX Runtime's arena keeps the regions an earlier run grew, and
-    /// counts them as taken until its release). Never more room than the release left, so a
-    /// size proved to fail in it fails in the next attempt too.
-    fn room(&self) -> Option<u64> {
-        let used = self.used_at_start.map_or(0, |start| {
-            self.used_after_release
-                .map_or(start, |after| start.min(after))
-        });
-        Some(self.total?.saturating_sub(used))
-    }
-
-    /// The size from which every size is proved to fail by this failure: its attempt had reached
-    /// `reached` bytes of its own, and at a size `b` below its own those bytes are at least
-    /// `(b / size)²` of what they were (no allocation shrinks faster than the batch squared).
-    /// `None` where it proves nothing (no total to compare with).
-    fn proved_to_fail_from(&self) -> Option<f64> {
-        let room = self.room()? as f64;
-        let reached = self.reached() as f64 * PROOF_TOLERANCE;
-        if room <= 0.0 || reached <= room {
-            return None;
-        }
-        let from = self.size as f64 * (room / reached).powf(1.0 / GROWTH_EXPONENT_BOUND);
-        from.is_finite().then_some(from)
-    }
-
-    /// Whether `other`, at another size, shows the same figures: they do not move with the batch.
-    fn repeats(&self, other: &Failure) -> bool {
-        other.size != self.size
-            && close(other.requested, self.requested)
-            && close(other.free, self.free)
-            && other.total.zip(self.total).is_none_or(|(a, b)| close(a, b))
-    }
-}
-
-/// The error's text up to its first figure: two failures of the same allocation read the same
-/// ("activations: out of device memory ..." is not "logits: out of device memory ...").
-fn site(attempt: &Attempt) -> String {
-    match &attempt.outcome {
-        Outcome::OutOfMemory { error } => {
-            error.chars().take_while(|c| !c.is_ascii_digit()).collect()
-        }
-        _ => String::new(),
-    }
-}
-
-fn failures(history: &SearchReport) -> Vec<Failure> {
-    history
-        .attempts()
-        .filter_map(|attempt| {
-            let evidence = Evidence::of(attempt)?;
-            // In use at the failure against the total, or, with no total, the text's free bytes.
-            let (free, total) = match (evidence.used_at_failure, evidence.total) {
-                (Some(used), Some(total)) if used <= total => (total - used, Some(total)),
-                (Some(_), Some(_)) => return None,
-                _ => (evidence.free_at_failure?, None),
-            };
-            let failure = Failure {
-                site: site(attempt),
-                size: attempt.batch_size,
-                requested: evidence.requested?,
-                free,
-                total,
-                used_at_start: evidence.used_at_start,
-                used_after_release: attempt
-                    .memory_after_release
-                    .as_ref()
-                    .and_then(|memory| memory.devices.first())
-                    .filter(|after| total.is_none_or(|total| after.total == total))
-                    .map(|after| after.total.saturating_sub(after.free)),
-                peak: evidence.peak,
-            };
-            // Figures that cannot be true are no evidence.
-            let plausible = failure.requested > 0
-                && failure.total.is_none_or(|total| {
-                    total > 0 && failure.used_at_start.is_none_or(|start| start <= total)
-                })
-                && failure.size > 0;
-            plausible.then_some(failure)
-        })
-        .collect()
-}
-
-fn close(a: u64, b: u64) -> bool {
-    let (a, b) = (a as f64, b as f64);
-    (a - b).abs() <= 0.01 * a.max(b)
-}
-
-/// Two failures at different sizes that failed on their first allocation (the attempt held
-/// nothing of its own yet), asking for the same bytes, more than the device had free before the
-/// attempt: that allocation does not depend on the batch size and does not fit at any.
-fn fixed_part_does_not_fit(failures: &[Failure]) -> Option<(&Failure, &Failure)> {
-    let first_allocation = |failure: &&Failure| {
-        failure
-            .used_at_start
-            .zip(failure.total)
-            .is_some_and(|(start, total)| {
-                failure.own().saturating_mul(100) <= failure.requested
-                    && failure.requested > total.saturating_sub(start)
-            })
-    };
-    let latest = failures.last().filter(first_allocation)?;
-    let earlier = failures
-        .iter()
-        .rev()
-        .skip(1)
-        .filter(first_allocation)
-        .find(|earlier| {
-            earlier.size != latest.size && close(earlier.requested, latest.requested)
-        })?;
-    Some((earlier, latest))
-}
-
 /// Halving's sizes from `first`: `first, first/2, ..., 1`.
 fn ladder(first: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(first), |&rung| Some(rung / 2)).take_while(|&rung| rung > 0)
-}
-
-/// Each failure of `history` with a device total, and the bytes it had reached of its own.
-pub(crate) fn reached_by_failures(history: &SearchReport) -> Vec<(usize, u64)> {
-    failures(history)
-        .iter()
-        .filter(|failure| failure.total.is_some())
-        .map(|failure| (failure.size, failure.reached()))
-        .collect()
 }
 
 /// The steps measured so far in this search: the attempts that grew.
 fn grown_steps(history: &SearchReport) -> impl Iterator<Item = (&Attempt, StepFigures)> {
     history.attempts().filter_map(|attempt| {
         matches!(attempt.outcome, Outcome::Grew { .. })
-            .then(|| {
-                measured_step(
-                    attempt.batch_size,
-                    attempt.memory_at_start.as_ref(),
-                    attempt.memory_at_end.as_ref(),
-                )
-            })
+            .then(|| measured(attempt.batch_size, &attempt.figures))
             .flatten()
             .map(|step| (attempt, step))
     })
@@ -717,49 +483,4 @@ fn rungs_proved(first: usize, proved: f64) -> (usize, Option<usize>) {
         }
     }
     (proved_rungs, None)
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-    use crate::memory::{DeviceMemory, MemorySnapshot};
-
-    const GIB: u64 = 1 << 30;
-
-    fn snapshot(
-        free: u64,
-        pool_reserved: Option<u64>,
-        pool_used: Option<u64>,
-        peak: Option<u64>,
-    ) -> MemorySnapshot {
-        MemorySnapshot {
-            devices: vec![DeviceMemory {
-                device: "d".to_owned(),
-                total: 80 * GIB,
-                free,
-                pool_reserved,
-                pool_used,
-                peak,
-            }],
-        }
-    }
-
-    #[test]
-    fn a_step_is_measured_against_what_its_pool_had_in_use() {
-        // CUDA: 6 GiB allocated and 2 GiB cached in the pool at the start, which it reuses.
-        let start = snapshot(70 * GIB, Some(8 * GIB), Some(6 * GIB), Some(6 * GIB));
-        let end = snapshot(50 * GIB, Some(30 * GIB), Some(6 * GIB), Some(30 * GIB));
-        let step = measured_step(64, Some(&start), Some(&end)).unwrap();
-        assert_eq!((step.peak, step.room), (24 * GIB, 72 * GIB));
-        // The host: what the process holds, and its resident peak; no pool use counted.
-        let start = snapshot(70 * GIB, Some(GIB), None, Some(GIB));
-        let end = snapshot(66 * GIB, Some(GIB), None, Some(5 * GIB));
-        let step = measured_step(64, Some(&start), Some(&end)).unwrap();
-        assert_eq!((step.peak, step.room), (4 * GIB, 70 * GIB));
-        // No peak, or another device: nothing measured.
-        let no_peak = snapshot(66 * GIB, Some(GIB), None, None);
-        assert!(measured_step(64, Some(&start), Some(&no_peak)).is_none());
-        assert!(measured_step(64, None, Some(&end)).is_none());
-    }
 }

@@ -90,7 +90,7 @@ use crate::error::StopReason;
 use crate::record::SearchReport;
 
 mod cache;
-mod evidence;
+
 mod guided;
 mod model;
 mod remediate;
@@ -99,10 +99,10 @@ mod wrapper;
 
 pub use cache::{clear_process_cache, CacheEntry, CACHE_DIR_VARIABLE};
 pub(crate) use cache::{CacheSettings, CacheSlot, Cached};
-pub use evidence::Evidence;
-pub(crate) use guided::reached_by_failures;
+
 pub use guided::Guided;
-pub(crate) use model::{grown_size, growth_shown, measured_step, GROWN_KEEP};
+pub(crate) use model::reached_by_failures;
+pub(crate) use model::{figures_of, grown_size, growth_shown, measured_step, GROWN_KEEP};
 pub(crate) use remediate::{Applied, LadderControl, Remediate};
 pub use shrink::{Factor, FailedAttempt, Halve, Reduce, Reduction};
 pub(crate) use wrapper::{holds_inner, PolicyWrapper};

@@ -134,7 +134,7 @@ fn shrink(history: &SearchReport, next: impl FnOnce(&FailedAttempt<'_>) -> usize
             batch_size: last.batch_size,
             attempt: last.number,
             error,
-            requested: last.requested,
+            requested: last.figures.requested,
             memory: last.memory_at_end.as_ref(),
         })),
         _ => Decision::Accept,

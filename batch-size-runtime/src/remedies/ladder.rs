@@ -3,7 +3,7 @@
 //! batch size is left) and the attempt (which runs under the settings), behind one lock.
 
 use crate::memory::Bytes;
-use crate::policy::{Applied, Evidence};
+use crate::policy::Applied;
 use crate::record::Attempt;
 
 /// The default step of a numeric knob: halve it (as the batch size without figures).
@@ -279,14 +279,17 @@ struct Gap {
 
 impl Gap {
     fn of(attempt: &Attempt) -> Option<Gap> {
-        let figures = Evidence::of(attempt)?;
+        if !attempt.outcome.is_out_of_memory() {
+            return None;
+        }
+        let figures = &attempt.figures;
         let needed = figures.needed_at_least()?;
         let total = figures.total?;
         Some(Gap {
             needed,
             total,
             over: needed.saturating_sub(total),
-            own: needed.saturating_sub(figures.used_at_start.unwrap_or(0)),
+            own: needed.saturating_sub(figures.held_at_start.unwrap_or(0)),
         })
     }
 }

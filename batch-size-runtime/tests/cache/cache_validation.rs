@@ -59,6 +59,13 @@ fn search_with_min(key: &str, dir: &Path, min: usize) -> (usize, Vec<usize>, usi
     (found, tried, warnings.count_from_module("::cache"))
 }
 
+/// `text`'s entry with `failed_at` set to `size`.
+fn with_failed_at(text: &str, size: u64) -> String {
+    let mut entry: serde_json::Value = serde_json::from_str(text).unwrap();
+    entry["failed_at"] = size.into();
+    serde_json::to_string_pretty(&entry).unwrap()
+}
+
 fn entry_file(dir: &Path) -> PathBuf {
     std::fs::read_dir(dir)
         .unwrap()
@@ -99,6 +106,14 @@ fn cached_values_out_of_range_or_of_another_device_are_ignored_with_one_warn() {
         ("a string", with_fits("\"16\"")),
         ("beyond u64", with_fits("1e30")),
         ("another device", good.replace(&key, &foreign_key)),
+        // Fields that cannot be true together: a failure at or below the size that ran, a
+        // grown size at its own failure (it would be served above `starting`).
+        ("failed at its size", with_failed_at(&good, 16)),
+        ("failed below its size", with_failed_at(&good, 8)),
+        (
+            "grown at its own failure",
+            with_failed_at(&with_fits("32"), 32).replace("\"key\"", "\"grown\": true, \"key\""),
+        ),
     ];
     for (what, text) in cases {
         assert_ne!(text, good, "{what}: the case must change the file");

@@ -144,7 +144,7 @@ fn the_crate_error_and_io_out_of_memory_are_typed() {
     let own = anyhow::Error::new(OutOfMemory::new().with_requested(1024)).context("step");
     let found = oom::classify_error(own.as_ref()).unwrap();
     assert_eq!(found.kind, OomKind::Crate);
-    assert_eq!(found.requested, Some(1024));
+    assert_eq!(found.figures.requested, Some(1024));
 
     let io = std::io::Error::from(std::io::ErrorKind::OutOfMemory);
     assert_eq!(oom::classify_error(&io).unwrap().kind, OomKind::Io);
@@ -170,7 +170,7 @@ fn panic_payloads_of_every_kind() {
     let text: Box<dyn std::any::Any + Send> =
         Box::new("CUDA out of memory. Tried to allocate 20.00 MiB");
     assert_eq!(
-        oom::classify_panic(&*text).unwrap().requested,
+        oom::classify_panic(&*text).unwrap().figures.requested,
         Some(20 << 20)
     );
     let typed: Box<dyn std::any::Any + Send> = Box::new(OutOfMemory::new());
@@ -204,7 +204,7 @@ fn a_pattern_past_the_first_line_is_found_and_the_description_is_the_line_that_m
         found.description,
         "caused by: CUDA out of memory. Tried to allocate 1.00 GiB"
     );
-    assert_eq!(found.requested, Some(1 << 30));
+    assert_eq!(found.figures.requested, Some(1 << 30));
 }
 
 #[test]
@@ -250,7 +250,7 @@ fn the_hosts_out_of_memory_says_host_and_is_recognised_by_its_text() {
     );
     let found = batch_size_runtime::oom::classify_text(&format!("step 3 failed: {text}"))
         .expect("recognised by its text");
-    assert_eq!(found.requested, Some(64 << 20), "{found:?}");
+    assert_eq!(found.figures.requested, Some(64 << 20), "{found:?}");
     let figures = batch_size_runtime::oom::figures(&text);
     assert_eq!(figures.requested, Some(64 << 20));
     assert_eq!(figures.total, Some(384 << 20));

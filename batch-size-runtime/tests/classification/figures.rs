@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 use batch_size_runtime::oom::{self, OomKind, OOM_PATTERNS};
-use batch_size_runtime::policy::Evidence;
 use batch_size_runtime::OutOfMemory;
 
 /// For each pattern that states figures, messages as their frameworks print them.
@@ -62,13 +61,10 @@ fn every_pattern_with_figures_is_recognised_and_has_its_figures_read() {
             assert_eq!(found.kind, OomKind::Pattern(*pattern), "{message:?}");
             let figures = oom::figures(message);
             assert!(figures.requested.is_some(), "{message:?}: {figures:?}");
-            // Classification and the policy read the same bytes.
-            assert_eq!(found.requested, figures.requested, "{message:?}");
-            assert_eq!(
-                Evidence::from_text(message).requested,
-                figures.requested,
-                "{message:?}"
-            );
+            // Classification and the record read the same bytes, once.
+            assert_eq!(found.figures.requested, figures.requested, "{message:?}");
+            assert_eq!(found.figures.total, figures.total, "{message:?}");
+            assert_eq!(found.figures.free_at_failure, figures.free, "{message:?}");
         }
     }
 }
@@ -80,13 +76,9 @@ fn every_message_the_policy_reads_figures_from_is_out_of_memory() {
         .flat_map(|pattern| examples(pattern.text))
         .copied();
     for message in with_figures.chain(NOT_OUT_OF_MEMORY.iter().copied()) {
-        let evidence = Evidence::from_text(message);
         let found = oom::classify_text(message);
-        if evidence != Evidence::default() || oom::figures(message) != Default::default() {
+        if oom::figures(message) != Default::default() {
             assert!(found.is_some(), "figures read from {message:?}, not OOM");
-        }
-        if found.is_none() {
-            assert_eq!(evidence, Evidence::default(), "{message:?}");
         }
     }
     for message in NOT_OUT_OF_MEMORY {
@@ -96,12 +88,14 @@ fn every_message_the_policy_reads_figures_from_is_out_of_memory() {
 
 #[test]
 fn pytorch_and_this_crate_give_the_whole_picture() {
-    let pytorch = Evidence::from_text(examples("CUDA out of memory")[0]);
+    let pytorch = oom::classify_text(examples("CUDA out of memory")[0])
+        .unwrap()
+        .figures;
     assert_eq!(pytorch.requested, Some(2 << 30));
     let capacity = (79.15 * (1u64 << 30) as f64).round() as u64;
     assert_eq!(pytorch.total, Some(capacity));
     let free = (228.38 * (1u64 << 20) as f64).round() as u64;
-    assert_eq!(pytorch.used_at_failure, Some(capacity - free));
+    assert_eq!(pytorch.used_at_failure(), Some(capacity - free));
 
     // This crate's own error, as text (a wrapper that hides its type): the figures it holds.
     let error = OutOfMemory::new()
@@ -117,6 +111,10 @@ fn pytorch_and_this_crate_give_the_whole_picture() {
         (figures.free, figures.total),
         (Some(1 << 30), Some(16 << 30))
     );
-    assert_eq!(oom::classify_text(&text).unwrap().requested, Some(3 << 30));
-    assert_eq!(Evidence::from_text(&text).used_at_failure, Some(15 << 30));
+    assert_eq!(
+        oom::classify_text(&text).unwrap().figures.requested,
+        Some(3 << 30)
+    );
+    let found = oom::classify_text(&text).unwrap().figures;
+    assert_eq!(found.used_at_failure(), Some(15 << 30));
 }

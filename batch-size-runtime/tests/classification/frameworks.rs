@@ -85,13 +85,13 @@ fn cubecl_and_burn_forms() {
     // cubecl-runtime 0.11, src/server/base.rs.
     let io =
         oom::classify_text("out of device memory allocating 4096 bytes\n   0: backtrace").unwrap();
-    assert_eq!(io.requested, Some(4096));
+    assert_eq!(io.figures.requested, Some(4096));
     assert!(oom::classify_text(
         "An out-of-memory error happened during launch\nCaused by:\n  no room for 1 GiB\nBacktrace\n"
     )
     .is_some());
     let too_big = oom::classify_text("can't allocate buffer of size: 1073741824\n").unwrap();
-    assert_eq!(too_big.requested, Some(1 << 30));
+    assert_eq!(too_big.figures.requested, Some(1 << 30));
     // `into_data()`'s panic prints the value's Debug.
     assert!(oom::classify_text(
         "called `Result::unwrap()` on an `Err` value: OutOfMemory { size: 4096 }"
@@ -116,7 +116,7 @@ fn onnx_runtime_arena() {
     let found =
         oom::classify_text("Failed to allocate memory for requested buffer of size 1048576")
             .unwrap();
-    assert_eq!(found.requested, Some(1 << 20));
+    assert_eq!(found.figures.requested, Some(1 << 20));
     assert!(matches!(found.kind, OomKind::Pattern(_)));
 }
 

@@ -476,3 +476,44 @@ fn a_forged_cache_entry_never_steers_the_tuner() {
         }
     }
 }
+
+/// An entry marked unfinished whose failed size is at or below its size (a damaged file) is
+/// refused whole: the tuner never does arithmetic on the pair, starts from its own first trial
+/// and finds what a first run finds. Before, (300, 10), (8, 4) and (400, 399) ended `Tuner::run`
+/// with "attempt to subtract with overflow".
+#[test]
+fn an_unfinished_entry_whose_failure_is_not_above_its_size_is_refused() {
+    let tune = |dir: &CacheDir| {
+        let device = SimulatedDevice::new(GIB);
+        Tuner::new()
+            .with_min(4)
+            .with_max_trials(3)
+            .with_release(device.clone())
+            .with_cache("inconsistent")
+            .with_cache_dir(&dir.0)
+            .run(|size| -> anyhow::Result<()> {
+                let _activations = device.alloc(size as u64 * (GIB / 400))?;
+                Ok(())
+            })
+    };
+    for (fits, failed_at) in [(300u64, 10u64), (8, 4), (400, 399), (64, 64)] {
+        let what = format!("fits {fits}, failed_at {failed_at}");
+        let dir = CacheDir::new("inconsistent");
+        batch_size_runtime::policy::clear_process_cache();
+        let first = tune(&dir).unwrap();
+        for file in std::fs::read_dir(&dir.0).unwrap().filter_map(Result::ok) {
+            let mut entry = read_json(&file.path());
+            entry["fits"] = fits.into();
+            entry["failed_at"] = failed_at.into();
+            entry["unfinished"] = true.into();
+            std::fs::write(file.path(), entry.to_string()).unwrap();
+        }
+        batch_size_runtime::policy::clear_process_cache();
+        let rerun = tune(&dir).unwrap_or_else(|error| panic!("{what}: {error:#}"));
+        let tried = trials(rerun.report());
+        assert!(!rerun.report().from_cache(), "{what}: {tried:?}");
+        assert_eq!(tried[0].0, 4, "{what}: its own first trial: {tried:?}");
+        assert_eq!(rerun.batch_size(), first.batch_size(), "{what}: {tried:?}");
+        assert_sound(&rerun, &what);
+    }
+}

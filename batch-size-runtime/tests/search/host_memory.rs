@@ -170,7 +170,7 @@ fn libtorch_cpu_messages_give_the_bytes_asked_for() {
                    85899345920 bytes. Error code 12 (Cannot allocate memory)\n\
                    Exception raised from alloc_cpu at ../c10/core/impl/alloc_cpu.cpp:72";
     let found = oom::classify_text(message).unwrap();
-    assert_eq!(found.requested, Some(85_899_345_920));
+    assert_eq!(found.figures.requested, Some(85_899_345_920));
     assert_eq!(oom::figures(message).requested, Some(85_899_345_920));
 }
 
@@ -288,7 +288,7 @@ fn child_under_an_address_space_limit() {
         assert_eq!(at_end.devices[0].device, "cpu");
         assert_eq!(at_end.devices[0].total, limit);
         assert_eq!(
-            attempt.requested,
+            attempt.figures.requested,
             Some(attempt.batch_size as u64 * PER_SAMPLE)
         );
         // The memory is back after each failure: the weights' heap blocks were trimmed.

@@ -368,7 +368,7 @@ mod tests {
             memory_at_start: Some(reading(start)),
             memory_at_end: Some(reading(peak)),
             memory_after_release: None,
-            requested: None,
+            figures: Default::default(),
             rationale: None,
             remedies: None,
             first_step_done: false,

@@ -6,8 +6,7 @@
 //! device's peak). No synchronize is needed to read them.
 
 use crate::memory::{DeviceMemory, MemorySnapshot};
-use crate::policy::Evidence;
-use crate::record::{Attempt, Outcome, SearchReport};
+use crate::record::{Attempt, SearchReport};
 
 /// Bytes in use during a successful attempt (what was in use outside the pool before it, plus
 /// the pool's peak), and the device's bytes.
@@ -97,14 +96,15 @@ fn in_use(reading: &DeviceMemory) -> Option<u64> {
 /// plus what the failing allocation asked for. A failure part-way through the step knows only
 /// part of it: a lower bound.
 pub(crate) fn needed_at_least(attempt: &Attempt) -> Option<u64> {
-    if let Outcome::OutOfMemory { error } = &attempt.outcome {
-        if let Some(needed) = Evidence::from_text(error).needed_at_least() {
+    let figures = &attempt.figures;
+    if figures.free_at_failure.is_some() {
+        if let Some(needed) = figures.needed_at_least() {
             return Some(needed);
         }
     }
     let (peak, _) = peak_bytes(attempt)?;
     let start = used_at_start(attempt).unwrap_or(0);
-    Some(peak.max(start.saturating_add(attempt.requested.unwrap_or(0))))
+    Some(peak.max(start.saturating_add(figures.requested.unwrap_or(0))))
 }
 
 /// The sizes among `attempts` that ran at or below `largest`, with their peaks, where the
@@ -515,7 +515,7 @@ mod tests {
             }),
             memory_at_end: Some(MemorySnapshot { devices }),
             memory_after_release: None,
-            requested: None,
+            figures: Default::default(),
             rationale: None,
             remedies: None,
             first_step_done: false,

@@ -89,7 +89,14 @@ impl Range {
         {
             return Some("it keeps a size above the largest that ran".to_owned());
         }
-        None
+        let ran = entry.largest_fit.unwrap_or(entry.fits).max(entry.fits);
+        match entry.failed_at {
+            Some(failed) if failed <= ran || outside(failed) => Some(format!(
+                "its failed size {failed} is not above the largest size that ran, {ran}, or is \
+                 outside the tuner's range"
+            )),
+            _ => None,
+        }
     }
 }
 

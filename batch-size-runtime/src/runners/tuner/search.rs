@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use super::throughput::{fastest, throughput};
 use super::Choice;
 use crate::error::StopReason;
-use crate::policy::{Decision, Evidence, SizePolicy};
+use crate::policy::{Decision, SizePolicy};
 use crate::record::{Attempt, Outcome, SearchReport};
 use crate::runners::learn::fit::{
     failure_above, growth_in_attempt, peak_bytes, peak_resolution, points_up_to, used_at_start,
@@ -647,7 +647,7 @@ impl TunerPolicy {
             return self.finish(history);
         }
         let resolution = self.resolution(low);
-        if high.is_some_and(|high| high - low <= resolution) {
+        if high.is_some_and(|high| high.saturating_sub(low) <= resolution) {
             return self.finish(history);
         }
         let limit = MemoryFit::new(history, low).and_then(|fit| fit.limit());

@@ -61,7 +61,7 @@ mod tests {
             memory_at_start: None,
             memory_at_end: None,
             memory_after_release: None,
-            requested: None,
+            figures: Default::default(),
             rationale: None,
             remedies: None,
             first_step_done: false,

@@ -174,7 +174,7 @@ impl TunerPolicy {
             self.aiming_over = true;
             self.overshoots = self.overshoots.max(2);
             return Some(match high {
-                Some(high) if high - low > self.resolution(low) => {
+                Some(high) if high.saturating_sub(low) > self.resolution(low) => {
                     Decision::Try(geometric_middle(low, high))
                 }
                 _ => self.finish(history),
@@ -447,12 +447,8 @@ impl TunerPolicy {
         else {
             return false;
         };
-        let requested = match &failed.outcome {
-            Outcome::OutOfMemory { error } => Evidence::from_text(error).requested,
-            _ => None,
-        }
-        .or(failed.requested);
-        let growth = fit.per_sample() * (high - low) as f64;
+        let requested = failed.figures.requested;
+        let growth = fit.per_sample() * high.saturating_sub(low) as f64;
         if !requested.is_some_and(|requested| requested as f64 > 2.0 * growth) {
             return false;
         }
