@@ -4,7 +4,7 @@
 
 use super::model::{
     exponent, failures, fixed_part_does_not_fit, grown_size, line_through_failures, measured,
-    Failure, GROWN_KEEP, GROWTH_EXPONENT_BOUND, PROBE_GROWTH,
+    reached_by_failures, toward_failure, Failure, GROWN_KEEP, GROWTH_EXPONENT_BOUND, PROBE_GROWTH,
 };
 use super::{Decision, GrowRule, SizePolicy, StepFigures};
 use crate::error::StopReason;
@@ -275,6 +275,7 @@ impl SizePolicy for Guided {
         }
         let earlier: Vec<StepFigures> = grown_steps(history).map(|(_, step)| step).collect();
         let failed = history.smallest_out_of_memory();
+        let reached = reached_by_failures(history);
         // No closer to a size that failed than the margin kept from the estimate: a failure
         // just above a curved step's estimate says the curve bends there.
         let below_failures =
@@ -297,7 +298,8 @@ impl SizePolicy for Guided {
                 _ if earlier.is_empty() && failed.is_none() && step.peak <= step.room => {
                     Some(probe())
                 }
-                _ => None,
+                // A grown size failed above: toward it, along the line the failure gives.
+                _ => toward_failure(step, &reached).filter(|&size| size >= least),
             }
             .map(|size| size.min(below_failures))
         }))

@@ -214,6 +214,26 @@ pub(crate) fn growth_shown(step: &StepFigures, failures: &[(usize, u64)]) -> f64
     }
 }
 
+/// Where the sound bound of the measured steps gives too little and a size above failed (an
+/// overshoot): the size where the line through the step and the bytes the nearest failure above
+/// it had reached (a lower bound of its need there) meets the room, less the kept share. Not a
+/// proof (the failure may have come part-way through the step), so it is used only below a
+/// failure, where a wrong guess costs one out-of-memory and bounds the next.
+pub(crate) fn toward_failure(step: &StepFigures, reached: &[(usize, u64)]) -> Option<usize> {
+    let &(failed, bytes) = reached
+        .iter()
+        .filter(|&&(size, _)| size > step.batch_size)
+        .min_by_key(|&&(size, _)| size)?;
+    let slope = (bytes as f64 - step.peak as f64) / (failed - step.batch_size) as f64;
+    if slope <= 0.0 || step.peak >= step.room {
+        return None;
+    }
+    let fit = step.batch_size as f64 + (step.room - step.peak) as f64 / slope;
+    let size = (fit * GROWN_KEEP).floor();
+    (size.is_finite() && size > step.batch_size as f64)
+        .then(|| size.min(usize::MAX as f64) as usize)
+}
+
 // The failures: what each proves about the sizes above and below it.
 
 /// The line through `latest` and a larger failure on the same device (each failure's bytes

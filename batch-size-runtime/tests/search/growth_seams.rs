@@ -262,3 +262,60 @@ fn without_figures_the_call_bisects_below_the_smallest_failure() {
     assert!(grew(&report) >= 1, "{report}");
     assert!((90..=100).contains(&fitted), "{fitted}: {report}");
 }
+
+/// A rerun whose cached size fails (memory another process took since) goes on as a first run,
+/// growing included, and the entry it writes is served by the next rerun. Before, growth stayed
+/// off for the whole rerun (113, 103 failed, then 56 where 74 fit), and the next rerun refused
+/// the entry it wrote (56 above `starting`, not marked grown) and started over.
+#[test]
+fn a_cached_size_that_fails_grows_again_and_its_entry_is_served() {
+    let key = format!("taken {}", std::process::id());
+    let device = SimulatedDevice::new(1 << 30);
+    // 100 MiB of weights and 1 MiB a sample in 1 GiB: 924 fit.
+    let first = cached_growth(&device, &key).unwrap();
+    assert!(first > 800, "{first}: {}", last_report().unwrap());
+    // Another process takes 400 MiB: 524 fit now.
+    let _taken = device.alloc(400 * MIB).unwrap();
+    let fits_now = 524;
+    let rerun = cached_growth(&device, &key).unwrap();
+    let report = last_report().unwrap();
+    assert!(report.out_of_memory_count() >= 1, "{report}");
+    assert!(!report.from_cache(), "{report}");
+    assert!(
+        rerun as f64 >= 0.9 * fits_now as f64 && rerun <= fits_now,
+        "{rerun} of {fits_now}: {report}"
+    );
+    // The next rerun, in the same room, is served the size that rerun found, in one run.
+    let again = cached_growth(&device, &key).unwrap();
+    let report = last_report().unwrap();
+    assert_eq!((again, report.len()), (rerun, 1), "{report}");
+}
+
+/// A fixed part and a linear one where 159 fit, from 128: the call may overshoot to a size
+/// that fails within its first step; that failure bounds the step from above, and growth goes
+/// on below it rather than stopping at 128 (0.805).
+#[test]
+fn an_overshoot_by_a_few_grows_again_below_the_failure() {
+    let device = SimulatedDevice::new(1 << 30);
+    let bytes = |size: usize| 600 * MIB + size as u64 * 2_800_000;
+    let fit = (1..)
+        .take_while(|&size| bytes(size) <= 1 << 30)
+        .last()
+        .unwrap();
+    let fitted = BatchSizeSearch::new(128)
+        .with_release(device.clone())
+        .run(|batch_size| -> anyhow::Result<usize> {
+            for _ in 0..6 {
+                let _weights = device.alloc(600 * MIB)?;
+                let _activations = device.alloc(batch_size as u64 * 2_800_000)?;
+                step_done()?;
+            }
+            Ok(batch_size)
+        })
+        .unwrap();
+    let report = last_report().unwrap();
+    assert!(
+        fitted as f64 >= 0.9 * fit as f64 && fitted <= fit,
+        "{fitted} of {fit}: {report}"
+    );
+}
