@@ -349,3 +349,21 @@ fn an_entry_written_before_largest_fit_was_kept_still_loads() {
     assert_eq!(again.largest_fit(), first.batch_size());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Other work on the device frees memory between trials: each trial's own peak still grows
+/// with its size, so the tuner never stops with "memory does not grow". Before, it compared
+/// whole-device peaks, which the freed memory lowered.
+#[test]
+fn memory_freed_by_other_work_between_trials_is_not_flat_memory() {
+    let device = SimulatedDevice::new(16 << 30);
+    let other = std::sync::Mutex::new(Some(device.alloc(8 << 30).unwrap()));
+    let tuned = Tuner::new()
+        .with_release(device.clone())
+        .run(|size| -> anyhow::Result<()> {
+            let _activations = device.alloc(size as u64 * (64 << 20))?;
+            other.lock().unwrap().take(); // the other work ends with the first trial
+            Ok(())
+        })
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    assert!(tuned.batch_size() > 16, "{}", tuned.report());
+}

@@ -162,14 +162,16 @@ const LEAST_BYTES_A_SAMPLE: u64 = 1;
 /// its size. Only trials since the memory last changed count: a small size run after another
 /// process took memory shows its memory too.
 fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
+    // Each trial's own peak (above what was held at its start): memory other work frees
+    // between trials lowers a whole-device peak, not a trial's own.
     let last = history.last().filter(|last| last.outcome.is_success())?;
-    let (peak, _) = peak_bytes(last)?;
+    let peak = last.figures.peak?;
     let resolution = peak_resolution(last);
     history
         .attempts()
         .skip(since_memory_changed(history))
         .filter(|attempt| attempt.outcome.is_success())
-        .filter_map(|attempt| Some((attempt.batch_size, peak_bytes(attempt)?.0)))
+        .filter_map(|attempt| Some((attempt.batch_size, attempt.figures.peak?)))
         .find_map(|(size, other_peak)| {
             let (smaller, larger, small_peak, large_peak) = if size < last.batch_size {
                 (size, last.batch_size, other_peak, peak)
