@@ -357,8 +357,7 @@ impl<'r> EffectiveBatch<'r> {
         &self.last_report
     }
 
-    /// Sets up, before the first step, what the settings ask for: learning, growing back, and
-    /// the micro size a run with the same cache key settled on.
+    /// Sets up before the first step: learning, growing back, the micro size a cached run chose.
     fn start(&mut self) {
         self.started = true;
         self.grow = GrowBack::new(self.settings.grow_after, self.effective);
@@ -442,8 +441,7 @@ impl<'r> EffectiveBatch<'r> {
         }
     }
 
-    /// What the step measured, for the steps after it: every attempt's figures under the
-    /// settings in force at its end (a remedy applied in the step makes the others stale).
+    /// Learns from the step's attempts under the settings in force at its end.
     fn learn(&mut self, report: &SearchReport) {
         if report.remedies_changed() {
             self.convergence.forget();
