@@ -341,7 +341,7 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
 }
 
 /// A panic's message, where it is text.
-fn panic_text(payload: &(dyn Any + Send)) -> Option<&str> {
+pub(crate) fn panic_text(payload: &(dyn Any + Send)) -> Option<&str> {
     payload
         .downcast_ref::<&'static str>()
         .copied()
