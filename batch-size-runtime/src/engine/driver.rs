@@ -203,6 +203,9 @@ impl<R, F: AsyncFnMut(usize) -> R> AsyncAttempt<R> for Lending<F> {
     }
 }
 
+/// The running attempt's step watch, if any.
+type Watch = Option<Arc<StepWatch>>;
+
 /// One search over attempts that return `R`; it borrows the search, which is too large to move.
 struct Driver<'s, 'r, 'c, R, C: Classify<R>> {
     search: &'s mut Search<'r>,
@@ -236,7 +239,7 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
 
     /// The next attempt's size and step watch, or how the search ended because no size is left.
     #[inline]
-    fn begin(&mut self) -> Result<(usize, Option<Arc<StepWatch>>), Ended<R, C::Error>> {
+    fn begin(&mut self) -> Result<(usize, Watch), Ended<R, C::Error>> {
         match self.search.begin_attempt() {
             Ok(batch_size) => Ok((batch_size, self.search.step_watch())),
             Err(none_fit) => Err(Ended::NoSizeFits(none_fit, self.last_error.take())),

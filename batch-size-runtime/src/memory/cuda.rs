@@ -321,9 +321,8 @@ fn push_run_pop<T>(
 
 /// Every device whose primary context is active, without initialising or loading anything.
 fn active_primary_contexts() -> Result<Vec<Target>, Failure> {
-    // Once seen loaded, libcuda stays loaded: the driver calls below make cudarc open it too,
-    // and cudarc never closes it. Until then, ask the loader each time (a fraction of a
-    // microsecond): CUDA may be started after the first search.
+    // Once seen loaded, libcuda stays loaded (cudarc never closes it); until then, ask the
+    // loader each time: CUDA may be started after the first search.
     static SEEN_LOADED: AtomicBool = AtomicBool::new(false);
     if !SEEN_LOADED.load(Ordering::Relaxed) && driver_library_loaded() {
         SEEN_LOADED.store(true, Ordering::Relaxed);

@@ -560,9 +560,8 @@ impl<'r> Chunked<'r> {
         let Some(cache) = &mut self.cache else {
             return;
         };
-        // The last chunk of a run is often short (the items left): a chunk before it was
-        // packed as full as its budget allowed, so its budget is what ran; a run of one chunk
-        // proved only what that chunk held.
+        // The last chunk is often short (the items left): an earlier one filled its budget; a
+        // run of one chunk proved only what that chunk held.
         let done = || self.chunks.iter().rev().filter(|chunk| chunk.done);
         let settled = done()
             .find(|chunk| chunk.range.end < self.total)

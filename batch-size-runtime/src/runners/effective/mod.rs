@@ -392,9 +392,8 @@ impl<'r> EffectiveBatch<'r> {
             .min(length)
             .max(1);
         let kept = even_micro(length, kept);
-        // With figures, a step that needs fewer passes starts at that size: a growth attempt,
-        // followed by the size kept if it runs out of memory. Where they say the size kept no
-        // longer fits (the last step allocated state it keeps), the step starts below it.
+        // With figures, a step that needs fewer passes starts there (a growth attempt, then the
+        // size kept if it runs out); where the size kept no longer fits, below it.
         let (start, fallback) = self.convergence.start(length, kept);
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
@@ -455,9 +454,8 @@ impl<'r> EffectiveBatch<'r> {
     /// Records how a step's search went.
     fn account(&mut self, report: SearchReport) {
         let step = self.steps;
-        // More than one attempt: this rank ran out of memory, or (with an agreement) another
-        // rank did and every rank redid the step. Either way the sizes before the last did not
-        // fit somewhere, and growing back stays below them.
+        // More than one attempt: the sizes before the last ran out here or on another rank,
+        // and growing back stays below them.
         if report.len() > 1 {
             let tried: Vec<usize> = report
                 .attempts()
