@@ -7,8 +7,7 @@
 use crate::engine::Invalid;
 use crate::runners::search::BatchSizeSearch;
 
-/// An argument of the attribute that is not a batch size (a negative `starting`): its name and
-/// value, for the search to stop with before its first attempt.
+/// An argument of the attribute that is not a batch size (a negative `starting`): name and value.
 #[derive(Debug, Clone)]
 pub struct NotABatchSize {
     setting: &'static str,
@@ -31,9 +30,7 @@ impl NotABatchSize {
     }
 }
 
-/// The search for the attribute's `starting`, its sizes capped to what the batch-size
-/// parameter's type `P` can hold (a policy's larger proposal runs as the largest that has not
-/// failed); a negative `starting` stops it before its first attempt, saying why.
+/// The search for the attribute's `starting`, its sizes capped to what `P` can hold.
 #[inline]
 pub fn search<'r, P: BatchSizeInt>(
     label: &'static str,
@@ -80,8 +77,7 @@ pub fn with_max_attempts<'r, M: BatchSizeInt>(
     )
 }
 
-/// A count argument of any integer type, set with `set`, or the search made invalid with why
-/// the value cannot be a count.
+/// A count argument of any integer type, set with `set`, or the search made invalid.
 #[inline]
 fn with_count<'r, M: BatchSizeInt>(
     mut search: BatchSizeSearch<'r>,
@@ -98,9 +94,8 @@ fn with_count<'r, M: BatchSizeInt>(
     }
 }
 
-/// `effective = EXPR`: the search's sizes are micro sizes, at most `effective` (its `max`, which
-/// growth after a step keeps to as well); an `effective`
-/// of 0 or below stops it before its first attempt.
+/// `effective = EXPR`: the search's sizes are micro sizes, at most `effective`; 0 or below is an
+/// invalid configuration.
 pub fn with_effective<'r>(
     search: BatchSizeSearch<'r>,
     effective: &Result<usize, NotABatchSize>,

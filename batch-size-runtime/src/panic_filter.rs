@@ -1,39 +1,9 @@
-//! The panic filter: a panic hook in front of the process's own that keeps quiet the panics
-//! the crate expects (an out-of-memory panic inside an attempt it will retry, an error's
-//! `Display` that panics while it is read for classification) and passes every other panic to
-//! the hook that was there, as it was.
-//!
-//! Rust calls the panic hook before `catch_unwind` sees the panic, so keeping a caught panic
-//! quiet needs a hook. The hook is one per process and attempts may run on several threads at
-//! once, hence this rule:
-//!
-//! - **In front once, not at every attempt.** The first attempt puts the filter in front of the
-//!   hook set at that moment, and it stays there: outside attempts it passes every panic on,
-//!   untouched. Putting a hook in and out costs `take_hook` then `set_hook`, and a panic on
-//!   another thread between the two reaches Rust's default hook instead of yours: done at every
-//!   attempt (a data loader's thread panicking while the training thread retries), your hook
-//!   would miss panics, and every attempt would pay the swap (about 70 ns, measured).
-//! - **A hook you set later wins.** `std::panic::set_hook` replaces the filter: your hook sees
-//!   every panic. The filter notices it was dropped, and the next attempt puts it in front of
-//!   your hook (a hook that wraps the one it took keeps the filter inside it, which passes
-//!   everything on outside attempts).
-//! - **Per thread.** The filter keeps a panic quiet only on a thread inside an attempt or a
-//!   quiet read, and only as that section says: everything during a quiet read; during an
-//!   attempt, what the attempt's judge recognises (out-of-memory). Other threads' panics pass.
-//! - **A device thread's out-of-memory counts only for the work it lost.** A framework may run
-//!   out of memory on a thread of its own: burn's wgpu backend panics "wgpu error: Out of Memory"
-//!   on cubecl's device thread (`DSD-*`), which catches the panic, and the attempt's thread gets
-//!   an error that says nothing of memory ("couldn't find resource for that handle"). The hook is
-//!   the only code that sees that panic, and it sees the panicking thread, not the attempt. So
-//!   the evidence is tied by both ends: the panicking thread must be a framework's device thread
-//!   (named as the classification's table says), and the attempt must have failed the way that
-//!   framework's lost work fails. Then, and only then, the failure counts as the device thread's
-//!   out-of-memory ([`SideWatch`]). A thread of no framework, another search's data error, an
-//!   attempt's own `index out of bounds`: none of them is ever turned into a retry. Only the
-//!   device thread's panic, which its framework catches, is kept quiet (while an attempt runs);
-//!   every other thread's panic reaches the hook, as Rust prints it.
-//! - **Reading is no side effect.** Outside any search (`oom::is_out_of_memory` called by you),
-//!   a quiet read puts a filter in front for the read alone and puts your very hook back after.
+//! The panic filter: a hook in front of the process's own that keeps quiet the panics the crate
+//! expects (an out-of-memory panic in an attempt, a panicking `Display` read for classification)
+//! and passes every other on. The rules are in docs/HOW_IT_WORKS.md ("What counts as
+//! out-of-memory"): in front once, not swapped at every attempt; a hook set later wins; per
+//! thread; a quiet read outside a search puts your very hook back after. A framework's device
+//! thread's out-of-memory counts only for an attempt that failed as its lost work fails.
 
 use std::any::Any;
 use std::cell::Cell;
@@ -54,9 +24,7 @@ struct Quiet {
     reading: usize,
     /// The innermost running attempt's judge.
     attempt: Option<Judge>,
-    /// [`SIDE_OOMS`] when that attempt began: a panic of the attempt that says its device work
-    /// was lost, after a device thread ran out of memory, is that out-of-memory's consequence,
-    /// kept quiet as it is.
+    /// [`SIDE_OOMS`] when that attempt began, to recognise its lost-device-work panic.
     side_seen: u64,
 }
 
@@ -70,12 +38,10 @@ thread_local! {
     };
 }
 
-/// Attempts running now, on every thread: another thread's out-of-memory panic is kept quiet
-/// only while one runs.
+/// Attempts running now, on every thread (a device thread's OOM is kept quiet only then).
 static ATTEMPTS_RUNNING: AtomicUsize = AtomicUsize::new(0);
 
-/// How the panics of threads that run no attempt are read, given by the first attempt: the
-/// classification lives above this module, which must not import it.
+/// How other threads' panics are read, given by the first attempt (this module cannot import `oom`).
 #[derive(Clone, Copy)]
 pub(crate) struct SideRules {
     /// The line of a panic that says what ran out, if it is an out-of-memory panic.
@@ -90,10 +56,7 @@ pub(crate) struct SideRules {
 
 static SIDE_RULES: OnceLock<SideRules> = OnceLock::new();
 
-/// Out-of-memory panics on frameworks' device threads, counted since the process started, and
-/// the latest of them. The hook sees the thread that panicked, not the attempt that thread
-/// worked for: the count says only that a device lost work since an attempt began, and an
-/// attempt takes it as its own only when its failure is that lost work ([`SideWatch`]).
+/// Out-of-memory panics on frameworks' device threads since the process started, and the latest.
 static SIDE_OOMS: AtomicU64 = AtomicU64::new(0);
 static LATEST_SIDE_OOM: Mutex<Option<SideOom>> = Mutex::new(None);
 
@@ -105,10 +68,7 @@ struct SideOom {
     thread: String,
 }
 
-/// Taken when an attempt begins: whether a framework's device thread ran out of memory since
-/// then, for an attempt that failed the way that lost work fails.
-///
-/// One atomic load to take it; the slot is read only when the attempt failed.
+/// Taken when an attempt begins (one atomic load): whether a device thread ran out since then.
 #[derive(Debug)]
 pub(crate) struct SideWatch {
     seen: u64,
@@ -121,10 +81,8 @@ impl SideWatch {
         }
     }
 
-    /// The latest out-of-memory panic of a device thread, raised since this watch began, as
-    /// the failed attempt's out-of-memory, where the attempt failed with (whole text) what the
-    /// lost device work leaves: described by the line that says what ran out, with the thread
-    /// and what the attempt itself then failed with.
+    /// The latest device thread's out-of-memory since this watch began, as the attempt's, where
+    /// `attempt_failed_with` is what the lost device work leaves.
     pub(crate) fn out_of_memory(&self, attempt_failed_with: &str) -> Option<SideOutOfMemory> {
         if SIDE_OOMS.load(Ordering::Acquire) == self.seen {
             return None;
@@ -153,8 +111,7 @@ impl SideWatch {
     }
 }
 
-/// Another thread's out-of-memory panic, as a failed attempt's: the line that says what ran out
-/// (for the classification to read its figures) and the description the report shows.
+/// Another thread's out-of-memory panic, as a failed attempt's: its line and the description.
 #[derive(Debug)]
 pub(crate) struct SideOutOfMemory {
     pub(crate) line: String,
@@ -178,10 +135,8 @@ impl Drop for Running {
     }
 }
 
-/// A panic on a thread with no section of its own. On a framework's device thread, an
-/// out-of-memory one is counted (whether or not an attempt runs now: an async attempt between
-/// two polls is not counted as running) and kept quiet while an attempt runs, since its
-/// framework catches it. Any other thread's panic is printed, as Rust prints it.
+/// A panic on a thread with no section: a device thread's out-of-memory is counted (always: an
+/// async attempt between polls is not running) and kept quiet while an attempt runs.
 fn side_thread_panic(info: &PanicHookInfo<'_>) -> bool {
     let Some(rules) = SIDE_RULES.get() else {
         // No attempt has run in this process: no attempt to count it for.
@@ -219,8 +174,7 @@ fn side_thread_panic(info: &PanicHookInfo<'_>) -> bool {
 
 /// The filter as installed, for putting the previous hook back.
 struct Installed {
-    /// The hook the filter stands in front of; the filter holds the other reference, so a
-    /// count of 2 says the filter is alive.
+    /// The hook the filter stands in front of (a count of 2: the filter is alive).
     previous: Arc<Hook>,
     /// Where the filter's closure lives: with the filter alive, nothing else can be there.
     address: usize,
@@ -237,8 +191,7 @@ static FILTER: Mutex<Filter> = Mutex::new(Filter {
     installed: None,
 });
 
-/// Whether the resident filter (the one attempts put in front) is in the process's hook: cleared
-/// when it is dropped, which `set_hook` does when it replaces it.
+/// Whether the resident filter (attempts') is in the process's hook; cleared when it is dropped.
 static RESIDENT: AtomicBool = AtomicBool::new(false);
 
 /// Clears [`RESIDENT`] when the resident filter is dropped.
@@ -250,8 +203,7 @@ impl Drop for Resident {
     }
 }
 
-/// Puts the resident filter in front of the process's hook, unless it is there already (one
-/// atomic load on every attempt after the first).
+/// Puts the resident filter in front of the process's hook, unless it is there already.
 pub(crate) fn stay_in_front() {
     if RESIDENT.load(Ordering::Acquire) || std::thread::panicking() {
         return;
@@ -272,11 +224,7 @@ pub(crate) fn stay_in_front() {
     }));
 }
 
-/// A quiet read's filter counted in, from the first read's start to the last one's end, where
-/// the resident filter is not there; dropping it counts out.
-///
-/// A section begun on a panicking thread (a quiet read inside a hook) is not counted: the hook
-/// cannot be changed there, and the section it runs in is already counted.
+/// A quiet read's filter counted in until dropped (not on a panicking thread: no hook change there).
 #[derive(Debug)]
 pub(crate) struct InUse {
     counted: bool,
@@ -350,8 +298,7 @@ fn uninstall(filter: &mut Filter) {
     }
 }
 
-/// Whether the panic `info` describes is expected by a section of this thread (then it is
-/// logged at DEBUG instead of printed).
+/// Whether a section of this thread expects the panic (then it is logged at DEBUG, not printed).
 fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
     // A thread that is ending has no sections left.
     let Ok(quiet) = QUIET.try_with(Cell::get) else {
@@ -394,7 +341,7 @@ fn keeps_quiet(info: &PanicHookInfo<'_>) -> bool {
 }
 
 /// A panic's message, where it is text.
-fn panic_text(payload: &(dyn Any + Send)) -> Option<&str> {
+pub(crate) fn panic_text(payload: &(dyn Any + Send)) -> Option<&str> {
     payload
         .downcast_ref::<&'static str>()
         .copied()
@@ -426,9 +373,8 @@ impl Drop for Marked {
     }
 }
 
-/// Runs `read` (an error's `Display`, a user's rule), turning a panic into `None` without
-/// printing it: cudarc's errors call into libcuda when formatted and panic where it is absent,
-/// and classification must never panic because of what an error's text does.
+/// Runs `read` (an error's `Display`, a user's rule), turning a panic into `None` unprinted
+/// (cudarc's errors panic when formatted without libcuda).
 pub(crate) fn quietly<R>(read: impl FnOnce() -> R) -> Option<R> {
     // Inside a search the resident filter is there; otherwise one goes in for this read.
     let _in_use = (!RESIDENT.load(Ordering::Acquire)).then(InUse::begin);
@@ -436,8 +382,7 @@ pub(crate) fn quietly<R>(read: impl FnOnce() -> R) -> Option<R> {
     panic::catch_unwind(AssertUnwindSafe(read)).ok()
 }
 
-/// Runs `attempt` on this thread, catching its panic, and keeping quiet a panic `judge`
-/// recognises.
+/// Runs `attempt`, catching its panic, and keeping quiet a panic `judge` recognises.
 pub(crate) fn catch_judged<R>(
     judge: Judge,
     side: SideRules,

@@ -1,23 +1,9 @@
-//! How an attempt's return type is handled, chosen by its type where the function is written:
-//! how a returned error is classified, and what the function returns when no size fits.
-//!
-//! The choice is autoref specialization, as anyhow's `kind.rs` does it: the generated code calls
-//! `(&&&&&&&tag::<R>()).batch_size_classify_kind()` and
-//! `(&&&&&&tag::<R>()).batch_size_give_up_kind()`; method lookup takes the rung with the most
-//! references whose bounds hold, and each rung returns a zero-sized kind that carries the
-//! real bound. The driver ([`drive`](crate::engine::driver::drive)) does the rest in ordinary code.
-//!
-//! Classification, best first: `E: Error + Send + Sync` (classified by type, kept as
-//! `source()`), `anyhow::Error` or `Box<dyn Error + Send + Sync>` (the chain, kept),
-//! `E: Error` (by type), `Box<dyn Error>` (the chain), `E: Display` (by text). A `Result` whose
-//! error is none of these is a compile error at the return type that names the bound to add:
-//! it could hide an out-of-memory error, and the promise is "retried, or it does not compile".
-//! Any other return type: only a panic can be out-of-memory.
-//!
-//! Giving up, first that applies: `Err(E::from(NoExecutableBatchSize))`,
-//! `Err(E::from(io::Error))` of kind `OutOfMemory` holding it, `Err(E::from(String))` with its
-//! message, `Err(E::from(Box<dyn Error + Send + Sync>))`, and otherwise the last out-of-memory
-//! error itself (toma's rule), or a panic with the message where there is no error to return.
+//! How an attempt's return type is handled (how its error is classified, what it returns when no
+//! size fits), chosen by autoref specialization as anyhow's `kind.rs` does: the generated code
+//! calls `(&&&&&&&tag::<R>()).batch_size_classify_kind()` and `batch_size_give_up_kind()`, and
+//! method lookup takes the [`ladder`]'s rung with the most references whose bounds hold. A
+//! `Result` whose error can be neither inspected nor printed fails to compile: it could hide an
+//! out-of-memory error.
 
 use std::convert::Infallible;
 use std::error::Error;
@@ -32,8 +18,7 @@ use crate::oom::{self, OomKind, OomMatch};
 /// A search's own predicate that counts more errors as out-of-memory (`when`).
 pub(crate) type When<'r> = Box<dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'r>;
 
-/// What counts as out-of-memory for one search: the process-wide rules ([`oom`]), then the
-/// search's own `when`.
+/// What counts as out-of-memory for one search: the process-wide rules ([`oom`]), then `when`.
 #[derive(Clone, Copy)]
 pub struct OomRules<'a> {
     when: Option<&'a When<'a>>,
@@ -56,9 +41,7 @@ impl<'a> OomRules<'a> {
         }
     }
 
-    /// Also counts a failure as out-of-memory where a framework's device thread ran out while
-    /// the attempt ran and the failure is that thread's lost work (cubecl's device threads: see
-    /// the panic filter).
+    /// Also counts a failure that is a device thread's lost work after its out-of-memory.
     pub(crate) fn with_side_threads(
         mut self,
         side_threads: Option<&'a crate::panic_filter::SideWatch>,
@@ -106,12 +89,7 @@ impl<'a> OomRules<'a> {
 
     /// Whether a panic's payload is out-of-memory, by the same rules.
     pub(crate) fn classify_panic(&self, payload: &(dyn std::any::Any + Send)) -> Option<OomMatch> {
-        let text = || {
-            payload
-                .downcast_ref::<&'static str>()
-                .copied()
-                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-        };
+        let text = || crate::panic_filter::panic_text(payload);
         oom::classify_panic(payload)
             .or_else(|| self.classify_text(text()?))
             .or_else(|| self.side_thread_oom(|| text().unwrap_or("a panic").to_owned()))
@@ -145,7 +123,9 @@ pub trait Classify<R> {
     /// Sorts an attempt's value, with the search's own `when` rules.
     fn judge(&self, value: R, rules: &OomRules<'_>) -> Judged<R, Self::Error>;
     /// Keeps an out-of-memory error as `NoExecutableBatchSize::source()`, where it can be.
-    fn keep(&self, error: Self::Error) -> Option<KeptError>;
+    fn keep(&self, _error: Self::Error) -> Option<KeptError> {
+        None
+    }
 }
 
 /// Whether the search keeps the last out-of-memory error itself, for a caller that gives up by
@@ -223,6 +203,18 @@ zero_sized_kind! {
     PanicWithError<R>;
 }
 
+/// A success as it is; an error as `failed` judges it.
+#[inline]
+fn judge_result<T, E>(
+    value: Result<T, E>,
+    failed: impl FnOnce(E) -> Judged<Result<T, E>, E>,
+) -> Judged<Result<T, E>, E> {
+    match value {
+        Ok(value) => Judged::Succeeded(Ok(value)),
+        Err(error) => failed(error),
+    }
+}
+
 fn judge_error<T, E>(
     error: E,
     rules: &OomRules<'_>,
@@ -245,10 +237,9 @@ impl<T, E: InspectError<M>, M> Classify<Result<T, E>> for Kept<E, M> {
     type Error = E;
     #[inline]
     fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
-        match value {
-            Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, rules, InspectError::as_error),
-        }
+        judge_result(value, |error| {
+            judge_error(error, rules, InspectError::as_error)
+        })
     }
     fn keep(&self, error: E) -> Option<KeptError> {
         Some(error.into_kept())
@@ -267,58 +258,36 @@ impl<T, E: AttemptError<M>, M> GiveUp<Result<T, E>> for Kept<E, M> {
 impl<T, E: Error + 'static> Classify<Result<T, E>> for TypedView<E> {
     type Error = E;
     fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
-        match value {
-            Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, rules, |error| error),
-        }
-    }
-    fn keep(&self, _: E) -> Option<KeptError> {
-        None
+        judge_result(value, |error| judge_error(error, rules, |error| error))
     }
 }
 
 impl<T, E: AsRef<dyn Error + 'static>> Classify<Result<T, E>> for DynView<E> {
     type Error = E;
     fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
-        match value {
-            Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => judge_error(error, rules, |error| error.as_ref()),
-        }
-    }
-    fn keep(&self, _: E) -> Option<KeptError> {
-        None
+        judge_result(value, |error| {
+            judge_error(error, rules, |error| error.as_ref())
+        })
     }
 }
 
 impl<T, E: Display> Classify<Result<T, E>> for Text<E> {
     type Error = E;
     fn judge(&self, value: Result<T, E>, rules: &OomRules<'_>) -> Judged<Result<T, E>, E> {
-        match value {
-            Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => {
-                let text = error.to_string();
-                match rules.classify_text(&text) {
-                    Some(found) => Judged::OutOfMemory(found, Some(error)),
-                    None => Judged::Failed(Err(error), text),
-                }
+        judge_result(value, |error| {
+            let text = error.to_string();
+            match rules.classify_text(&text) {
+                Some(found) => Judged::OutOfMemory(found, Some(error)),
+                None => Judged::Failed(Err(error), text),
             }
-        }
-    }
-    fn keep(&self, _: E) -> Option<KeptError> {
-        None
+        })
     }
 }
 
 impl<T, E> Classify<Result<T, E>> for Unclassifiable<E> {
     type Error = E;
     fn judge(&self, value: Result<T, E>, _: &OomRules<'_>) -> Judged<Result<T, E>, E> {
-        match value {
-            Ok(value) => Judged::Succeeded(Ok(value)),
-            Err(error) => Judged::Failed(Err(error), String::new()),
-        }
-    }
-    fn keep(&self, _: E) -> Option<KeptError> {
-        None
+        judge_result(value, |error| Judged::Failed(Err(error), String::new()))
     }
 }
 
@@ -326,9 +295,6 @@ impl<R> Classify<R> for PanicOnly<R> {
     type Error = Infallible;
     fn judge(&self, value: R, _: &OomRules<'_>) -> Judged<R, Infallible> {
         Judged::Succeeded(value)
-    }
-    fn keep(&self, error: Infallible) -> Option<KeptError> {
-        match error {}
     }
 }
 

@@ -1,32 +1,28 @@
-//! The one door into the engine: [`drive`] and [`drive_async`] run a search's loop (begin an
-//! attempt, run it under `catch_unwind`, classify its outcome, record it, release memory, let
-//! the policy decide) for every runner and for the attribute's generated code. How an
-//! attempt's value is classified and what comes back when no size fits are the two kinds of
-//! [`dispatch`](crate::engine::dispatch); every runner leaves through the same typed [`Ended`].
+//! The one door into the engine: [`drive`] and [`drive_async`] run a search's loop for every
+//! runner and the attribute's code, with [`dispatch`](crate::engine::dispatch)'s two kinds.
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 
-use super::{step, Search};
+use super::step::{self, StepWatch};
+use super::Search;
 use crate::attempt::InspectableError;
 use crate::engine::dispatch::{Classify, GiveUp, Judged, LastError};
 use crate::error::NoExecutableBatchSize;
 use crate::record::{self, SearchReport};
 use crate::unwind::{self, CatchUnwind, PanicPayload};
 
-/// How a search ended, for a runner: never a downcast to tell "no size fits" from "the
-/// closure failed".
+/// How a search ended, for a runner (no downcast tells "no size fits" from "the closure failed").
 #[derive(Debug)]
 pub(crate) enum Ended<R, E> {
-    /// The attempt's own value: the accepted success, or an error that is not out-of-memory,
-    /// unchanged.
+    /// The attempt's own value: the accepted success, or an error that is not out-of-memory.
     Returned(R),
     /// No size fits; the last out-of-memory error itself where it was asked for.
     NoSizeFits(NoExecutableBatchSize, Option<E>),
 }
 
-/// What leaves the loop: how the search ended, and its report, as values. Only a public edge
-/// publishes the report for [`last_report()`](crate::last_report); a runner reads it here.
+/// What leaves the loop: how the search ended, and its report (published only by a public edge).
 #[derive(Debug)]
 pub(crate) struct Finished<R, E> {
     pub(crate) ended: Ended<R, E>,
@@ -34,8 +30,7 @@ pub(crate) struct Finished<R, E> {
 }
 
 impl<R, E> Finished<R, E> {
-    /// For a public edge: the report goes to `last_report()`, how the search ended to the
-    /// caller.
+    /// For a public edge: the report goes to `last_report()`, how the search ended to the caller.
     #[inline]
     pub(crate) fn published(self) -> Ended<R, E> {
         record::store_last_report(self.report);
@@ -62,8 +57,7 @@ where
     returned_or_given_up(ended, &give_up)
 }
 
-/// [`drive`] for a runner that reads the report itself: the value and the report, nothing
-/// published.
+/// [`drive`] for a runner that reads the report itself: the value and the report, unpublished.
 #[inline]
 pub(crate) fn drive_reporting<R, C, G>(
     search: Search<'_>,
@@ -135,8 +129,7 @@ pub(crate) async fn drive_ended_async<R, C: Classify<R>>(
     Finished { ended, report }
 }
 
-/// The one loop: begin an attempt, run it under `catch_unwind`, record how it ended, until the
-/// search ends. The report stays in the search, for the caller to take or publish.
+/// The one loop: begin an attempt, run it under `catch_unwind`, record how it ended.
 #[inline]
 fn run_loop<R, C: Classify<R>>(
     search: &mut Search<'_>,
@@ -146,11 +139,10 @@ fn run_loop<R, C: Classify<R>>(
 ) -> Ended<R, C::Error> {
     let mut driver = Driver::new(search, classify, last_error);
     loop {
-        let batch_size = match driver.begin() {
-            Ok(batch_size) => batch_size,
+        let (batch_size, watch) = match driver.begin() {
+            Ok(next) => next,
             Err(ended) => return ended,
         };
-        let watch = driver.search.step_watch();
         let outcome = step::watching(watch, || unwind::catch_attempt(|| attempt(batch_size)));
         if let Some(ended) = driver.record(outcome) {
             return ended;
@@ -167,11 +159,10 @@ async fn run_loop_async<R, C: Classify<R>>(
 ) -> Ended<R, C::Error> {
     let mut driver = Driver::new(search, classify, last_error);
     loop {
-        let batch_size = match driver.begin() {
-            Ok(batch_size) => batch_size,
+        let (batch_size, watch) = match driver.begin() {
+            Ok(next) => next,
             Err(ended) => return ended,
         };
-        let watch = driver.search.step_watch();
         let attempt = step::Watched::new(attempt.start(batch_size), watch);
         if let Some(ended) = driver.record(CatchUnwind::new(attempt).await) {
             return ended;
@@ -179,10 +170,8 @@ async fn run_loop_async<R, C: Classify<R>>(
     }
 }
 
-/// An attempt of an async search. Two forms, because rustc cannot yet prove the future of a
-/// generic async closure `Send` (rust-lang/rust#110338): a closure that returns a future
-/// ([`Returning`]), which keeps the search's future `Send` when the attempt's is, and an
-/// async closure ([`Lending`]), which may lend its captures (`&mut self`) to each attempt.
+/// An attempt of an async search: a closure returning a future ([`Returning`], whose future can
+/// be proved `Send`, rust-lang/rust#110338) or an async closure ([`Lending`], lending `&mut self`).
 pub trait AsyncAttempt<R> {
     /// Starts the attempt at `batch_size`.
     fn start(&mut self, batch_size: usize) -> impl Future<Output = R>;
@@ -214,15 +203,15 @@ impl<R, F: AsyncFnMut(usize) -> R> AsyncAttempt<R> for Lending<F> {
     }
 }
 
-/// One search over attempts that return `R`, between attempts.
-/// It borrows the search rather than holding it: the search is large, and moving it into the
-/// driver would copy it on every call, the success path included.
+/// The running attempt's step watch, if any.
+type Watch = Option<Arc<StepWatch>>;
+
+/// One search over attempts that return `R`; it borrows the search, which is too large to move.
 struct Driver<'s, 'r, 'c, R, C: Classify<R>> {
     search: &'s mut Search<'r>,
     classify: &'c C,
     last_error_kept: LastError,
-    /// The latest success's value, while a policy that continues after a success runs on; it
-    /// is returned if the policy accepts after a later failure.
+    /// The latest success's value, returned if the policy accepts after a later failure.
     latest_success: Option<R>,
     /// The last out-of-memory error itself, where the caller gives up by returning it.
     last_error: Option<C::Error>,
@@ -248,74 +237,68 @@ impl<'s, 'r, 'c, R, C: Classify<R>> Driver<'s, 'r, 'c, R, C> {
         }
     }
 
-    /// The next attempt's size, or how the search ended because no size is left.
+    /// The next attempt's size and step watch, or how the search ended because no size is left.
     #[inline]
-    fn begin(&mut self) -> Result<usize, Ended<R, C::Error>> {
-        self.search
-            .begin_attempt()
-            .map_err(|none_fit| Ended::NoSizeFits(none_fit, self.last_error.take()))
+    fn begin(&mut self) -> Result<(usize, Watch), Ended<R, C::Error>> {
+        match self.search.begin_attempt() {
+            Ok(batch_size) => Ok((batch_size, self.search.step_watch())),
+            Err(none_fit) => Err(Ended::NoSizeFits(none_fit, self.last_error.take())),
+        }
     }
 
     /// Records how an attempt ended: `Some` ends the search; `None` means begin again.
     #[inline]
     fn record(&mut self, outcome: Result<R, PanicPayload>) -> Option<Ended<R, C::Error>> {
         let grown = self.search.asked_to_grow();
-        match outcome {
-            Ok(value) => match self.classify.judge(value, &self.search.rules()) {
-                // `step_done` answered `Grow`: whatever the function returned but an error of
-                // its own or an out-of-memory, the attempt grew.
-                Judged::Succeeded(_) | Judged::Grew(..) if grown.is_some() => {
-                    if let Some(grown) = grown {
-                        self.search.record_growth(grown);
-                    }
-                    self.accepted_value()
-                }
-                Judged::Failed(_, description)
-                    if grown
-                        .as_ref()
-                        .is_some_and(|grown| description.contains(&grown.signal().to_string())) =>
-                {
-                    // An error that holds the `Grow` where no chain reaches it (candle's
-                    // `Error::wrap`, an `E: Display`): found by the signal's own words.
-                    if let Some(grown) = grown {
-                        self.search.record_growth(grown);
-                    }
-                    self.accepted_value()
-                }
-                Judged::Succeeded(value) => {
-                    self.search.record_success();
-                    if self.search.is_accepted() {
-                        return Some(Ended::Returned(value));
-                    }
-                    self.latest_success = Some(value);
-                    None
-                }
-                Judged::Failed(value, description) | Judged::Grew(value, description) => {
-                    self.search.failed_with(description);
-                    Some(Ended::Returned(value))
-                }
-                Judged::OutOfMemory(found, error) => {
-                    let kept = match error {
-                        Some(error) if self.last_error_kept == LastError::Returned => {
-                            self.last_error = Some(error);
-                            None
-                        }
-                        Some(error) => self.classify.keep(error),
-                        None => None,
-                    };
-                    self.search.record_out_of_memory(found, kept);
-                    self.accepted_value()
-                }
-            },
+        let value = match outcome {
+            Ok(value) => value,
             Err(payload) => {
                 self.search.record_panic(payload);
+                return self.accepted_value();
+            }
+        };
+        let judged = self.classify.judge(value, &self.search.rules());
+        // `step_done` answered `Grow`: whatever the function returned but an error of its own or
+        // an out-of-memory, the attempt grew. An error that holds the `Grow` where no chain
+        // reaches it (candle's `Error::wrap`, an `E: Display`) is found by the signal's words.
+        let grew = grown.filter(|grown| match &judged {
+            Judged::Succeeded(_) | Judged::Grew(..) => true,
+            Judged::Failed(_, description) => description.contains(&grown.signal().to_string()),
+            Judged::OutOfMemory(..) => false,
+        });
+        if let Some(grown) = grew {
+            self.search.record_growth(grown);
+            return self.accepted_value();
+        }
+        match judged {
+            Judged::Succeeded(value) => {
+                self.search.record_success();
+                if self.search.is_accepted() {
+                    return Some(Ended::Returned(value));
+                }
+                self.latest_success = Some(value);
+                None
+            }
+            Judged::Failed(value, description) | Judged::Grew(value, description) => {
+                self.search.failed_with(description);
+                Some(Ended::Returned(value))
+            }
+            Judged::OutOfMemory(found, error) => {
+                let kept = match error {
+                    Some(error) if self.last_error_kept == LastError::Returned => {
+                        self.last_error = Some(error);
+                        None
+                    }
+                    Some(error) => self.classify.keep(error),
+                    None => None,
+                };
+                self.search.record_out_of_memory(found, kept);
                 self.accepted_value()
             }
         }
     }
 
-    /// After a failure, a policy may accept the latest success (a tuner that has bracketed the
-    /// limit): its value is the caller's.
+    /// After a failure, the latest success's value, where the policy accepts it (a tuner).
     fn accepted_value(&mut self) -> Option<Ended<R, C::Error>> {
         if self.search.is_accepted() {
             self.latest_success.take().map(Ended::Returned)

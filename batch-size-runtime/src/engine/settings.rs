@@ -1,10 +1,5 @@
-//! What every runner is configured with, written once: the size rule (guided, a factor, your
-//! function), the bounds, the release, the cache and learning. Every runner
-//! ([`BatchSizeSearch`](crate::BatchSizeSearch), [`EffectiveBatch`](crate::EffectiveBatch),
-//! [`Chunked`](crate::Chunked), [`Tuner`](crate::Tuner)) holds one [`Settings`], and gets the
-//! setters of the groups it honours from [`settings_setters!`], each written and documented
-//! here once. A runner turns its settings into each search it runs; nothing is copied into
-//! fields of its own.
+//! What every runner is configured with, written once: each runner holds one [`Settings`] and
+//! gets the setters of the groups it honours from [`settings_setters!`].
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,10 +10,8 @@ use crate::memory::Release;
 use crate::policy::{CacheSettings, CacheSlot, Guided, LadderControl, Reduction, SizePolicy};
 use crate::record::CacheHit;
 
-/// A setting that cannot produce a size, found when it was set and reported when the runner
-/// first runs, before any of your code
-/// ([`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)): the first
-/// problem found is the one reported. Typed until the stop, where it becomes the reason's text.
+/// A setting that cannot produce a size, reported before the first attempt as
+/// [`StopReason::InvalidConfiguration`](crate::StopReason::InvalidConfiguration)'s text.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Invalid {
     /// `min` of 0.
@@ -86,51 +79,41 @@ impl std::fmt::Display for Invalid {
     }
 }
 
-/// Everything a runner is configured with, and everything a search runs with: one value per
-/// search. Private to the crate: users meet it only through the runners' setters.
+/// Everything a runner is configured with, and everything a search runs with.
 #[derive(Debug)]
 pub(crate) struct Settings<'r> {
     /// No size below it is tried (at least 1).
     pub(crate) min: usize,
     /// No size above it is tried (`with_max`).
     pub(crate) max: Option<usize>,
-    /// The largest size the batch-size parameter's type holds (the attribute's `u8`, ...): a
-    /// larger proposal runs as the largest that has not failed.
+    /// The largest size the batch-size parameter's type holds (the attribute's `u8`, ...).
     pub(crate) type_max: usize,
     /// At most this many attempts in one search.
     pub(crate) max_attempts: Option<usize>,
     /// How the next size is chosen after an out-of-memory failure.
     pub(crate) shrink: Reduction<'r>,
-    /// A policy of the user's or a runner's instead (`with_policy`): the shrink setters choose
-    /// the shrink rule again.
+    /// A policy of the user's or a runner's instead (`with_policy`), until a shrink setter.
     pub(crate) policy: Option<Box<dyn SizePolicy + 'r>>,
-    /// What gives memory back between attempts and reads the figures ([`Release::default`],
-    /// CUDA's, until one is chosen: a process-wide static, nothing built per search).
+    /// What gives memory back between attempts and reads the figures ([`Release::default`]).
     pub(crate) release: Release,
     /// Where the sizes that fit are remembered, if anywhere.
     pub(crate) cache: Option<CacheSettings>,
-    /// The other ranks the runner agrees with, if any (each runner says at what: an attempt, a
-    /// step, a chunk).
+    /// The other ranks the runner agrees with, if any.
     pub(crate) agreement: Option<Arc<dyn Collective + 'r>>,
-    /// The remedies allowed when no size fits, and the size the search starts again from
-    /// after one (default: where it started).
+    /// The remedies allowed when no size fits, and the size to start again from after one.
     pub(crate) remedies: Option<Arc<dyn LadderControl>>,
     pub(crate) restart_after_remedy: Option<usize>,
     /// Whether a runner of many searches learns from every one (where figures are read).
     pub(crate) learn: bool,
     /// Clean searches before a runner of many searches grows back blindly (0: never).
     pub(crate) grow_after: usize,
-    /// The name in the logs: the one given (`with_label`, the attribute's function name), else
-    /// the user's work's (see [`name_the_work`](Self::name_the_work)).
+    /// The name in the logs: the one given, else [`name_the_work`](Self::name_the_work)'s.
     pub(crate) label: &'static str,
-    /// The per-search hooks (`when`, `notify`, `on_report`, a clock); boxed and absent until
-    /// one is set: the common search carries one pointer, not four.
+    /// The per-search hooks (`when`, `notify`, `on_report`, a clock), boxed until one is set.
     pub(crate) hooks: Option<Box<Hooks<'r>>>,
     /// Searches run once per step or chunk log a first-try success at DEBUG, not INFO.
     pub(crate) first_fit_at_debug: bool,
-    /// The size a cache wrapper (`policy::Cached`) starts the search from and what its entry
-    /// says: read from the wrapper where it is made, before it is lent to the loop, so that the
-    /// report can say it was served from the cache.
+    /// The size a cache wrapper (`policy::Cached`) starts from and its entry, for the report.
     pub(crate) cache_offer: Option<(usize, CacheHit)>,
     /// The first setting found unusable.
     pub(crate) invalid: Option<Invalid>,
@@ -219,33 +202,26 @@ impl<'r> Settings<'r> {
         self.hooks.get_or_insert_with(Box::default)
     }
 
-    /// The cache, where a key was given (a folder alone caches nothing): the one filter every
-    /// runner opens its cache through.
+    /// The cache, where a key was given (a folder alone caches nothing).
     pub(crate) fn cache(&self) -> Option<&CacheSettings> {
         self.cache.as_ref().filter(|cache| !cache.key.is_empty())
     }
 
-    /// The cache slot of a runner of many searches (`door`, for `what`), where a key was
-    /// given: opened with this runner's release, which reads the device it is kept for.
+    /// The cache slot of a runner of many searches (`door`, for `what`), where a key was given.
     pub(crate) fn open_cache(&self, door: &'static str, what: &str) -> Option<CacheSlot> {
         self.cache()
             .map(|cache| CacheSlot::for_runner(cache, door, what, &self.release))
     }
 
-    /// Names the logs after the user's work where no label was given: the path of the function
-    /// that `work` was written in (its closure's type name, less `::{{closure}}`), so that a
-    /// tuner run from `tune_classifier` logs `function="my_crate::tune_classifier"`.
+    /// Names the logs after the function `work` was written in, where no label was given.
     pub(crate) fn name_the_work<W>(&mut self, _work: &W) {
         if self.label == DEFAULT_LABEL {
             self.label = work_name::<W>().unwrap_or(DEFAULT_LABEL);
         }
     }
 
-    /// What a runner of many searches hands each of them: the bounds (`max` caps the first
-    /// size, a cached one included), the cap on attempts, the release, the label and the first
-    /// setting found unusable. Its size rule it lends to its own policy; its agreement and remedies it
-    /// lends where its searches use them (a step's search agrees, a chunk's policy agrees
-    /// itself); its cache is its own ([`CacheSlot`]).
+    /// What a runner of many searches hands each: bounds, attempt cap, release, label, and the
+    /// first unusable setting (the rest it lends where its searches use them).
     pub(crate) fn lend_to_search(&self, search: &mut Settings<'_>) {
         search.min = self.min;
         search.max = self.max;
@@ -256,9 +232,7 @@ impl<'r> Settings<'r> {
         search.first_fit_at_debug = true;
     }
 
-    /// Checks what only the whole can say: `max` against `min`. Run where a search starts,
-    /// before any of the user's code (remedies against an agreement are checked there too,
-    /// against what the search's policy does: [`Search::start`](crate::Search)).
+    /// Checks what only the whole can say, `max` against `min`, where a search starts.
     pub(crate) fn check(&mut self) {
         if let Some(max) = self.max {
             if max < self.min {
@@ -271,8 +245,7 @@ impl<'r> Settings<'r> {
 /// The label of a search no one named, and no work could name.
 pub(crate) const DEFAULT_LABEL: &str = "batch_size_search";
 
-/// The path of the function a closure of type `W` was written in (`crate::module::function`),
-/// or a function item's own path; `None` where nothing is left to name.
+/// The path of the function a closure of type `W` was written in, or a function item's own.
 fn work_name<W>() -> Option<&'static str> {
     let mut name = std::any::type_name::<W>();
     while let Some(outer) = name.strip_suffix("::{{closure}}") {
@@ -283,9 +256,7 @@ fn work_name<W>() -> Option<&'static str> {
     (!name.is_empty()).then_some(name)
 }
 
-/// The setters of the settings' groups, for a runner that holds `settings: Settings`. Each is
-/// written and documented once, with one example run on each runner that has it.
-///
+/// The setters of the settings' groups, for a runner that holds `settings: Settings`:
 /// - `bounds`: `with_min`, `with_max`;
 /// - `label`: `with_label`;
 /// - `clock`: `with_clock`;

@@ -75,11 +75,8 @@ impl BurnMemory {
 
 impl MemoryBackend for BurnMemory {
     fn release(&self) -> Result<(), ReleaseError> {
-        // The pages go back to the driver at the cleanup, but wgpu frees a buffer only once the
-        // device has been polled past it: without the syncs, llvmpipe still held the pages of
-        // a failed attempt when the next one began, and every size down to 1 ran out
-        // (real-allocators/tests/burn_cpu.rs, two searches at once). A sync that reports the
-        // failed attempt's error is no reason to stop.
+        // wgpu frees a buffer only once the device is polled past it: without the syncs every
+        // size down to 1 ran out. A sync reporting the failed attempt's error is no reason to stop.
         let synced = self.device.sync();
         self.device.memory_cleanup();
         let synced_after = self.device.sync();

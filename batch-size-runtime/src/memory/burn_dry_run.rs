@@ -45,8 +45,7 @@ pub struct BurnDryRun {
     device: Device,
     memory: Arc<BurnMemory>,
     dry_runs: Arc<AtomicUsize>,
-    /// The pools before the sizing's first dry run (cleared by [`DryRun::finish`]): what a
-    /// fresh process at any size holds besides what the step adds.
+    /// The pools before the sizing's first dry run (cleared by [`DryRun::finish`]).
     start: Arc<Mutex<Option<Pools>>>,
 }
 
@@ -89,17 +88,8 @@ impl BurnDryRun {
     }
 }
 
-/// The bytes a dry run's pools held at their peak, from the pools before the sizing's first
-/// dry run (`start`), before this one and after it.
-///
-/// - a pool this dry run created, or whose page peak it raised: its peak;
-/// - a pool held before the sizing, whose peak this dry run did not raise: the pages it held
-///   then (what a fresh process holds too), drained or not;
-/// - a pool an earlier dry run created, whose peak this one did not raise: nothing. What it
-///   holds is what the cleanup after that dry run moved there (the weights, relocated into the
-///   newest, largest pages), which the pools held before the sizing already count: counted at
-///   the larger page, the weights of burn's autodiff MLP read 68 MiB where a fresh process
-///   holds them in a 33 MiB page, and the sizing landed 21 % below the largest that fits.
+/// The bytes a dry run's pools held at their peak, from the pools at the sizing's start, before
+/// this dry run and after it.
 fn dry_peak(
     start: &[(u64, u64, u64)],
     before: &[(u64, u64, u64)],
@@ -114,6 +104,7 @@ fn dry_peak(
     let mut bytes = 0u64;
     for &(size, _, peak) in after {
         let raised = find(before, size).is_none_or(|(_, old_peak)| peak > old_peak);
+        // A pool an earlier dry run made holds weights its cleanup moved, which `start` counts.
         let counted = match find(start, size) {
             _ if raised => peak,
             Some((pages, _)) => pages,
@@ -149,10 +140,8 @@ impl DryRun for BurnDryRun {
             }
         }
         let after = self.pools();
-        // The dry run's pages go back (unmapped: nothing to free but the bookkeeping). Without
-        // it, the next dry run counts them, held in the pools a growth left behind. (Leaving
-        // the last dry run's pages for the real trial to map made that trial run out of memory
-        // on llvmpipe, a size that ran after this cleanup.)
+        // The dry run's pages go back (unmapped): else the next dry run, or the real trial, counts
+        // them too.
         self.device.memory_cleanup();
         Some(dry_peak(&start, &before, &after?))
     }

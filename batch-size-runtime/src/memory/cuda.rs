@@ -1,17 +1,5 @@
-//! The CUDA backend: gives back the memory that CUDA's stream-ordered pool keeps after an
-//! attempt, and reads the figures that logs and errors show.
-//!
-//! When an attempt fails, Rust drops its `CudaSlice`s, and cudarc frees them with
-//! `cuMemFreeAsync` (on devices with memory pools). The freed memory stays *reserved* by the
-//! device's default pool: later stream-ordered allocations may reuse (some of) it, but nothing
-//! else can: not `cuMemAlloc`, cuBLAS and cuDNN workspaces, another framework's allocator or
-//! another process. Between attempts, [`CudaBackend`] therefore synchronizes each context (so
-//! that the queued frees complete) and trims the default pool to zero
-//! (`cuMemPoolTrimTo(pool, 0)`), which gives every unused reserved byte back to the device.
-//!
-//! It never starts CUDA: with no libcuda loaded in the process, or a driver that was never
-//! initialised, it does nothing and reports no figures. It never formats a cudarc error through
-//! the driver (their `Display` calls libcuda): failures are named by their `CUresult` code.
+//! The CUDA backend: trims the default pool that `cuMemFreeAsync` leaves reserved, and reads the
+//! figures. Failures are named by `CUresult` code: a cudarc error's `Display` calls libcuda.
 
 use std::ffi::c_void;
 use std::fmt;
@@ -104,8 +92,7 @@ impl CudaBackend {
         driver_library_loaded()
     }
 
-    /// Each device's figures (a device that cannot be read is left out), its pool's peak reset
-    /// first where `reset_peak`.
+    /// Each readable device's figures, its pool's peak reset first where `reset_peak`.
     fn read(&self, reset_peak: bool) -> MemorySnapshot {
         let read = guarded(|| {
             let mut devices = Vec::new();
@@ -163,10 +150,8 @@ impl fmt::Debug for CudaBackend {
 }
 
 impl MemoryBackend for CudaBackend {
-    /// Synchronizes each device's context and trims its default memory pool to zero.
-    ///
-    /// Every device is attempted even when one fails; the first failure is returned, naming
-    /// the driver call, the device and the `CUresult` code.
+    /// Synchronizes each device's context and trims its default memory pool to zero; every
+    /// device is attempted, and the first failure returned.
     fn release(&self) -> Result<(), ReleaseError> {
         guarded(|| {
             let mut first_failure = None;
@@ -186,8 +171,7 @@ impl MemoryBackend for CudaBackend {
         self.read(false)
     }
 
-    /// Resets each pool's peak and reads each device's figures, finding the devices once:
-    /// where libcuda is not loaded, one question to the loader per attempt.
+    /// Resets each pool's peak and reads each device's figures, finding the devices once.
     fn start_attempt(&self) -> MemorySnapshot {
         self.read(true)
     }
@@ -208,8 +192,7 @@ impl MemoryBackend for CudaBackend {
     }
 }
 
-/// Runs `work`, turning a panic inside cudarc into a failure: cudarc panics where libcuda
-/// cannot be opened or lacks a symbol, and a release must never take the training down.
+/// Runs `work`, turning a panic inside cudarc (libcuda absent or lacking a symbol) into a failure.
 fn guarded<T>(work: impl FnOnce() -> Result<T, Failure>) -> Result<T, Failure> {
     std::panic::catch_unwind(AssertUnwindSafe(work)).unwrap_or(Err(Failure {
         call: "a CUDA driver call",
@@ -290,8 +273,7 @@ enum TargetContext {
 }
 
 impl Target {
-    /// Runs `work` with this target's context current on the calling thread, then restores the
-    /// thread's previous context.
+    /// Runs `work` with this target's context current, then restores the thread's previous one.
     fn with_current<T>(&self, work: impl FnOnce() -> Result<T, Failure>) -> Result<T, Failure> {
         match self.context {
             TargetContext::Given(context) => {
@@ -339,9 +321,8 @@ fn push_run_pop<T>(
 
 /// Every device whose primary context is active, without initialising or loading anything.
 fn active_primary_contexts() -> Result<Vec<Target>, Failure> {
-    // Once seen loaded, libcuda stays loaded: the driver calls below make cudarc open it too,
-    // and cudarc never closes it. Until then, ask the loader each time (a fraction of a
-    // microsecond): CUDA may be started after the first search.
+    // Once seen loaded, libcuda stays loaded (cudarc never closes it); until then, ask the
+    // loader each time: CUDA may be started after the first search.
     static SEEN_LOADED: AtomicBool = AtomicBool::new(false);
     if !SEEN_LOADED.load(Ordering::Relaxed) && driver_library_loaded() {
         SEEN_LOADED.store(true, Ordering::Relaxed);
@@ -466,16 +447,8 @@ fn reset_device_peak(target: &Target) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Whether libcuda is already loaded in this process: whether an object the dynamic loader
-/// holds has a file name starting with `libcuda.so` (`libcuda.so`, `libcuda.so.1`,
-/// `libcuda.so.550.54.15`, under any directory).
-///
-/// This walks the loader's list with `dl_iterate_phdr`, which loads nothing and touches no
-/// file, where `dlopen(RTLD_NOLOAD)` of the two usual names searches the library path on disk
-/// (about 30 µs when libcuda is absent), twice per attempt. The loader also counts the objects
-/// it ever loaded and unloaded (`dlpi_adds`, `dlpi_subs`): while they have not changed since a
-/// walk that found no libcuda, the answer has not either, and the walk stops at the first
-/// object. That keeps the default release nearly free in programs that never use CUDA.
+/// Whether an object the dynamic loader holds is named `libcuda.so*`, by `dl_iterate_phdr`
+/// (which touches no file, unlike `dlopen(RTLD_NOLOAD)`), stopping early while nothing was loaded.
 #[cfg(any(target_os = "linux", target_os = "android"))]
 fn driver_library_loaded() -> bool {
     loader::libcuda_in_the_list()
@@ -487,8 +460,7 @@ mod loader {
     use std::ffi::{c_char, c_int, c_ulonglong, c_ushort, c_void, CStr};
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    /// `struct dl_phdr_info` up to `dlpi_subs` (glibc 2.4+, musl, bionic); the `size` the
-    /// loader passes says whether the counters are there.
+    /// `struct dl_phdr_info` up to `dlpi_subs`; the loader's `size` says whether they are there.
     #[repr(C)]
     struct DlPhdrInfo {
         addr: usize,
@@ -506,8 +478,7 @@ mod loader {
         fn dl_iterate_phdr(callback: Option<Callback>, data: *mut c_void) -> c_int;
     }
 
-    /// The loader's counters at the last walk that found no libcuda, in one word so that they
-    /// are read and written together; 0 before any (the loader has always added an object).
+    /// The loader's counters (one word) at the last walk that found no libcuda; 0 before any.
     static ABSENT_AT: AtomicU64 = AtomicU64::new(0);
     fn stamp(adds: u64, subs: u64) -> u64 {
         (adds << 32) | (subs & 0xFFFF_FFFF)
@@ -521,8 +492,7 @@ mod loader {
         counters: Option<(u64, u64)>,
     }
 
-    /// Stops the walk with FOUND for libcuda, or with UNCHANGED at the first object when the
-    /// loader's counters say nothing was loaded or unloaded since libcuda was last absent.
+    /// Stops the walk with FOUND for libcuda, or UNCHANGED where the counters say nothing changed.
     unsafe extern "C" fn visit(info: *mut DlPhdrInfo, size: usize, data: *mut c_void) -> c_int {
         if info.is_null() || data.is_null() {
             return 0;
@@ -578,8 +548,7 @@ mod loader {
     }
 }
 
-/// Whether nvcuda.dll is already loaded in this process (`GetModuleHandleExW`, which never
-/// loads it).
+/// Whether nvcuda.dll is already loaded (`GetModuleHandleExW`, which never loads it).
 #[cfg(windows)]
 fn driver_library_loaded() -> bool {
     libloading::os::windows::Library::open_already_loaded("nvcuda.dll").is_ok()

@@ -125,8 +125,7 @@ struct Counters {
     resident: u64,
     /// `VmHWM`: the most resident bytes since the process started or the peak was reset.
     resident_peak: u64,
-    /// `VmPeak`: the largest virtual size since the process started (never reset), where the
-    /// kernel reports it.
+    /// `VmPeak`: the largest virtual size since the process started (never reset), if reported.
     virtual_peak: Option<u64>,
 }
 
@@ -137,9 +136,7 @@ impl Default for HostMemory {
 }
 
 impl HostMemory {
-    /// A device's total and free bytes: `total` where given (a GPU's, less what its pool
-    /// reserved), else the host's (a software driver's memory is the process's), for the
-    /// frameworks' backends (burn, wgpu). `None` where the host reads nothing.
+    /// A framework backend's total and free bytes: from `total` where given, else the host's.
     #[cfg(any(feature = "burn", feature = "wgpu"))]
     pub(crate) fn device_room(&self, total: Option<u64>, reserved: u64) -> Option<(u64, u64)> {
         match total {
@@ -256,20 +253,15 @@ impl HostMemory {
         })
     }
 
-    /// The attempt's peak, counted as the binding limit counts. The kernel keeps a resettable
-    /// peak of resident bytes only (`VmHWM`); `VmPeak` cannot be reset. Against `RLIMIT_AS`:
-    /// where the attempt took the virtual size past its largest before (`VmPeak` moved), that
-    /// is the attempt's peak, exactly; otherwise the virtual size at the reset plus the
-    /// resident growth since, no more than the largest before. The growth alone overstates:
-    /// pages a step touches inside what glibc's arenas had reserved already (a thread's arena
-    /// reserves 64 MiB) add resident bytes and no virtual ones (a libtorch step measured 12 %
-    /// above its virtual peak), so a fit through it predicts less room than there is.
+    /// The attempt's peak, counted as the binding limit counts (only `VmHWM` can be reset).
     fn peak(&self, kind: HostLimitKind, now: Counters) -> Option<u64> {
         let at_reset = (*self.at_reset.lock().unwrap_or_else(PoisonError::into_inner))?;
         let grown = now.resident_peak.saturating_sub(at_reset.resident);
         Some(match kind {
             HostLimitKind::AddressSpace => match (at_reset.virtual_peak, now.virtual_peak) {
                 (Some(before), Some(peak)) if peak > before => peak,
+                // Resident growth alone overstates: pages touched inside glibc's reserved
+                // arenas add no virtual bytes, so it is capped by the largest virtual size before.
                 (before, _) => at_reset
                     .virtual_size
                     .saturating_add(grown)
@@ -351,8 +343,7 @@ fn read(path: &Path) -> Option<String> {
     fs::read_to_string(path).ok()
 }
 
-/// `RLIMIT_AS`'s soft limit from `/proc/self/limits` ("Max address space  unlimited  unlimited
-/// bytes"); `None` when unlimited.
+/// `RLIMIT_AS`'s soft limit from `/proc/self/limits`; `None` when unlimited.
 fn address_space_limit(limits: &str) -> Option<u64> {
     limits.lines().find_map(|line| {
         let rest = line.strip_prefix("Max address space")?;
@@ -369,9 +360,7 @@ fn kilobytes(text: &str, key: &str) -> Option<u64> {
     })
 }
 
-/// The tightest memory limit along the process's cgroup path, with the bytes in use there:
-/// the cgroup itself and each ancestor (a parent's limit binds its children), in cgroup v2
-/// (the `0::/path` line) or, failing that, v1 (the line whose controllers include `memory`).
+/// The tightest memory limit along the process's cgroup path (v2, else v1), with the bytes in use.
 fn cgroup_limit(membership: &str, root: &Path) -> Option<(u64, u64)> {
     let path_of = |wanted: &dyn Fn(&str) -> bool| {
         membership.lines().find_map(|line| {
@@ -393,9 +382,8 @@ fn cgroup_limit(membership: &str, root: &Path) -> Option<(u64, u64)> {
     })
 }
 
-/// The least room over `root/path` and its ancestors up to `root`: (limit, in use). A
-/// container sees its own cgroup at the root, whatever path `/proc/self/cgroup` names: the
-/// directories that are absent are skipped.
+/// The least room over `root/path` and its ancestors up to `root`: (limit, in use). Absent
+/// directories are skipped: a container sees its own cgroup at the root.
 fn tightest(root: &Path, path: &str, limit_file: &str, usage_file: &str) -> Option<(u64, u64)> {
     let mut dir = root.join(path);
     let mut best: Option<(u64, u64)> = None;

@@ -1,11 +1,6 @@
-//! ONNX Runtime's CPU arena through the `ort` crate 2.0.0-rc.15 (feature `ort`): the session's
-//! arena read with `AllocatorGetStats`, shrunk at each release by a run of zero samples with
-//! the run option `memory.enable_memory_arena_shrinkage=cpu:0`.
-//!
-//! Why a run: the arena keeps every region it grew, so a smaller batch after a larger one can
-//! fail on memory that is free in the arena but not to the new run's layout; `OrtAllocator`'s
-//! `Shrink` is null in ONNX Runtime 1.31 and 1.32, and the run option is the one door that gives
-//! free regions back (after that run).
+//! ONNX Runtime's CPU arena through `ort` 2.0.0-rc.15 (feature `ort`), read with
+//! `AllocatorGetStats`. Why a run to shrink it: `OrtAllocator`'s `Shrink` is null in ONNX Runtime
+//! 1.31 and 1.32; the run option `memory.enable_memory_arena_shrinkage` is the one door.
 
 use std::ffi::{c_char, CStr};
 use std::ptr;
@@ -126,10 +121,8 @@ impl OrtArena {
         Some(stats)
     }
 
-    /// Zero samples for every input: free dimensions set to 0, an input of fixed shape (weights
-    /// the caller feeds, say) as zeros of its shape. That input is allocated by the caller's
-    /// side (`ort`'s default allocator), not by the arena: the run still allocates no
-    /// intermediate of a free dimension's size, and the arena is shrunk at its end.
+    /// Zero samples for every input: free dimensions set to 0, a fixed shape as zeros of it
+    /// (allocated outside the arena).
     fn zero_samples(session: &Session) -> Result<Vec<(String, DynTensor)>, ReleaseError> {
         let allocator = Allocator::default();
         session

@@ -99,9 +99,8 @@ impl OutOfMemory {
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // "out of device memory" is also how burn words it, so that the text alone is
-        // recognised where a wrapper hides this type (thiserror's `#[error(transparent)]`); the
-        // host's memory is not a device's, and its text is recognised too.
+        // Words the classification recognises as text too, where a wrapper hides this type
+        // ("out of device memory" is burn's).
         if self.device.as_deref() == Some("cpu") {
             f.write_str("out of host memory")?;
         } else {

@@ -35,8 +35,7 @@ pub struct Release {
     hooks: Vec<Hook>,
 }
 
-/// The defaults are process-wide statics, shared without reference counting: the success path
-/// of a search with the default release touches no atomic.
+/// A backend: the defaults are statics, so the default release's success path touches no atomic.
 #[derive(Clone)]
 enum Backend {
     Static(&'static dyn MemoryBackend),

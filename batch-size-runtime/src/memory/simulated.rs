@@ -26,8 +26,7 @@ struct Usage {
     live: u64,
     peak: u64,
     cached: u64,
-    /// The cache's blocks by size, with how many of each: an allocation of a size the cache
-    /// holds takes one back, as a caching allocator serves a training loop's next step.
+    /// The cache's blocks by size, with how many of each (a cached size is served from it).
     cached_blocks: std::collections::BTreeMap<u64, usize>,
     allocations: u64,
     failed_allocations: u64,

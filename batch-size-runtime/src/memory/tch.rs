@@ -1,10 +1,5 @@
-//! tch (libtorch): no feature and no dependency. On the CPU libtorch allocates from the
-//! process's heap (`DefaultCPUAllocator`, malloc), so the host's figures and trim are its own;
-//! tch has no `empty_cache` for CUDA's caching allocator to call.
-//!
-//! A dependency on tch would pin the user's tch, and with it the libtorch they must install
-//! (tch 0.10 is libtorch 1.13, tch 0.22 is 2.7), and two `links = "tch"` crates cannot share a
-//! build (burn's optional `burn-tch` has one): so none.
+//! tch (libtorch) on the CPU: the host's memory. No dependency: one would pin the user's tch and
+//! libtorch, and two `links = "tch"` crates cannot share a build.
 
 use super::Release;
 

@@ -57,8 +57,7 @@ use crate::remedies::{RemediedSearch, Remedies};
 pub struct BatchSizeSearch<'r> {
     /// The first size tried.
     pub(crate) starting: usize,
-    /// Everything else: the bounds, the size rule, the release, the cache, the agreement, the
-    /// remedies, the hooks.
+    /// Everything else: bounds, size rule, release, cache, agreement, remedies, hooks.
     pub(crate) settings: Settings<'r>,
 }
 
@@ -126,8 +125,7 @@ impl<'r> BatchSizeSearch<'r> {
         self
     }
 
-    /// Makes the search stop before its first attempt with
-    /// [`StopReason::InvalidConfiguration`] (a negative `starting` or `min`, a `min` of 0).
+    /// Makes the search stop before its first attempt ([`StopReason::InvalidConfiguration`]).
     pub(crate) fn invalidate(&mut self, why: Invalid) {
         self.settings.invalidate(why);
     }
@@ -377,8 +375,7 @@ impl<'r> BatchSizeSearch<'r> {
         (result, report)
     }
 
-    /// [`run`](Self::run) for a runner of this crate: the result and the report as values,
-    /// nothing published to `last_report()` (the runner's public edge does that).
+    /// [`run`](Self::run) for this crate's runners: result and report as values, nothing published.
     #[inline]
     pub(crate) fn run_reporting<T, E, M, F>(mut self, attempt: F) -> (Result<T, E>, SearchReport)
     where

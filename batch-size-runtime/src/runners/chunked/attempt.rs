@@ -16,8 +16,8 @@ pub(super) enum ChunkAttempt<E> {
     WrongOutputCount { range: Range<usize>, got: usize },
 }
 
-/// Appends a chunk's outputs where its items are (a chunk taken back, because another rank
-/// could not finish it, is redone from its start), or says that their number is wrong.
+/// Appends a chunk's outputs where its items are (a chunk taken back is redone), or says
+/// their number is wrong.
 pub(super) fn keep_outputs<T, E>(
     outputs: &mut Vec<T>,
     range: Range<usize>,
@@ -34,8 +34,7 @@ pub(super) fn keep_outputs<T, E>(
     Ok(())
 }
 
-/// Classifies a chunk's call: the closure's error as every runner does ([`Kept`]); a wrong
-/// number of outputs ends the run as a failure.
+/// Classifies a chunk's call as every runner does; a wrong number of outputs fails the run.
 pub(super) struct ChunkKind<E, M>(Kept<E, M>);
 
 impl<E, M> ChunkKind<E, M> {

@@ -413,8 +413,7 @@ impl<'r> Chunked<'r> {
         })
     }
 
-    /// The search of one run. Its policy borrows the run's progress, which the chunks update in
-    /// turn (the policy decides between chunks, never while one runs): lent, not shared.
+    /// The search of one run; its policy borrows the run's progress, which it reads between chunks.
     fn prepare<'s>(&mut self, inner: Reduction<'s>, run: &'s Mutex<Run>) -> BatchSizeSearch<'s>
     where
         'r: 's,
@@ -486,8 +485,7 @@ impl<'r> Chunked<'r> {
     }
 }
 
-/// Records how a chunk ended (a panic's unwinding included: see [`Running`]); where it
-/// completed, moves the progress past it and returns the progress to tell.
+/// Records how a chunk ended; where it completed, moves the progress past it and returns it.
 fn record_chunk(
     run: &Mutex<Run>,
     range: Range<usize>,
@@ -528,9 +526,7 @@ fn record_chunk(
     }
 }
 
-/// A chunk while its work runs. Where the work panics (an out-of-memory raised as a panic, which
-/// the engine classifies), the unwinding drops it, and the chunk is recorded as not done, as a
-/// returned error's is: [`Chunked::chunks`] holds every chunk that ran, however it ended.
+/// A chunk while its work runs: dropped by an unwinding panic, it records the chunk as not done.
 struct Running<'a> {
     run: &'a Mutex<Run>,
     chunk: Option<(Range<usize>, usize, u64)>,
@@ -559,15 +555,13 @@ impl Drop for Running<'_> {
 }
 
 impl<'r> Chunked<'r> {
-    /// With a cache: the budget the run settled on (its last chunk that completed, where it
-    /// filled its budget), and the smallest budget above it that ran out of memory.
+    /// With a cache: the budget the run settled on, and the smallest above it that ran out.
     fn remember_budget(&mut self) {
         let Some(cache) = &mut self.cache else {
             return;
         };
-        // The last chunk of a run is often short (the items left): a chunk before it was
-        // packed as full as its budget allowed, so its budget is what ran; a run of one chunk
-        // proved only what that chunk held.
+        // The last chunk is often short (the items left): an earlier one filled its budget; a
+        // run of one chunk proved only what that chunk held.
         let done = || self.chunks.iter().rev().filter(|chunk| chunk.done);
         let settled = done()
             .find(|chunk| chunk.range.end < self.total)

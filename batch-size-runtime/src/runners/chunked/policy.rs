@@ -10,8 +10,7 @@ use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Outcome, SearchReport};
 use crate::runners::learn::{larger_budget, Convergence, GrowBack};
 
-/// The policy of one chunked run: the next chunk after each success, a smaller one after an
-/// out-of-memory chunk (from the inner policy), growing back after clean chunks.
+/// The policy of one chunked run: the next chunk after a success, a smaller one after an OOM.
 #[derive(Debug)]
 pub(super) struct ChunkPolicy<'r, P> {
     pub(super) inner: P,
@@ -64,15 +63,12 @@ impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
         }
     }
 
-    /// The figures of each chunk are what its size converges by: one reading of the
-    /// allocator's counters after it, no synchronize.
+    /// A chunk's size converges by its figures: one reading after it, no synchronize.
     fn reads_memory_after_success(&self) -> bool {
         self.convergence.is_enabled() || self.inner.reads_memory_after_success()
     }
 
-    /// Each chunk after a success holds other items: a chunk that ran out of memory earlier
-    /// says nothing for good about the size of the next ones (growing back decides how soon
-    /// such a size is tried again).
+    /// Each chunk holds other items: an earlier out-of-memory is no verdict on the next.
     fn agrees_with_others(&self) -> bool {
         self.agreement.is_some() || self.inner.agrees_with_others()
     }
@@ -83,10 +79,8 @@ impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
 }
 
 impl<P: SizePolicy> ChunkPolicy<'_, P> {
-    /// With other ranks: every chunk ends with their verdict. A chunk that ran out of memory
-    /// on any rank is redone smaller on every rank (a rank where it succeeded takes its
-    /// progress back), so that ranks whose chunks communicate (tensor parallelism) stay in
-    /// step; a rank that is done answers the others until they are done too.
+    /// With other ranks: a chunk that ran out on any rank is redone smaller on every rank, so
+    /// ranks stay in step; a rank that is done answers the others until they are done too.
     fn agree(
         &mut self,
         collective: &dyn Collective,

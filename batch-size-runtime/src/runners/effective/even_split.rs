@@ -1,19 +1,11 @@
-//! Even micro-batches: a share of `length` samples run at most `size` at a time takes
-//! `length / size` passes, rounded up, whatever the split; splitting it into sizes that differ
-//! by at most one keeps that number of passes, lowers the peak (the largest micro-batch) and
-//! leaves no ragged last batch. 256 at 212 runs 128 + 128, not 212 + 44; at 121, 86 + 85 + 85,
-//! not 121 + 121 + 14.
-//!
-//! [`EvenSplit`] wraps the micro size's policy so that the engine tries, records and reasons
-//! about the size that really runs: after a failure at 128 (the even split of 212), the next
-//! proposal is judged against 128, and no proposal that splits to 128 again is wasted.
+//! Even micro-batches: the same number of passes, a lower peak, no ragged last batch (256 at 212
+//! runs 128 + 128). [`EvenSplit`] makes the engine try and record the size that really runs.
 
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::SearchReport;
 pub(crate) use crate::runners::learn::even_micro;
 
-/// A size policy whose every proposal is the even split of what `inner` proposed, for a share
-/// of `length` samples (see the [module docs](self)).
+/// A size policy proposing the even split of `inner`'s proposal, for a share of `length` samples.
 #[derive(Debug)]
 pub(crate) struct EvenSplit<P> {
     inner: P,

@@ -357,8 +357,7 @@ impl<'r> EffectiveBatch<'r> {
         &self.last_report
     }
 
-    /// Sets up, before the first step, what the settings ask for: learning, growing back, and
-    /// the micro size a run with the same cache key settled on.
+    /// Sets up before the first step: learning, growing back, the micro size a cached run chose.
     fn start(&mut self) {
         self.started = true;
         self.grow = GrowBack::new(self.settings.grow_after, self.effective);
@@ -393,9 +392,8 @@ impl<'r> EffectiveBatch<'r> {
             .min(length)
             .max(1);
         let kept = even_micro(length, kept);
-        // With figures, a step that needs fewer passes starts at that size: a growth attempt,
-        // followed by the size kept if it runs out of memory. Where they say the size kept no
-        // longer fits (the last step allocated state it keeps), the step starts below it.
+        // With figures, a step that needs fewer passes starts there (a growth attempt, then the
+        // size kept if it runs out); where the size kept no longer fits, below it.
         let (start, fallback) = self.convergence.start(length, kept);
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
@@ -442,8 +440,7 @@ impl<'r> EffectiveBatch<'r> {
         }
     }
 
-    /// What the step measured, for the steps after it: every attempt's figures under the
-    /// settings in force at its end (a remedy applied in the step makes the others stale).
+    /// Learns from the step's attempts under the settings in force at its end.
     fn learn(&mut self, report: &SearchReport) {
         if report.remedies_changed() {
             self.convergence.forget();
@@ -457,9 +454,8 @@ impl<'r> EffectiveBatch<'r> {
     /// Records how a step's search went.
     fn account(&mut self, report: SearchReport) {
         let step = self.steps;
-        // More than one attempt: this rank ran out of memory, or (with an agreement) another
-        // rank did and every rank redid the step. Either way the sizes before the last did not
-        // fit somewhere, and growing back stays below them.
+        // More than one attempt: the sizes before the last ran out here or on another rank,
+        // and growing back stays below them.
         if report.len() > 1 {
             let tried: Vec<usize> = report
                 .attempts()

@@ -1,20 +1,7 @@
-//! One global batch divided among ranks of mixed hardware: each rank runs a contiguous share at
-//! its own micro-batch, and the shares follow each rank's speed so that the ranks finish a step
-//! together, instead of every rank running the micro-batch the smallest GPU holds and the
-//! fastest waiting for the slowest at every gradient all-reduce.
-//!
-//! Every rank computes the same shares from the same figures: after each step the ranks
-//! all-gather each one's micro size and measured throughput, and each applies the same rule to
-//! the same numbers. The rule:
-//! - after the first step (whose timing includes warm-up: kernels chosen, pools grown), shares
-//!   in proportion to the micro-batch each rank holds;
-//! - after every later step, shares in proportion to each rank's throughput (samples per second
-//!   over its last steps at its current share and micro size), when the slowest rank's
-//!   predicted step time is more than [`REBALANCE_ABOVE`] over the balanced time. A rank whose
-//!   micro-batch shrank after an out-of-memory, or whose speed changed, shows it in its
-//!   throughput, and the shares move with it.
-//!
-//! Shares change between steps, never inside one.
+//! One global batch in contiguous shares among ranks of mixed hardware, following each rank's
+//! speed (docs/SEVERAL_GPUS.md). Every rank applies the same rule to the same all-gathered
+//! figures: after the first step (warm-up) shares follow micro sizes, after later ones throughput,
+//! when the slowest rank is more than [`REBALANCE_ABOVE`] over balanced; never inside a step.
 
 use crate::engine::Clock;
 use crate::opaque::Opaque;
@@ -24,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::agree::{AgreementError, Collective};
 
-/// How much slower than balanced the slowest rank's predicted step may be before the shares
-/// move: below it, measurement noise would move them back and forth for nothing.
+/// How much slower than balanced the slowest rank may be before shares move (below it: noise).
 pub(crate) const REBALANCE_ABOVE: f64 = 0.03;
 
 /// Steps of one configuration a rank's throughput is averaged over.
@@ -53,8 +39,7 @@ pub(crate) enum Basis {
 }
 
 impl<'r> Shares<'r> {
-    /// Even shares of `global` among `world` ranks (the first `global % world` one sample
-    /// more).
+    /// Even shares of `global` among `world` ranks (the first `global % world` one sample more).
     pub(crate) fn even(global: usize, rank: usize, world: usize) -> Self {
         Shares {
             global,
@@ -105,9 +90,8 @@ impl<'r> Shares<'r> {
         self.throughput.record((length, micro), length, elapsed);
     }
 
-    /// After step number `steps_done` (from 1): exchanges every rank's micro size and
-    /// throughput and moves the shares if the rule says so (see the [module docs](self)).
-    /// Returns the basis when they moved.
+    /// After step `steps_done` (from 1): exchanges micro sizes and throughputs, and moves the
+    /// shares if the rule says so; returns the basis when they moved.
     pub(crate) fn rebalance(
         &mut self,
         collective: &dyn Collective,
@@ -147,8 +131,7 @@ impl<'r> Shares<'r> {
     }
 }
 
-/// How much longer than balanced the slowest rank's step is predicted to take at the current
-/// `lengths`, from each rank's samples per second (`None` while a rank has no figure).
+/// How much longer than balanced the slowest rank's step is predicted to take (`None`: no figure).
 fn imbalance(lengths: &[usize], rates: &[u64]) -> Option<f64> {
     if rates.is_empty() || rates.contains(&0) || rates.len() != lengths.len() {
         return None;
@@ -164,9 +147,8 @@ fn imbalance(lengths: &[usize], rates: &[u64]) -> Option<f64> {
     Some(slowest / balanced - 1.0)
 }
 
-/// `global` divided in proportion to `weights` (equally when they are all 0), each rank at
-/// least one sample while there are enough, the rest by largest remainder (ties to the lower
-/// rank): the same vector on every rank for the same figures.
+/// `global` in proportion to `weights`, at least one sample each while enough, the rest by largest
+/// remainder (ties to the lower rank): the same on every rank.
 pub(crate) fn proportional(global: usize, weights: &[u64]) -> Vec<usize> {
     let world = weights.len();
     if world == 0 {
@@ -197,8 +179,7 @@ pub(crate) fn proportional(global: usize, weights: &[u64]) -> Vec<usize> {
     lengths
 }
 
-/// This rank's samples per second over its last steps of one configuration (share length,
-/// micro size): a change of either starts the average afresh.
+/// This rank's samples per second over its last steps of one share length and micro size.
 #[derive(Debug, Default)]
 struct Throughput {
     configuration: (usize, usize),
