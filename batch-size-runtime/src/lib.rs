@@ -100,7 +100,8 @@
 //! - `anyhow` (default): conveniences for `anyhow::Error`.
 //! - `burn`, `wgpu`, `ort`: those frameworks' figures and release (`Release::burn`,
 //!   `Release::wgpu`, `Release::ort`), and with `burn`, `memory::BurnDryRun`.
-//! - `nccl`: the agreement between ranks over NCCL (`agree::NcclRank`, `agree::IdExchange`).
+//! - `nccl`: the agreement between ranks over NCCL (`agree::NcclRank`), its Id shared by MPI,
+//!   a file (`agree::IdExchange`) or a channel of the program's own (`agree::NcclId::from_bytes`).
 //! - `mpi`: the agreement between ranks over MPI (`agree::MpiJob`, `agree::MpiRank`) for jobs
 //!   launched with `mpirun`, `mpiexec` or `srun`, and with `nccl` the NCCL Id broadcast by MPI
 //!   (`NcclRank::from_mpi`). Needs an MPI library and libclang to build.

@@ -13,6 +13,12 @@
 //! over NCCL; with the `mpi` feature, `MpiRank` over the MPI of a job launched with `mpirun` or
 //! `srun` (see `MpiJob`).
 //!
+//! The ranks of an `NcclRank` share rank 0's NCCL Id (128 bytes) one of three ways: MPI's
+//! broadcast (`MpiJob`, with both features, under `mpirun` or `srun`); a file every rank can read
+//! (`IdExchange::file`, one machine or a shared filesystem); or any channel the program already
+//! has (a torchrun-style launcher's store, say), with `NcclId::as_bytes` on rank 0 and
+//! `NcclId::from_bytes` on the others.
+//!
 //! ```
 //! use std::thread;
 //! use batch_size_runtime::agree::{Agree, ThreadRanks};
@@ -51,27 +57,18 @@
 //! ```
 
 // One concept a file: the trait, the in-process ranks, the policy wrapper, one round of the
-// protocol, the safe point inside an attempt; the Id exchange and NCCL above.
+// protocol, the safe point inside an attempt; the Id's file exchange and NCCL above.
 mod collective;
 mod policy;
 mod safe_point;
 mod threads;
 mod verdict;
 
-// The TCP Id exchange and NCCL: built only with the `nccl` feature, with their dependencies
-// (hmac, sha2, getrandom) optional.
-#[cfg(feature = "nccl")]
-mod deadline;
+// The Id's file exchange and NCCL: built only with the `nccl` feature.
 #[cfg(feature = "nccl")]
 mod exchange;
 #[cfg(feature = "nccl")]
-mod handshake;
-#[cfg(feature = "nccl")]
 mod nccl;
-#[cfg(feature = "nccl")]
-mod token;
-#[cfg(feature = "nccl")]
-mod wire;
 
 // The agreement over the job's own MPI (`mpirun`, `srun`): its own feature, since it needs an MPI
 // library to build.
@@ -84,18 +81,13 @@ pub use self::mpi::{MpiError, MpiJob, MpiRank};
 pub use collective::{AgreementError, Collective, ReduceOp};
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
-pub use exchange::{ExchangeError, IdExchange};
+pub use exchange::{ExchangeError, IdExchange, ID_BYTES};
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub use nccl::{loaded_library, NcclError, NcclId, NcclRank, NCCL_LIBRARY_VARIABLE};
 pub use policy::Agree;
 pub use safe_point::{safe_point, OutOfMemoryOnAnotherRank};
 pub use threads::{ThreadRank, ThreadRanks};
-#[cfg(feature = "nccl")]
-#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
-pub use wire::{
-    CONNECTION_PATIENCE, EXCHANGE_PORT_VARIABLE, ID_BYTES, MAX_HELD_CONNECTIONS, TOKEN_VARIABLE,
-};
 
 // `Chunked` agrees without the `Agree` wrapper: it speaks the protocol directly.
 pub(crate) use verdict::{

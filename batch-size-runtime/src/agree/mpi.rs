@@ -125,8 +125,7 @@ pub enum MpiError {
 ///
 /// # Trust
 /// MPI trusts whoever launched the job: every process `mpiexec` or `srun` started is a rank,
-/// and nothing here checks who it is. The TCP rendezvous's job token
-/// (`BATCH_SIZE_EXCHANGE_TOKEN`) has no part in it: the launcher already decided who takes part.
+/// and nothing here checks who it is (the launcher already decided who takes part).
 ///
 /// # Threads
 /// MPI is initialized with `MPI_THREAD_MULTIPLE` (`MPI_THREAD_SERIALIZED` at least is needed),

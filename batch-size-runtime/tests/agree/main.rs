@@ -1,19 +1,12 @@
-//! Agreement between ranks (threads as ranks) and the Id exchange (file, TCP, token,
-//! deadlines), with ranks as threads and as child processes of this binary. One binary, a module
-//! per file.
+//! Agreement between ranks (threads as ranks) and the Id's file exchange, with ranks as threads
+//! and as child processes of this binary. One binary, a module per file.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests assert by unwrapping
 
 // The shared helpers, once for the binary; each module `use`s the ones it needs.
 #[path = "../common/exact_name.rs"]
 mod exact_name;
-#[path = "../common/free_port.rs"]
-mod free_port;
-#[path = "../common/warnings.rs"]
-mod warnings;
 
 mod agree;
 mod exchange;
-mod exchange_deadlines;
-mod exchange_token;
 mod safe_point_composes;

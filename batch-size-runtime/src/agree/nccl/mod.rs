@@ -2,12 +2,13 @@
 //! data-parallel jobs already run.
 //!
 //! ```no_run
-//! use batch_size_runtime::agree::NcclRank;
-//! use batch_size_runtime::agree::IdExchange;
+//! use batch_size_runtime::agree::{IdExchange, NcclRank};
 //! use batch_size_runtime::BatchSizeSearch;
 //!
-//! // torchrun --nproc-per-node 8 --no-python ./train (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)
-//! let exchange = IdExchange::from_env()?;
+//! // 8 processes on one machine, each started with its RANK and the job's JOB_ID.
+//! let rank: usize = std::env::var("RANK")?.parse()?;
+//! let job = std::env::var("JOB_ID")?; // a fresh path for each job
+//! let exchange = IdExchange::file(std::env::temp_dir().join(format!("nccl-id-{job}")), rank, 8);
 //! let context = cudarc::driver::CudaContext::new(exchange.local_rank())?;
 //! let rank = NcclRank::from_exchange(&exchange, context.new_stream()?)?;
 //! let batch_size = BatchSizeSearch::new(512)
@@ -19,6 +20,13 @@
 //!     })?;
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 //! ```
+//!
+//! # Sharing the Id
+//! Rank 0's Id reaches the others through a file ([`IdExchange::file`], above: one machine or a
+//! shared filesystem), through MPI (`NcclRank::from_mpi`, with the `mpi` feature, under `mpirun`
+//! or `srun`), or through any channel of the program's own (a torchrun-style launcher's store,
+//! say): [`NcclId::new`] on rank 0, its [`as_bytes`](NcclId::as_bytes) sent, and
+//! [`NcclId::from_bytes`] then [`NcclRank::new`] on every rank.
 //!
 //! # Why not cudarc's `Comm`
 //! The device side is cudarc's: the rank's context is bound to the calling thread, the values
@@ -142,7 +150,8 @@ impl From<ExchangeError> for NcclError {
 }
 
 /// The unique Id of a communicator: rank 0 creates it ([`NcclId::new`]), every rank passes
-/// the same one to [`NcclRank::new`]. [`IdExchange`] moves it between processes.
+/// the same one to [`NcclRank::new`]. [`IdExchange`], MPI or a channel of the program's own
+/// moves its bytes between processes.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct NcclId([u8; 128]);
 
