@@ -9,7 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use batch_size_runtime::{BatchSizeSearch, ChildTrial, ChildTrialError};
+use batch_size_runtime::{
+    last_report, step_done, BatchSizeSearch, ChildTrial, ChildTrialError, Outcome,
+};
 
 /// The arguments of this file's children.
 const CHILD: [&str; 3] = ["--exact", "child_entry", "--ignored"];
@@ -616,4 +618,29 @@ fn a_room_too_small_for_any_step_is_an_error_not_a_fit() {
             "{room}: {text}"
         );
     }
+}
+
+/// A function that returns `ChildTrialError` takes the search's `Grow` through `?` after the
+/// child's step, and the search finds it there: the attempt grows from the child's figures,
+/// and the caller gets a size, never the `Grow`.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_grow_goes_through_child_trial_error_to_the_search() {
+    let trial = trial("allocates").with_memory_limit(64 << 20);
+    let fitted = BatchSizeSearch::new(8).with_release(trial.memory()).run(
+        |batch_size| -> Result<usize, ChildTrialError> {
+            let ran = trial.run(batch_size)?;
+            step_done()?;
+            Ok(ran)
+        },
+    );
+    let report = last_report().unwrap();
+    let fitted = fitted.unwrap_or_else(|error| panic!("{error}: {report}"));
+    assert!(
+        report
+            .attempts()
+            .any(|attempt| matches!(attempt.outcome, Outcome::Grew { .. })),
+        "{report}"
+    );
+    assert!(fitted > 8 && fitted < 64, "{fitted}: {report}");
 }

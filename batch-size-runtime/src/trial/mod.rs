@@ -1161,6 +1161,25 @@ pub enum ChildTrialError {
     /// No size fit (what a search returns through this type).
     #[error(transparent)]
     NoSizeFits(#[from] NoExecutableBatchSize),
+    /// The search's answer to a step that left room ([`step_done`](crate::step_done)`?` in a
+    /// function returning this type, after the child's step): not a failure. The search finds
+    /// the [`Grow`](crate::Grow) in the error's chain (its source), records the attempt as
+    /// [`Outcome::Grew`](crate::Outcome::Grew) and runs the function again at the larger size;
+    /// the caller never sees it.
+    ///
+    /// ```no_run
+    /// use batch_size_runtime::{find_executable_batch_size, step_done, ChildTrial, ChildTrialError};
+    ///
+    /// #[find_executable_batch_size(starting = 8192, release = trial.memory())]
+    /// fn sized(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+    ///     let ran = trial.run(batch_size)?;
+    ///     step_done()?; // the child's step ran: its peak may grow the size
+    ///     Ok(ran)
+    /// }
+    /// # let _ = sized;
+    /// ```
+    #[error("{0}")]
+    Grew(#[from] crate::Grow),
     /// Another rank ran out of memory in this step (`safe_point(rank, ...)?` in a function
     /// returning this type): out-of-memory, so a search retries this rank's attempt with the
     /// others.
