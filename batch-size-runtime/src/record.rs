@@ -300,15 +300,33 @@ struct Totals {
 }
 
 impl Outcome {
-    /// Whether the attempt returned its value.
+    /// Whether the attempt returned its value. Not for [`Grew`](Self::Grew), whose size ran
+    /// too (its first step fit) but whose value was not kept: to ask whether a size fits, use
+    /// [`ran`](Self::ran).
     ///
     /// ```
     /// use batch_size_runtime::Outcome;
     /// assert!(Outcome::Succeeded.is_success());
     /// assert!(!Outcome::Panicked.is_success());
+    /// assert!(!Outcome::Grew { to: 128 }.is_success());
     /// ```
     pub fn is_success(&self) -> bool {
         matches!(self, Outcome::Succeeded)
+    }
+
+    /// Whether the attempt's size ran: it returned its value ([`Succeeded`](Self::Succeeded)),
+    /// or its first step ran and the search grew from it ([`Grew`](Self::Grew)). Either way
+    /// the size fits.
+    ///
+    /// ```
+    /// use batch_size_runtime::Outcome;
+    /// assert!(Outcome::Succeeded.ran());
+    /// assert!(Outcome::Grew { to: 128 }.ran());
+    /// assert!(!Outcome::OutOfMemory { error: "CUDA out of memory".into() }.ran());
+    /// assert!(!Outcome::Failed { error: "corrupt record".into() }.ran());
+    /// ```
+    pub fn ran(&self) -> bool {
+        matches!(self, Outcome::Succeeded | Outcome::Grew { .. })
     }
 
     /// Whether the attempt ran out of memory.

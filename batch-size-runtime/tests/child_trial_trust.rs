@@ -9,7 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use batch_size_runtime::{BatchSizeSearch, ChildTrial, ChildTrialError};
+use batch_size_runtime::{
+    last_report, step_done, BatchSizeSearch, ChildTrial, ChildTrialError, Outcome,
+};
 
 /// The arguments of this file's children.
 const CHILD: [&str; 3] = ["--exact", "child_entry", "--ignored"];
@@ -37,6 +39,17 @@ fn kill_this_process(signal: &str) -> ! {
 fn side_thread_panics() {
     let joined = std::thread::spawn(|| panic!("corrupt record 3 on a side thread")).join();
     assert!(joined.is_err());
+}
+
+/// How `spawns_a_thread`'s steps report a thread that could not start.
+#[derive(Clone, Copy)]
+enum Spawn {
+    /// `std::thread::Builder::spawn`'s `io::Error`, through `?`.
+    Returned,
+    /// A message that says so, as a step that formats its errors returns it.
+    Message,
+    /// `std::thread::spawn`'s panic.
+    Panics,
 }
 
 /// The files a child and its test exchange: "in the step" and "go on".
@@ -191,6 +204,57 @@ fn child_entry() {
         std::thread::sleep(Duration::from_secs(120));
         Ok(())
     });
+    // Writes 32 MiB, touched: past a room smaller than that, it cannot fit.
+    trial("writes_32_mib").serve(|_| -> Result<(), String> {
+        let written = vec![1u8; 32 << 20];
+        let read: usize = written.iter().step_by(4096).map(|&b| usize::from(b)).sum();
+        if read == 0 {
+            return Err("the step read nothing".to_owned());
+        }
+        Ok(())
+    });
+    // 1 MiB a sample, touched, then a thread for the rest of the step (its 8 MiB stack is
+    // address space too): at a size that leaves room for the data but not for the stack,
+    // the thread cannot start. Returned as `std::thread::Builder::spawn` returns it (an
+    // `io::Error`), as a message (a `String` that says so), or as `std::thread::spawn`'s panic.
+    for (name, how) in [
+        ("spawns_a_thread", Spawn::Returned),
+        ("spawns_a_thread_says_so", Spawn::Message),
+        ("spawns_a_thread_panics", Spawn::Panics),
+    ] {
+        trial(name).serve(
+            |batch_size| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+                let samples = vec![1u8; batch_size << 20];
+                let work = move || {
+                    samples
+                        .iter()
+                        .step_by(4096)
+                        .map(|&b| usize::from(b))
+                        .sum::<usize>()
+                };
+                let builder = std::thread::Builder::new().stack_size(8 << 20);
+                let read = match how {
+                    Spawn::Returned => builder.spawn(work)?.join(),
+                    Spawn::Message => builder
+                        .spawn(work)
+                        .map_err(|error| format!("failed to spawn thread: {error}"))?
+                        .join(),
+                    Spawn::Panics => std::thread::spawn(work).join(),
+                };
+                match read {
+                    Ok(0) | Err(_) => Err("the step read nothing".into()),
+                    Ok(_) => Ok(()),
+                }
+            },
+        );
+    }
+    // A step's own `io::Error`s, which are not the limit's: one that says what went wrong, and
+    // a non-blocking read's `WouldBlock` (EAGAIN) where no limit was asked for.
+    trial("own_io_error").serve(|_| -> Result<(), std::io::Error> {
+        Err(std::io::Error::other("corrupt record 17 in shard 3"))
+    });
+    trial("own_eagain")
+        .serve(|_| -> Result<(), std::io::Error> { Err(std::io::Error::from_raw_os_error(11)) });
     // Fits.
     trial("fits").serve(|_| -> Result<(), String> { Ok(()) });
     panic!("run only as a ChildTrial's child: the parent sets the trial and the size");
@@ -479,4 +543,104 @@ fn a_child_that_never_served_says_why_on_its_stderr() {
         stderr.contains("child of ChildTrial `chain`, started with --exact chain_entry --ignored"),
         "{stderr}"
     );
+}
+
+/// A limit the crate sets on the child: a thread (or a mapping) the step cannot get under it is
+/// out of memory, retried smaller, however the step reports it; without the limit, or for the
+/// step's own error, the error comes back unchanged.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_thread_that_cannot_start_under_the_limit_is_out_of_memory() {
+    const ROOM: u64 = 256 << 20;
+    for name in [
+        "spawns_a_thread",
+        "spawns_a_thread_says_so",
+        "spawns_a_thread_panics",
+    ] {
+        let trial = trial(name).with_memory_limit(ROOM);
+        assert_eq!(trial.run(100).unwrap(), 100, "{name}");
+        // 255 MiB of data leave 1 MiB: room for the data, none for a stack (8 MiB, or
+        // `std::thread::spawn`'s 2 MiB).
+        let error = trial.run(255).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                ChildTrialError::OutOfMemory {
+                    batch_size: 255,
+                    ..
+                }
+            ),
+            "{name}: not out of memory: {error:?}"
+        );
+        let fitted = BatchSizeSearch::new(255)
+            .with_release(trial.memory())
+            .run(|batch_size| trial.run(batch_size))
+            .unwrap();
+        assert!((100..255).contains(&fitted), "{name}: {fitted}");
+    }
+}
+
+/// Only the limit's refusals are out of memory: the step's own error, under the limit or not,
+/// and an EAGAIN where no limit was asked for, come back as the step's failure, unchanged.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_steps_own_errors_stay_its_own_under_the_limit() {
+    let error = trial("own_io_error")
+        .with_memory_limit(256 << 20)
+        .run(8)
+        .unwrap_err();
+    let ChildTrialError::Failed { message, .. } = &error else {
+        panic!("the step's own error became {error:?}");
+    };
+    assert_eq!(message, "corrupt record 17 in shard 3");
+    let error = trial("own_eagain").run(8).unwrap_err();
+    let ChildTrialError::Failed { message, .. } = &error else {
+        panic!("an EAGAIN without a limit became {error:?}");
+    };
+    assert_eq!(message, &std::io::Error::from_raw_os_error(11).to_string());
+}
+
+/// A room too small for any step is never a fit: 32 MiB written in a room of 0, 1 or 4096
+/// bytes is an error that names the room asked for and what the child had mapped, not a size.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_room_too_small_for_any_step_is_an_error_not_a_fit() {
+    for room in [0, 1, 4096] {
+        let outcome = trial("writes_32_mib").with_memory_limit(room).run(32);
+        let error = match outcome {
+            Ok(fitted) => panic!("a room of {room} bytes fit {fitted}"),
+            Err(error) => error,
+        };
+        let text = error.to_string();
+        assert!(
+            matches!(error, ChildTrialError::Failed { .. })
+                && text.contains(&format!("{room} bytes")),
+            "{room}: {text}"
+        );
+    }
+}
+
+/// A function that returns `ChildTrialError` takes the search's `Grow` through `?` after the
+/// child's step, and the search finds it there: the attempt grows from the child's figures,
+/// and the caller gets a size, never the `Grow`.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_grow_goes_through_child_trial_error_to_the_search() {
+    let trial = trial("allocates").with_memory_limit(64 << 20);
+    let fitted = BatchSizeSearch::new(8).with_release(trial.memory()).run(
+        |batch_size| -> Result<usize, ChildTrialError> {
+            let ran = trial.run(batch_size)?;
+            step_done()?;
+            Ok(ran)
+        },
+    );
+    let report = last_report().unwrap();
+    let fitted = fitted.unwrap_or_else(|error| panic!("{error}: {report}"));
+    assert!(
+        report
+            .attempts()
+            .any(|attempt| matches!(attempt.outcome, Outcome::Grew { .. })),
+        "{report}"
+    );
+    assert!(fitted > 8 && fitted < 64, "{fitted}: {report}");
 }

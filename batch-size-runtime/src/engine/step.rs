@@ -114,6 +114,9 @@ impl Grow {
 /// # Ok::<(), anyhow::Error>(())
 /// ```
 #[inline]
+#[must_use = "a `Grow` ends the attempt only once the function returns it (`step_done()?`): \
+              ignored, the search grows all the same, but the function runs on at this size to \
+              its end, its value is thrown away, and it runs again from the start at the larger size"]
 pub fn step_done() -> Result<(), Grow> {
     // The common call (after the first step, or outside a search) reads the thread-local and
     // two flags; the first step of a watched attempt goes on out of line.
@@ -132,7 +135,9 @@ pub fn step_done() -> Result<(), Grow> {
 
 /// The attempt running on this thread, for a step that runs on another (a rayon or
 /// `spawn_blocking` thread): `Clone + Send`, its [`step_done`](StepHandle::step_done) acts as
-/// [`step_done`] does on the attempt's own thread. Taken outside an attempt, it does nothing.
+/// [`step_done`] does on the attempt's own thread. Taken outside an attempt, it does nothing;
+/// kept past its attempt, it does nothing either (it answers for its own attempt only): take
+/// one in each attempt.
 ///
 /// ```
 /// use batch_size_runtime::{find_executable_batch_size, memory::SimulatedDevice, step_handle};
@@ -167,9 +172,18 @@ pub struct StepHandle {
 }
 
 impl StepHandle {
-    /// [`step_done`] for the attempt the handle was taken in.
+    /// [`step_done`] for the attempt the handle was taken in. Once that attempt has returned,
+    /// `Ok(())`, said once at DEBUG: a `Grow` it answered then has been acted on, and answered
+    /// again from a later attempt it would end the search as that attempt's own error.
+    #[must_use = "a `Grow` returned by this call ends the attempt only once the function returns it \
+                  (`?`): ignored, the function runs on at this size to its end, and then runs again \
+                  from the start at the larger size"]
     pub fn step_done(&self) -> Result<(), Grow> {
         match &self.watch {
+            Some(watch) if watch.has_ended() => {
+                watch.stale_handle();
+                Ok(())
+            }
             Some(watch) if watch.open() => watch.step_done(),
             Some(_) => Ok(()),
             None => {
@@ -203,6 +217,10 @@ pub(crate) struct StepWatch {
     /// The attempt's peak before a search nested in its step restarted the backend's peak (the
     /// inner search's attempts measure their own): the step's peak is the larger of the two.
     peak_before_nested: AtomicU64,
+    /// Whether the attempt has returned: a handle kept past it answers nothing.
+    ended: AtomicBool,
+    /// Whether a handle kept past the attempt was told so, at DEBUG (once an attempt).
+    told_stale: AtomicBool,
 }
 
 struct Growth {
@@ -283,7 +301,31 @@ impl StepWatch {
             measured: AtomicBool::new(false),
             grown: OnceLock::new(),
             peak_before_nested: AtomicU64::new(0),
+            ended: AtomicBool::new(false),
+            told_stale: AtomicBool::new(false),
         })
+    }
+
+    /// The attempt has returned (or its future completed or was dropped).
+    fn end(&self) {
+        self.ended.store(true, Ordering::Release);
+    }
+
+    /// Whether the attempt has returned.
+    fn has_ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    /// A handle kept past its attempt was called: says so once, at DEBUG.
+    #[cold]
+    fn stale_handle(&self) {
+        if !self.told_stale.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                batch_size = self.batch_size,
+                "StepHandle::step_done() on a handle kept past its attempt: that attempt has \
+                 returned, so the call does nothing (take a step_handle() in each attempt)"
+            );
+        }
     }
 
     /// Whether the attempt's first step was reported.
@@ -432,9 +474,23 @@ impl Drop for Installed {
     }
 }
 
-/// Runs `attempt` with `watch` in place on this thread.
+/// Marks the attempt's watch ended when dropped: once the attempt returns, unwinds or its
+/// future is dropped, handles kept from it answer nothing.
+#[derive(Debug)]
+struct EndsOnDrop(Option<Arc<StepWatch>>);
+
+impl Drop for EndsOnDrop {
+    fn drop(&mut self) {
+        if let Some(watch) = &self.0 {
+            watch.end();
+        }
+    }
+}
+
+/// Runs `attempt` with `watch` in place on this thread; the watch ends with it.
 #[inline]
 pub(crate) fn watching<R>(watch: Option<Arc<StepWatch>>, attempt: impl FnOnce() -> R) -> R {
+    let _ends = EndsOnDrop(watch.clone());
     let _installed = Installed::new(watch);
     attempt()
 }
@@ -445,12 +501,15 @@ pub(crate) fn watching<R>(watch: Option<Arc<StepWatch>>, attempt: impl FnOnce() 
 pub(crate) struct Watched<F> {
     future: Pin<Box<F>>,
     watch: Option<Arc<StepWatch>>,
+    /// Ends the watch when the future is dropped, done or not.
+    _ends: EndsOnDrop,
 }
 
 impl<F: Future> Watched<F> {
     pub(crate) fn new(future: F, watch: Option<Arc<StepWatch>>) -> Self {
         Watched {
             future: Box::pin(future),
+            _ends: EndsOnDrop(watch.clone()),
             watch,
         }
     }
@@ -462,6 +521,10 @@ impl<F: Future> Future for Watched<F> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let watch = self.watch.clone();
         let _installed = Installed::new(watch);
-        self.future.as_mut().poll(cx)
+        let polled = self.future.as_mut().poll(cx);
+        if let (Poll::Ready(_), Some(watch)) = (&polled, &self.watch) {
+            watch.end();
+        }
+        polled
     }
 }

@@ -7,6 +7,58 @@
 
 use std::io;
 
+use crate::memory::Bytes;
+
+/// The bytes this process's malloc holds free as the step starts (glibc's
+/// `mallinfo2().fordblks`, every arena's): already mapped, so an allocation served from them
+/// takes none of the room. Where a program freed much before the step (the first backtrace's
+/// debug information, 30 MiB), a room of 0 once fitted a step of 32 MiB.
+pub(crate) fn held_free() -> u64 {
+    malloc_free()
+}
+
+/// glibc's `struct mallinfo2`: ten `size_t` counters.
+#[repr(C)]
+#[derive(Clone, Copy)]
+#[allow(dead_code)] // the layout needs every field; only `fordblks` is read
+struct Mallinfo2 {
+    arena: usize,
+    ordblks: usize,
+    smblks: usize,
+    hblks: usize,
+    hblkhd: usize,
+    usmblks: usize,
+    fsmblks: usize,
+    uordblks: usize,
+    fordblks: usize,
+    keepcost: usize,
+}
+
+/// The bytes glibc's malloc holds free in its heaps, where the process has `mallinfo2` (glibc
+/// 2.33 and later); 0 elsewhere.
+fn malloc_free() -> u64 {
+    #[cfg(unix)]
+    {
+        type Mallinfo2Fn = unsafe extern "C" fn() -> Mallinfo2;
+        let this = libloading::os::unix::Library::this();
+        // SAFETY: the symbol, where present, is glibc's `struct mallinfo2 mallinfo2(void)`,
+        // which matches `Mallinfo2Fn`; libc is never unloaded from a running process.
+        let Some(mallinfo2) = (unsafe { this.get::<Mallinfo2Fn>(b"mallinfo2\0") })
+            .ok()
+            .map(|symbol| *symbol)
+        else {
+            return 0;
+        };
+        // SAFETY: it takes nothing and returns the counters by value.
+        let info = unsafe { mallinfo2() };
+        u64::try_from(info.fordblks).unwrap_or(u64::MAX)
+    }
+    #[cfg(not(unix))]
+    {
+        0
+    }
+}
+
 /// The address-space limit as it was before [`leave_room`], to give back once the step has
 /// returned: the child's report must not fail for want of the room the step used.
 #[derive(Debug)]
@@ -28,7 +80,25 @@ impl Before {
 /// Limits this process's address space to `virtual_size + room` bytes (its soft limit; the
 /// hard one stays, so the step may still lower it). An existing soft limit that is tighter
 /// stays: the step never gets more than the program was given. `None` where nothing changed.
+///
+/// A room no larger than what malloc already holds free ([`held_free`]) is refused, naming
+/// both figures and what the process maps: the step would take that much without the address
+/// space growing, so the limit could not hold it to a room that small.
 pub(crate) fn leave_room(virtual_size: u64, room: u64) -> io::Result<Option<Before>> {
+    let free = held_free();
+    if room <= free {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a room of {room} bytes is no more than the {free} bytes ({}) the child's malloc \
+                 already holds free as the step starts, within the {virtual_size} bytes ({}) it \
+                 maps then: the step would take those without the limit seeing it, so no room \
+                 that small can be held to; ask for more than {free} bytes",
+                Bytes(free),
+                Bytes(virtual_size)
+            ),
+        ));
+    }
     let wanted = virtual_size.saturating_add(room);
     let (soft, hard) = rlimit::address_space()?;
     if let Some(soft) = soft.filter(|&soft| soft <= wanted) {

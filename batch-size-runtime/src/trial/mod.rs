@@ -13,6 +13,7 @@ mod abort;
 mod files;
 mod limit;
 mod process;
+mod refused;
 mod report;
 
 use std::ffi::OsString;
@@ -230,6 +231,18 @@ impl ChildTrial {
     /// reserved by threads that allocate) count too, so leave room for them. A tighter limit the program already has stays. Linux only:
     /// elsewhere the child reports the trial failed, saying so.
     ///
+    /// What the child has mapped already is not the step's room, but what its malloc holds free
+    /// there is: an allocation served from it takes none of the room. So a room no larger than
+    /// what malloc holds free as the step starts (`with_memory_limit(0)`, or 4096 bytes after
+    /// the program freed 30 MiB) cannot be held to, and is an error, not a fit:
+    /// [`ChildTrialError::Failed`] naming the room asked for, what malloc held free and what the
+    /// child mapped. Above it, small allocations may still come from that free heap and from
+    /// the reserved tails of glibc's arenas on top of the room; large ones (a batch's tensors)
+    /// are mapped afresh and count.
+    ///
+    /// Under the limit, a thread or a mapping the step cannot get is out of memory too (see
+    /// [`serve`](Self::serve)).
+    ///
     /// # Default
     /// No limit: the machine's memory, a container's or `ulimit -v`'s.
     ///
@@ -288,7 +301,15 @@ impl ChildTrial {
     /// An error is judged by its text (`{:#}`, the whole chain of an `anyhow::Error`) with
     /// [`oom::classify_text`], a panic by its payload; either comes back to the parent whole.
     /// Whatever the trial prints is passed through and never judged.
-    pub fn serve<E: fmt::Display>(&self, trial: impl FnOnce(usize) -> Result<(), E>) {
+    ///
+    /// Under [`with_memory_limit`](Self::with_memory_limit), what the step could not get under
+    /// that limit is out of memory too, retried smaller: a thread whose stack did not fit
+    /// (`std::thread::Builder::spawn`'s EAGAIN, `std::thread::spawn`'s "failed to spawn
+    /// thread" panic) or a mapping refused (ENOMEM, [`std::io::ErrorKind::OutOfMemory`]).
+    /// They are read by type in an `io::Error`, a boxed error or an `anyhow::Error` and its
+    /// chain, and by std's "failed to spawn thread" in any error's text. Without the limit
+    /// they are the step's own errors, as any other error is.
+    pub fn serve<E: fmt::Display + 'static>(&self, trial: impl FnOnce(usize) -> Result<(), E>) {
         let Some(asked) = self.asked() else {
             return;
         };
@@ -372,6 +393,8 @@ impl ChildTrial {
                 }
             }
         }
+        // Only where the crate's own limit binds is a refused thread or mapping the room's.
+        let under_the_limit = limited.is_some();
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
         report.used = report
             .start_own
@@ -385,15 +408,19 @@ impl ChildTrial {
             Ok(Ok(())) => Ended::Fit,
             Ok(Err(error)) => {
                 let message = format!("{error:#}");
+                let refused = || under_the_limit && refused::error_refused(&error, &message);
                 match oom::classify_text(&message) {
                     Some(_) => out_of_memory(message, report.used),
+                    None if refused() => out_of_memory(message, report.used),
                     None => Ended::Failed { message },
                 }
             }
             Err(payload) => {
                 let message = panic_text(&*payload);
+                let refused = || under_the_limit && refused::panic_refused(&*payload, &message);
                 match oom::classify_panic(&*payload) {
                     Some(_) => out_of_memory(message, report.used),
+                    None if refused() => out_of_memory(message, report.used),
                     None => Ended::Failed { message },
                 }
             }
@@ -1134,6 +1161,25 @@ pub enum ChildTrialError {
     /// No size fit (what a search returns through this type).
     #[error(transparent)]
     NoSizeFits(#[from] NoExecutableBatchSize),
+    /// The search's answer to a step that left room ([`step_done`](crate::step_done)`?` in a
+    /// function returning this type, after the child's step): not a failure. The search finds
+    /// the [`Grow`](crate::Grow) in the error's chain (its source), records the attempt as
+    /// [`Outcome::Grew`](crate::Outcome::Grew) and runs the function again at the larger size;
+    /// the caller never sees it.
+    ///
+    /// ```no_run
+    /// use batch_size_runtime::{find_executable_batch_size, step_done, ChildTrial, ChildTrialError};
+    ///
+    /// #[find_executable_batch_size(starting = 8192, release = trial.memory())]
+    /// fn sized(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
+    ///     let ran = trial.run(batch_size)?;
+    ///     step_done()?; // the child's step ran: its peak may grow the size
+    ///     Ok(ran)
+    /// }
+    /// # let _ = sized;
+    /// ```
+    #[error("{0}")]
+    Grew(#[from] crate::Grow),
     /// Another rank ran out of memory in this step (`safe_point(rank, ...)?` in a function
     /// returning this type): out-of-memory, so a search retries this rank's attempt with the
     /// others.

@@ -275,3 +275,26 @@ fn a_grow_no_search_asked_for_is_an_error() {
         "{report}"
     );
 }
+
+/// A handle kept past its attempt answers for that attempt only: called in the next attempt,
+/// it says nothing (the growth it once answered has happened), so the search goes on and no
+/// stale `Grow` reaches the caller as the search's error.
+#[test]
+fn a_handle_kept_past_its_attempt_does_not_answer_for_the_next() {
+    let device = device();
+    let mut kept: Option<batch_size_runtime::StepHandle> = None;
+    let fitted = BatchSizeSearch::new(64).with_release(device.clone()).run(
+        |batch_size| -> anyhow::Result<usize> {
+            let stale = kept.replace(step_handle());
+            step(&device, batch_size)?;
+            if let Some(stale) = stale {
+                stale.step_done()?;
+            }
+            step_done()?;
+            Ok(batch_size)
+        },
+    );
+    let report = last_report().unwrap();
+    let fitted = fitted.unwrap_or_else(|error| panic!("{error}: {report}"));
+    assert!(fitted > 64 && grew(&report) >= 1, "{fitted}: {report}");
+}
