@@ -146,6 +146,7 @@ fn print_attempts() {
         };
         // The allocation that did not fit.
         let asked = attempt
+            .figures
             .requested
             .map_or_else(String::new, |bytes| Bytes(bytes).to_string());
         println!(

@@ -178,7 +178,7 @@ mod linux {
             .attempts()
             .filter(|attempt| !attempt.outcome.is_success())
         {
-            assert!(attempt.requested.is_some(), "{attempt:?}");
+            assert!(attempt.figures.requested.is_some(), "{attempt:?}");
         }
     }
 }

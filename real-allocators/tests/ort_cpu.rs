@@ -117,7 +117,7 @@ fn memory_back(failed: &Attempt) {
         "reserved before {start:?}, after the release {after:?}"
     );
     assert!(
-        failed.requested.is_some_and(|bytes| bytes > 0),
+        failed.figures.requested.is_some_and(|bytes| bytes > 0),
         "{failed:?}"
     );
     println!(

@@ -77,7 +77,8 @@ impl Grow {
 /// It answers `Ok(())` outside a search, after the first step of an attempt (a thread-local
 /// read and two flags: a few nanoseconds), on a thread the attempt did not start (take a
 /// [`step_handle`] there), during an unwind (a step guard's `Drop`), without the release's
-/// figures (a release that reads none, a backend without a peak), under an agreement between
+/// figures and no failure above to bisect toward (with one, it guesses halfway to it, and says
+/// so at INFO), under an agreement between
 /// ranks (each rank would grow on its own), with a policy that does not grow (only the default,
 /// `Guided`, does), in a loop of your own around [`Search`](crate::Search), and in
 /// `EffectiveBatch` and `Chunked`, which learn from their steps without it. Where a search runs

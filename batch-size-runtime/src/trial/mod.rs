@@ -1075,10 +1075,7 @@ pub enum ChildTrialError {
         out_of_memory: OutOfMemory,
     },
     /// The child's trial returned or panicked with an out-of-memory.
-    #[error(
-        "the trial's child process at batch size {batch_size} ran out of memory{}: {message}",
-        FiguresFirst(figures)
-    )]
+    #[error("the trial's child process at batch size {batch_size} ran out of memory: {message}")]
     OutOfMemory {
         /// The size the child ran.
         batch_size: usize,
@@ -1204,19 +1201,5 @@ impl fmt::Display for RanBeforeServing<'_> {
                  rather than start a child of its own"
             ),
         }
-    }
-}
-
-/// The figures of an out-of-memory first in its text, ` (out of device memory on cpu: tried
-/// to allocate ... with ... free of ...)`, so that a search reads them before any words of the
-/// message; nothing where there are none.
-struct FiguresFirst<'a>(&'a OutOfMemory);
-
-impl fmt::Display for FiguresFirst<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0 == &OutOfMemory::new() {
-            return Ok(());
-        }
-        write!(f, " ({})", self.0)
     }
 }

@@ -34,7 +34,7 @@ fn main() -> anyhow::Result<()> {
                 } else {
                     "out of memory"
                 },
-                attempt.requested,
+                attempt.figures.requested,
                 attempt
                     .memory_at_end
                     .as_ref()

@@ -32,7 +32,7 @@ fn limited_model() -> Mlp {
 fn check_failures(report: &SearchReport) {
     harness::check_failures(report, |failed: &Attempt| {
         assert!(
-            failed.requested.is_some_and(|bytes| bytes > 0),
+            failed.figures.requested.is_some_and(|bytes| bytes > 0),
             "{failed:?}"
         );
         let start = failed.memory_at_start.as_ref().unwrap();
