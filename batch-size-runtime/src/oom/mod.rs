@@ -187,9 +187,9 @@ const OUT_OF_DEVICE_MEMORY_FIGURES: &[FigureAt] = &[
 /// (or in a panic's message).
 ///
 /// Each entry also says where a message of its kind states its figures (bytes requested, free,
-/// total): [`figures`] reads them, for [`OomMatch::requested`] and for the guided policy's
-/// [`Evidence`](crate::policy::Evidence). One table, so that every message whose figures are
-/// read is one recognised as out-of-memory.
+/// total): [`figures`] reads them, into [`OomMatch::figures`] and so into each attempt's
+/// [`Figures`]. One table, so that every message whose figures are read is one recognised as
+/// out-of-memory.
 ///
 /// ```
 /// use batch_size_runtime::oom::{self, OOM_PATTERNS};
