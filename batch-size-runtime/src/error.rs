@@ -130,6 +130,15 @@ pub enum StopReason {
         /// What failed between the ranks.
         error: String,
     },
+    /// Items of different cost ([`BatchCost`](crate::BatchCost)): the costliest item ran out of
+    /// memory alone, in a micro-batch of its own, so no budget runs the step. Shorten or split
+    /// that item, or need less memory per unit of cost (a remedy).
+    ItemDoesNotFit {
+        /// The item, its index in the work the runner was given.
+        item: usize,
+        /// Its cost alone, in the runner's unit.
+        cost: u64,
+    },
     /// No size fit, even with every remedy the search was allowed ([`Remedies`](crate::remedies::Remedies))
     /// applied in turn.
     NoRemedyLeft {
@@ -201,6 +210,10 @@ impl fmt::Display for StopReason {
                 f,
                 "the trial's memory does not grow with the batch size: does it run a step at the size it is given? (a peak of {} at {larger}, no more than at {smaller}.) Check that the trial builds its batch from the size it is given and runs at least one forward and backward pass, and that the release backend reads the device the trial runs on",
                 Bytes(*peak)
+            ),
+            StopReason::ItemDoesNotFit { item, cost } => write!(
+                f,
+                "item {item} ran out of memory alone (its cost: {cost}): no micro-batch is smaller; shorten or split it, or need less memory per unit of cost"
             ),
             StopReason::NoRemedyLeft { last, applied } if applied.is_empty() => write!(
                 f,

@@ -302,5 +302,6 @@ pub use record::{last_report, Attempt, Figures, Outcome, SearchReport};
 pub use runners::chunked::{ChunkError, ChunkProgress, ChunkRecord, Chunked};
 pub use runners::effective::{BatchPlan, EffectiveBatch, MicroBatch, Recovery};
 pub use runners::search::BatchSizeSearch;
+pub use runners::split::BatchCost;
 pub use runners::tuner::{Choice, Tuned, Tuner};
 pub use trial::{ChildTrial, ChildTrialError};

@@ -927,6 +927,7 @@ impl Search<'_> {
                     | StopReason::BelowMinimum { .. }
                     | StopReason::NotSmaller { .. }
                     | StopReason::FixedMemoryDoesNotFit { .. }
+                    | StopReason::ItemDoesNotFit { .. }
             )
         );
         if !remediable {

@@ -33,6 +33,13 @@ pub(crate) enum Invalid {
     FewerSamplesThanRanks { effective: usize, ranks: usize },
     /// Remedies and an agreement between ranks on one search.
     RemediesWithAgreement,
+    /// A step by cost with an item of cost 0 (its index), or with no items.
+    ItemCostIsZero(usize),
+    /// A step by cost with no items.
+    NoItems,
+    /// Steps by count and by cost on one `EffectiveBatch` (their sizes are in other units), or
+    /// a step by cost with uneven shares.
+    MixedUnits,
     /// The tuner's `with_headroom` outside [0, 1).
     Headroom(f64),
     /// The tuner's `with_tolerance` outside [0, 1).
@@ -61,6 +68,15 @@ impl std::fmt::Display for Invalid {
                 f,
                 "uneven shares need a global batch of at least one sample a rank: `effective` \
                  is {effective} for {ranks} ranks"
+            ),
+            Invalid::ItemCostIsZero(item) => write!(
+                f,
+                "item {item} has a cost of 0: give every item its cost (its length, at least 1)"
+            ),
+            Invalid::NoItems => f.write_str("a step by cost needs at least one item, got none"),
+            Invalid::MixedUnits => f.write_str(
+                "one `EffectiveBatch` steps either by count (`step`) or by cost (`step_by_cost`), \
+                 not both, and a step by cost takes no uneven shares: use one runner for each",
             ),
             Invalid::RemediesWithAgreement => f.write_str(
                 "remedies are not agreed between ranks yet: use remedies on one rank, or no \

@@ -16,4 +16,5 @@ pub mod chunked;
 pub mod effective;
 pub(crate) mod learn;
 pub mod search;
+pub(crate) mod split;
 pub mod tuner;

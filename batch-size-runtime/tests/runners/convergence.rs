@@ -179,7 +179,7 @@ fn uneven_shares_keep_the_size_that_fitted_when_they_move() {
                                     std::sync::atomic::Ordering::SeqCst,
                                 );
                             }
-                            Ok(*plan)
+                            Ok(plan.clone())
                         })
                         .unwrap();
                     seen.lock()

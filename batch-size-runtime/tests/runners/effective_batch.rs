@@ -101,7 +101,7 @@ fn train(
                 calls[step] += 1;
                 let plan = match fixed_micro {
                     Some(micro) => BatchPlan::new(effective, micro(step)),
-                    None => *plan,
+                    None => plan.clone(),
                 };
                 // Each micro-batch's activations live while it runs.
                 for micro in plan.micro_batches() {

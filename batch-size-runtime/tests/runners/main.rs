@@ -9,9 +9,14 @@
 mod bisect;
 #[path = "../common/block_on.rs"]
 mod block_on;
+#[path = "../common/lengths.rs"]
+mod lengths;
+#[path = "../common/temp_folder.rs"]
+mod temp_folder;
 #[path = "../common/training.rs"]
 mod training;
 
+mod by_cost;
 mod chunked;
 mod convergence;
 mod effective_batch;

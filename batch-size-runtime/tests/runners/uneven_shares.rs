@@ -310,7 +310,7 @@ fn an_out_of_memory_on_one_rank_mid_training_is_recovered_in_place() {
 fn without_an_agreement_one_rank_holds_the_whole_batch() {
     let mut runner = EffectiveBatch::new(100).with_uneven_shares().with_micro(40);
     let plan = runner
-        .step(|plan| -> anyhow::Result<BatchPlan> { Ok(*plan) })
+        .step(|plan| -> anyhow::Result<BatchPlan> { Ok(plan.clone()) })
         .unwrap();
     assert_eq!(plan.share(), 0..100);
     assert_eq!((plan.micro(), plan.accumulation()), (34, 3)); // 34 + 33 + 33

@@ -14,17 +14,18 @@ use crate::policy::CacheSlot;
 use crate::record::SearchReport;
 use crate::remedies::Remedies;
 use crate::runners::learn::GrowBack;
-use crate::runners::learn::{even_micro, Convergence, Probing};
+use crate::runners::learn::{Convergence, Probing};
 use crate::runners::search::BatchSizeSearch;
+use crate::runners::split::{BatchCost, Packing, Split};
 
-// One concept a file: the division of a step (the plan), even micro-batches, and the shares of
-// one global batch between ranks; the runner here.
-mod even_split;
+// One concept a file: the division of a step (the plan), the size that really runs, and the
+// shares of one global batch between ranks; the runner here.
 mod plan;
+mod real_sizes;
 mod shares;
 
-use even_split::EvenSplit;
 pub use plan::{BatchPlan, MicroBatch};
+use real_sizes::RealSizes;
 use shares::Shares;
 
 /// A step that needed a smaller micro-batch, and the sizes it tried.
@@ -115,6 +116,13 @@ pub struct EffectiveBatch<'r> {
     last_plan: Option<BatchPlan>,
     /// The micro size the search starts again from after a remedy (the first step's).
     first_micro: usize,
+    /// How a batch of items costs, for steps by cost.
+    batch_cost: BatchCost,
+    /// Whether the steps so far ran by cost (`None` before the first): the sizes kept are in
+    /// that unit.
+    by_cost: Option<bool>,
+    /// `with_micro` set the first size (by cost: the first budget; without, all the items).
+    micro_given: bool,
 }
 
 settings_setters!(
@@ -155,6 +163,9 @@ impl<'r> EffectiveBatch<'r> {
             shares: None,
             last_plan: None,
             first_micro: effective,
+            batch_cost: BatchCost::padded(),
+            by_cost: None,
+            micro_given: false,
         }
     }
 
@@ -165,6 +176,7 @@ impl<'r> EffectiveBatch<'r> {
     /// assert_eq!(EffectiveBatch::new(256).with_micro(32).plan().accumulation(), 8);
     /// ```
     pub fn with_micro(mut self, starting: usize) -> Self {
+        self.micro_given = true;
         self.micro = starting;
         self.next_micro = starting;
         self.first_micro = starting;
@@ -360,14 +372,18 @@ impl<'r> EffectiveBatch<'r> {
     /// Sets up before the first step: learning, growing back, the micro size a cached run chose.
     fn start(&mut self) {
         self.started = true;
-        self.grow = GrowBack::new(self.settings.grow_after, self.effective);
+        // By cost, the budget may grow past any count of samples.
+        let by_cost = self.by_cost == Some(true);
+        let cap = if by_cost { usize::MAX } else { self.effective };
+        self.grow = GrowBack::new(self.settings.grow_after, cap);
         self.convergence = Convergence::new(self.settings.learn);
-        let what = format!("effective {}", self.effective);
+        let unit = if by_cost { " by cost" } else { "" };
+        let what = format!("effective {}{unit}", self.effective);
         if let Some(cache) = self.settings.open_cache("effective_batch", &what) {
             if let Some(fits) = cache.fits() {
                 // Never above the batch; below `min` only where the batch is: the step's
                 // search then says `min` is out of reach, as it does without an entry.
-                let fits = fits.max(self.settings.min).min(self.effective.max(1));
+                let fits = fits.max(self.settings.min).min(cap.max(1));
                 self.micro = fits;
                 self.next_micro = fits;
             }
@@ -379,22 +395,23 @@ impl<'r> EffectiveBatch<'r> {
         }
     }
 
-    /// The search of one step over this rank's share of `length` samples.
-    fn search(&mut self, length: usize) -> BatchSizeSearch<'_> {
+    /// The search of one step over `split`: this rank's share of samples, or items by cost.
+    fn search(&mut self, split: Split) -> BatchSizeSearch<'_> {
         if !self.started {
             self.start();
         }
-        // The size that fitted is kept whatever the share: a new share is split into the
-        // fewest passes of at most that size, never into a split of the last split.
+        // The size that fitted is kept whatever the share (or the items): new work is divided
+        // into the fewest passes of at most that size, never into a division of the last one.
+        let whole = split.whole();
         let kept = self
             .next_micro
             .max(self.convergence.fitted().unwrap_or(0))
-            .min(length)
+            .min(split.whole())
             .max(1);
-        let kept = even_micro(length, kept);
+        let kept = split.realize(kept);
         // With figures, a step that needs fewer passes starts there (a growth attempt, then the
         // size kept if it runs out); where the size kept no longer fits, below it.
-        let (start, fallback) = self.convergence.start(length, kept);
+        let (start, fallback) = self.convergence.start(&split, kept);
         let probe = fallback.map(|fitted| (start, fitted));
         self.probing = probe.map(|(start, _)| start);
         // A first micro size of 0 is refused as every runner refuses a first size of 0.
@@ -419,15 +436,16 @@ impl<'r> EffectiveBatch<'r> {
         // settings or in its policy).
         if let Some(remedies) = &self.settings.remedies {
             search.settings.remedies = Some(Arc::clone(remedies));
-            search.settings.restart_after_remedy = Some(self.first_micro.min(length).max(1));
+            search.settings.restart_after_remedy = Some(self.first_micro.min(whole).max(1));
         }
-        // The engine tries what runs: the even split of each proposal.
+        let min = self.settings.min;
+        // The engine tries what runs: the even split, or the packing, of each proposal.
         let probing = Probing::new(
             self.settings.shrink.borrowed(),
             probe,
             self.convergence.is_enabled(),
         );
-        let sizes = EvenSplit::new(probing, length, self.settings.min);
+        let sizes = RealSizes::new(probing, split, min);
         match &self.settings.agreement {
             // Each rank its own micro size; an out-of-memory anywhere redoes the step everywhere.
             Some(collective) if self.uneven => {
@@ -440,19 +458,21 @@ impl<'r> EffectiveBatch<'r> {
         }
     }
 
-    /// Learns from the step's attempts under the settings in force at its end.
-    fn learn(&mut self, report: &SearchReport) {
+    /// Learns from the step's attempts under the settings in force at its end: memory against
+    /// what the costliest micro-batch of each cost (`split`).
+    fn learn(&mut self, report: &SearchReport, split: &Split) {
         if report.remedies_changed() {
             self.convergence.forget();
         }
         for attempt in report.under_final_remedies() {
-            self.convergence.learn(attempt, attempt.batch_size);
+            self.convergence
+                .learn(attempt, split.peak(attempt.batch_size));
         }
         self.convergence.advance();
     }
 
     /// Records how a step's search went.
-    fn account(&mut self, report: SearchReport) {
+    fn account(&mut self, report: SearchReport, split: &Split) {
         let step = self.steps;
         // More than one attempt: the sizes before the last ran out here or on another rank,
         // and growing back stays below them.
@@ -509,7 +529,7 @@ impl<'r> EffectiveBatch<'r> {
             }
             self.recoveries.push(Recovery { step, tried });
         }
-        self.learn(&report);
+        self.learn(&report, split);
         if let Some(micro) = report.batch_size() {
             if let Some(cache) = &mut self.cache {
                 cache.remember(micro, self.grow.smallest_failed());
@@ -567,12 +587,97 @@ impl<'r> EffectiveBatch<'r> {
     /// assert_eq!(runner.micro(), 4);
     /// # Ok::<(), TrainError>(())
     /// ```
-    pub fn step<T, E, M, F>(&mut self, mut body: F) -> Result<T, E>
+    pub fn step<T, E, M, F>(&mut self, body: F) -> Result<T, E>
     where
         F: FnMut(&BatchPlan) -> Result<T, E>,
         E: AttemptError<M>,
     {
         self.settings.name_the_work(&body);
+        self.run_step(None, body)
+    }
+
+    /// Runs one optimizer step over items of different cost (`costs[i]`: item `i`'s length in
+    /// tokens, say), as [`step`](Self::step) runs one over samples: the step's items are grouped
+    /// by cost (the costliest first, so that padding stays small) and packed into the fewest
+    /// micro-batches whose padded cost ([`with_batch_cost`](Self::with_batch_cost); by default
+    /// items × the longest) stays within a budget of cost. The budget is what the search finds
+    /// and the runner keeps and learns from step to step, as it keeps the micro size by count:
+    /// a step whose items are longer makes more micro-batches of the same cost, not an
+    /// out-of-memory, and one that runs out all the same is redone in place at a smaller
+    /// budget, the budget learned from it.
+    ///
+    /// Each [`MicroBatch`] holds its `items` (indices into `costs`), its padded `cost`, and its
+    /// `weight`: its items' cost over the step's, so that a token-mean loss accumulated as
+    /// `Σ weight × micro-batch's token-mean` is exactly the whole batch's token-mean, whatever
+    /// the division ([`BatchCost::weighted_by_samples`] for a sample-mean loss).
+    ///
+    /// `costs` may differ in length from step to step (the plan's `effective()` is its length);
+    /// an item of cost 0, no items, or a runner that also ran [`step`](Self::step) stop with
+    /// [`StopReason::InvalidConfiguration`]. An item that runs out of memory alone stops with
+    /// [`StopReason::ItemDoesNotFit`], naming it; the steps before it are kept.
+    ///
+    /// ```
+    /// use batch_size_runtime::{EffectiveBatch, memory::SimulatedDevice};
+    ///
+    /// let device = SimulatedDevice::new(4_096); // holds 4,096 padded tokens at once
+    /// let mut runner = EffectiveBatch::new(8).with_release(device.clone());
+    /// let lengths = [100u64, 900, 120, 80, 1_000, 95, 110, 105];
+    /// let loss = runner.step_by_cost(&lengths, |plan| -> anyhow::Result<f64> {
+    ///     let mut loss = 0.0;
+    ///     for micro in plan.micro_batches() {
+    ///         let longest = micro.items.iter().map(|&i| lengths[i]).max().unwrap_or(0);
+    ///         let _activations = device.alloc(micro.items.len() as u64 * longest)?;
+    ///         loss += micro.weight * 2.0; // the micro-batch's token-mean loss, by its weight
+    ///     }
+    ///     Ok(loss)
+    /// })?;
+    /// assert!((loss - 2.0).abs() < 1e-12); // the whole batch's token-mean
+    /// // The two long sequences together, the six short ones together: two passes.
+    /// assert_eq!(runner.plan_of(&lengths).accumulation(), 2);
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
+    pub fn step_by_cost<T, E, M, F>(&mut self, costs: &[u64], body: F) -> Result<T, E>
+    where
+        F: FnMut(&BatchPlan) -> Result<T, E>,
+        E: AttemptError<M>,
+    {
+        self.settings.name_the_work(&body);
+        self.run_step(Some(costs), body)
+    }
+
+    /// How a batch of items costs in [`step_by_cost`](Self::step_by_cost): by default
+    /// [`BatchCost::padded()`] (items × the longest, weights by cost).
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchCost, EffectiveBatch};
+    /// let runner = EffectiveBatch::new(64).with_batch_cost(BatchCost::padded().with_square_term(1024));
+    /// # let _ = runner;
+    /// ```
+    pub fn with_batch_cost(mut self, cost: BatchCost) -> Self {
+        self.batch_cost = cost;
+        self
+    }
+
+    /// The plan the next [`step_by_cost`](Self::step_by_cost) over `costs` will try first
+    /// without figures: the items packed at the budget in use.
+    ///
+    /// ```
+    /// # use batch_size_runtime::EffectiveBatch;
+    /// let plan = EffectiveBatch::new(4).with_micro(200).plan_of(&[100, 100, 50, 50]);
+    /// assert_eq!(plan.accumulation(), 2);
+    /// ```
+    pub fn plan_of(&self, costs: &[u64]) -> BatchPlan {
+        let packing = Packing::new(costs.iter().copied().collect(), self.batch_cost);
+        let split = Split::ByCost(Arc::new(packing.clone()));
+        BatchPlan::by_cost(&packing, split.realize(self.micro.max(1)))
+    }
+
+    /// One step, by count (`costs` is `None`) or by cost.
+    fn run_step<T, E, M, F>(&mut self, costs: Option<&[u64]>, mut body: F) -> Result<T, E>
+    where
+        F: FnMut(&BatchPlan) -> Result<T, E>,
+        E: AttemptError<M>,
+    {
         let effective = self.effective;
         if self.uneven && self.shares.is_none() {
             let (rank, world) = self
@@ -590,11 +695,44 @@ impl<'r> EffectiveBatch<'r> {
             );
         }
         let share = self.share();
+        let by_cost = costs.map(|costs| {
+            Arc::new(Packing::new(
+                costs.iter().copied().collect(),
+                self.batch_cost,
+            ))
+        });
+        let split = match &by_cost {
+            None => Split::Even(share.len()),
+            Some(packing) => Split::ByCost(Arc::clone(packing)),
+        };
+        let unit_changed = self.by_cost.replace(by_cost.is_some()) == Some(by_cost.is_none());
+        if by_cost.is_some() && self.steps == 0 && !self.micro_given && self.cache.is_none() {
+            // The first step by cost tries all its items at once, as a step by count does.
+            self.next_micro = usize::MAX;
+            self.first_micro = usize::MAX;
+        }
+        let invalid = match costs {
+            _ if unit_changed || (by_cost.is_some() && self.uneven) => Some(Invalid::MixedUnits),
+            Some([]) => Some(Invalid::NoItems),
+            Some(costs) => costs
+                .iter()
+                .position(|&cost| cost == 0)
+                .map(Invalid::ItemCostIsZero),
+            None => None,
+        };
+        let plan_at = |size: usize| match &by_cost {
+            None => BatchPlan::for_share(effective, share.clone(), size),
+            Some(packing) => BatchPlan::by_cost(packing, size),
+        };
         // Only a step whose shares follow speed is timed: the plain path reads no clock.
         let mut shares = self.shares.take();
         let mut elapsed = None;
-        let (result, report) = self.search(share.len()).run_reporting(|micro| {
-            let plan = BatchPlan::for_share(effective, share.clone(), micro);
+        let mut search = self.search(split.clone());
+        if let Some(invalid) = invalid {
+            search.invalidate(invalid);
+        }
+        let (result, report) = search.run_reporting(|micro| {
+            let plan = plan_at(micro);
             let Some(shares) = shares.as_mut() else {
                 return body(&plan);
             };
@@ -608,9 +746,9 @@ impl<'r> EffectiveBatch<'r> {
         self.shares = shares;
         // The public edge: the step's report goes to `last_report()` too, as every runner's.
         crate::record::store_last_report(report.clone());
-        self.account(report);
+        self.account(report, &split);
         let value = result?;
-        self.last_plan = Some(BatchPlan::for_share(effective, share, self.micro));
+        self.last_plan = Some(plan_at(self.micro));
         if let Err(error) = self.rebalance(elapsed) {
             // The step ran; the next cannot: its own error, saying so (not "no size fits").
             let report = self.last_report.clone();
@@ -685,7 +823,7 @@ impl<'r> EffectiveBatch<'r> {
         E: AttemptError<M>,
     {
         let accumulated = self.step(accumulate)?;
-        let plan = self.last_plan.unwrap_or_else(|| self.plan());
+        let plan = self.last_plan.clone().unwrap_or_else(|| self.plan());
         apply(&plan, accumulated)
     }
 }

@@ -2,8 +2,9 @@
 //! micro-batches it runs that share in.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use super::even_split::even_micro;
+use crate::runners::split::{even_micro, Packing};
 
 /// How one optimizer step's `effective` samples are divided: this rank's share of them (all of
 /// them, unless the ranks split one global batch with
@@ -38,7 +39,7 @@ use super::even_split::even_micro;
 /// let weights: f64 = plan.micro_batches().map(|micro| micro.weight).sum();
 /// assert!((weights - 1.0).abs() < 1e-12);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BatchPlan {
     effective: usize,
     share_start: usize,
@@ -46,6 +47,17 @@ pub struct BatchPlan {
     /// The largest micro-batch.
     micro: usize,
     passes: usize,
+    /// Items of different cost, grouped by cost and packed to a budget
+    /// ([`EffectiveBatch::step_by_cost`](crate::EffectiveBatch::step_by_cost)).
+    packed: Option<Arc<Packed>>,
+}
+
+/// The micro-batches of a plan by cost: each one's items, its padded cost and its weight.
+#[derive(Debug, PartialEq)]
+struct Packed {
+    micro_batches: Vec<(Vec<usize>, u64, f64)>,
+    /// The budget the micro-batches were packed to (the costliest one's cost).
+    budget: usize,
 }
 
 /// One micro-batch of a [`BatchPlan`].
@@ -55,9 +67,17 @@ pub struct MicroBatch {
     /// Its position in the step, from 0.
     pub index: usize,
     /// The samples of the batch it holds (indices into the whole batch, within this rank's
-    /// share).
+    /// share). Empty in a plan by cost, whose micro-batches are not contiguous: use `items`.
     pub range: Range<usize>,
-    /// Its length over the whole batch (`effective`): the factor of its mean loss.
+    /// The samples it holds: `range`'s, or in a plan by cost the items grouped with it (the
+    /// costliest first), indices into the step's items.
+    pub items: Vec<usize>,
+    /// What it costs: its samples, or in a plan by cost its padded cost
+    /// ([`BatchCost::of`](crate::BatchCost::of)).
+    pub cost: u64,
+    /// The factor of its mean loss: its samples over the whole batch's (`effective`), or in a
+    /// plan by cost its items' cost over the step's (a token-mean loss), unless the
+    /// [`BatchCost`](crate::BatchCost) weighs by samples.
     pub weight: f64,
 }
 
@@ -103,7 +123,63 @@ impl BatchPlan {
                 even_micro(length, asked)
             },
             passes,
+            packed: None,
         }
+    }
+
+    /// The plan of one step over items of different cost, packed at `budget` (after
+    /// [`Split::realize`](crate::runners::split::Split::realize)).
+    pub(crate) fn by_cost(packing: &Packing, budget: usize) -> Self {
+        let costs = packing.costs();
+        let shape = packing.shape();
+        let total: u64 = costs
+            .iter()
+            .fold(0u64, |sum, &cost| sum.saturating_add(cost));
+        let items = costs.len();
+        let micro_batches: Vec<(Vec<usize>, u64, f64)> = packing
+            .micro_batches(budget as u64)
+            .into_iter()
+            .map(|(group, cost)| {
+                let weight = if shape.by_samples() || total == 0 {
+                    group.len() as f64 / items as f64
+                } else {
+                    group.iter().map(|&item| costs[item] as f64).sum::<f64>() / total as f64
+                };
+                (group, cost, weight)
+            })
+            .collect();
+        BatchPlan {
+            effective: items,
+            share_start: 0,
+            share_end: items,
+            micro: micro_batches
+                .iter()
+                .map(|(group, _, _)| group.len())
+                .max()
+                .unwrap_or(0),
+            passes: micro_batches.len(),
+            packed: Some(Arc::new(Packed {
+                budget: micro_batches
+                    .iter()
+                    .map(|&(_, cost, _)| cost)
+                    .max()
+                    .map_or(budget, |cost| usize::try_from(cost).unwrap_or(usize::MAX)),
+                micro_batches,
+            })),
+        }
+    }
+
+    /// The size the step's search ran: [`micro()`](Self::micro), or in a plan by cost the
+    /// costliest micro-batch's cost (the budget).
+    ///
+    /// ```
+    /// # use batch_size_runtime::BatchPlan;
+    /// assert_eq!(BatchPlan::new(96, 40).budget(), 32);
+    /// ```
+    pub fn budget(&self) -> usize {
+        self.packed
+            .as_ref()
+            .map_or(self.micro, |packed| packed.budget)
     }
 
     /// Samples in the optimizer step: the whole batch, every rank's share together.
@@ -158,23 +234,67 @@ impl BatchPlan {
     /// assert_eq!((last.index, last.range, last.weight), (2, 7..10, 0.3));
     /// ```
     pub fn micro_batches(&self) -> impl ExactSizeIterator<Item = MicroBatch> + '_ {
+        let packed = self.packed.as_deref();
+        let even = packed.is_none().then_some(self.passes).unwrap_or(0);
+        let by_cost = packed.into_iter().flat_map(|packed| {
+            packed
+                .micro_batches
+                .iter()
+                .enumerate()
+                .map(|(index, (items, cost, weight))| MicroBatch {
+                    index,
+                    range: 0..0,
+                    items: items.clone(),
+                    cost: *cost,
+                    weight: *weight,
+                })
+        });
         let length = self.share_end - self.share_start;
         let passes = self.passes.max(1);
         // The first `longer` micro-batches hold one sample more than the rest.
         let (shorter, longer) = (length / passes, length % passes);
         let start = self.share_start;
         let effective = self.effective as f64;
-        (0..self.passes).map(move |index| {
+        let even = (0..even).map(move |index| {
             let from = start + index * shorter + index.min(longer);
             let to = from + shorter + usize::from(index < longer);
             MicroBatch {
                 index,
                 range: from..to,
+                items: (from..to).collect(),
+                cost: (to - from) as u64,
                 weight: (to - from) as f64 / effective,
             }
-        })
+        });
+        ExactLength {
+            inner: even.chain(by_cost),
+            left: self.passes,
+        }
     }
 }
+
+/// An iterator whose length is known: the plan's passes (a chain of two is not
+/// `ExactSizeIterator`).
+struct ExactLength<I> {
+    inner: I,
+    left: usize,
+}
+
+impl<I: Iterator> Iterator for ExactLength<I> {
+    type Item = I::Item;
+
+    fn next(&mut self) -> Option<I::Item> {
+        let next = self.inner.next();
+        self.left = self.left.saturating_sub(usize::from(next.is_some()));
+        next
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl<I: Iterator> ExactSizeIterator for ExactLength<I> {}
 
 #[cfg(test)]
 mod tests {

@@ -28,6 +28,7 @@ use super::fit::{
 };
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Attempt, SearchReport};
+use crate::runners::split::Split;
 
 /// Steps (or chunks) a failed size first waits before it is tried again; doubled each time it
 /// fails again.
@@ -214,23 +215,26 @@ impl Convergence {
         })
     }
 
-    /// The micro size a step of `length` samples starts at, from `kept`, the size the runner
-    /// would keep: the fewest passes the figures say fit where they say fewer than `kept`'s, or
-    /// more where they say `kept` no longer fits (state a step allocated and kept since). With
-    /// the size to fall back to when the start is above the size that last ran (a growth
-    /// attempt): that size's even split, which ran under the figures in force.
-    pub(crate) fn start(&self, length: usize, kept: usize) -> (usize, Option<usize>) {
+    /// The micro size a step starts at, from `kept`, the size the runner would keep: the
+    /// fewest passes the figures say fit where they say fewer than `kept`'s, or more where they
+    /// say `kept` no longer fits (state a step allocated and kept since). With the size to fall
+    /// back to when the start is above the size that last ran (a growth attempt): the size
+    /// that really runs of it, which ran under the figures in force. Sizes are in the step's
+    /// unit (samples, or a budget of cost: `split`).
+    pub(crate) fn start(&self, split: &Split, kept: usize) -> (usize, Option<usize>) {
         // One fit a step: the figures change only when a step ends.
         let limit = self.limit();
         let size = match (
-            limit.and_then(|limit| fewer_passes(limit, length, kept)),
+            limit.and_then(|limit| fewer_passes(limit, split, kept)),
             limit,
         ) {
             (Some(size), _) => size,
-            (None, Some(limit)) if limit > 0 && limit < kept => even_micro(length, limit),
+            (None, Some(limit)) if limit > 0 && limit < kept => split.realize(limit),
             _ => kept,
         };
-        let ran = self.last_ran.map(|ran| even_micro(length, ran.min(length)));
+        let ran = self
+            .last_ran
+            .map(|ran| split.realize(ran.min(split.whole())));
         match ran {
             Some(ran) if size > ran => (size, Some(ran)),
             _ => (size, None),
@@ -238,32 +242,22 @@ impl Convergence {
     }
 }
 
-/// The micro size for a step of `length` samples when `limit`, the largest size the figures
-/// say fits, takes fewer passes than `running`, the size it would run otherwise.
-fn fewer_passes(limit: usize, length: usize, running: usize) -> Option<usize> {
-    if length == 0 || running == 0 {
+/// The size for a step when `limit`, the largest size the figures say fits, takes fewer passes
+/// than `running`, the size it would run otherwise.
+fn fewer_passes(limit: usize, split: &Split, running: usize) -> Option<usize> {
+    let whole = split.whole();
+    if whole == 0 || running == 0 {
         return None;
     }
-    let limit = limit.min(length);
-    let passes_now = length.div_ceil(running.min(length));
-    (limit > 0 && length.div_ceil(limit) < passes_now).then(|| even_micro(length, limit))
+    let limit = limit.min(whole);
+    (limit > 0 && split.passes(limit) < split.passes(running.min(whole)))
+        .then(|| split.realize(limit))
 }
 
 /// The next chunk's budget when `limit`, the largest the figures say fits, is at least 1/32
 /// larger than `running`: an allocator's rounding never makes the size wander.
 pub(crate) fn larger_budget(limit: usize, running: usize) -> Option<usize> {
     (limit > running.saturating_add(running / 32)).then_some(limit)
-}
-
-/// The largest micro-batch when `length` samples run in the fewest passes of at most `size`,
-/// split evenly: at most `size`, and `length` itself when `size` covers it. A `size` or a
-/// `length` of 0 is returned as it is (the engine refuses a size of 0 with its own reason).
-pub(crate) fn even_micro(length: usize, size: usize) -> usize {
-    if length == 0 || size == 0 {
-        return size;
-    }
-    let passes = length.div_ceil(size.min(length));
-    length.div_ceil(passes)
 }
 
 /// A step's policy whose first attempt is a growth attempt: when it runs out of memory, the
@@ -398,8 +392,8 @@ mod tests {
         learned.learn(&ran(64, 1000, 1000 + 64 * 30), 64);
         assert_eq!(learned.limit(), Some(300));
         // 4 passes of 256 (300 would still take 4).
-        assert_eq!(learned.start(1024, 128).0, 256);
-        assert_eq!(learned.start(1024, 256).0, 256);
+        assert_eq!(learned.start(&Split::Even(1024), 128).0, 256);
+        assert_eq!(learned.start(&Split::Even(1024), 256).0, 256);
     }
 
     #[test]
@@ -461,12 +455,5 @@ mod tests {
         blind.learn(&no_figures, 64);
         assert_eq!(blind.limit(), None);
         assert_eq!(blind.fitted(), Some(64));
-    }
-
-    #[test]
-    fn the_even_split_keeps_the_fewest_passes() {
-        assert_eq!(even_micro(1024, 237), 205);
-        assert_eq!(even_micro(256, 212), 128);
-        assert_eq!(even_micro(100, 1000), 100);
     }
 }

@@ -7,5 +7,5 @@ mod converge;
 pub(crate) mod fit;
 mod grow_back;
 
-pub(crate) use converge::{even_micro, larger_budget, Convergence, Probing};
+pub(crate) use converge::{larger_budget, Convergence, Probing};
 pub(crate) use grow_back::GrowBack;

@@ -1,0 +1,231 @@
+//! Steps whose items differ in cost (tokens): `EffectiveBatch::step_by_cost` groups the items by
+//! length and packs them to a budget of cost that it learns while it runs; accumulation is exact
+//! in tokens; an item that cannot fit alone is named; a second run starts from the cache.
+
+use batch_size_runtime::{BatchCost, EffectiveBatch, NoExecutableBatchSize, StopReason};
+
+use crate::lengths::{Lengths, Model, TRANSFORMER};
+use crate::temp_folder::TempFolder;
+
+/// What a run of steps did.
+#[derive(Debug, Default)]
+struct Run {
+    failures: usize,
+    /// The step of the last out-of-memory failure.
+    last_failure: Option<usize>,
+    passes: usize,
+    /// The fewest passes an oracle that knows the memory function would run.
+    oracle: usize,
+}
+
+#[test]
+fn heavy_tailed_lengths_run_near_the_fewest_passes_with_failures_only_at_the_start() {
+    for seed in [7, 8, 9] {
+        let (device, _held) = TRANSFORMER.device();
+        let mut runner = EffectiveBatch::new(64)
+            .with_release(device.clone())
+            .with_batch_cost(BatchCost::padded().with_square_term(2_048));
+        let run = train_on(&mut runner, &device, TRANSFORMER, 400, seed);
+        assert!(run.failures <= 3, "seed {seed}: {run:?}");
+        assert!(
+            run.last_failure.is_none_or(|step| step < 20),
+            "seed {seed}: {run:?}"
+        );
+        assert!(
+            run.passes as f64 <= 1.15 * run.oracle as f64,
+            "seed {seed}: {run:?}"
+        );
+    }
+}
+
+/// Runs `steps` steps of 64 sequences drawn from `seed` on `model` on `device`.
+fn train_on(
+    runner: &mut EffectiveBatch<'_>,
+    device: &batch_size_runtime::memory::SimulatedDevice,
+    model: Model,
+    steps: usize,
+    seed: u64,
+) -> Run {
+    let mut lengths = Lengths::heavy_tailed(seed);
+    let mut run = Run::default();
+    for step in 0..steps {
+        let batch = lengths.batch(64);
+        let mut ran = 0;
+        runner
+            .step_by_cost(&batch, |plan| -> anyhow::Result<()> {
+                for micro in plan.micro_batches() {
+                    model.run(device, &batch, &micro.items)?;
+                }
+                ran = plan.accumulation();
+                Ok(())
+            })
+            .unwrap_or_else(|error| panic!("step {step}: {error}"));
+        let failures = runner.last_step_report().out_of_memory_count();
+        if failures > 0 {
+            run.failures += failures;
+            run.last_failure = Some(step);
+        }
+        run.passes += ran;
+        run.oracle += model.fewest_passes(&batch);
+    }
+    run
+}
+
+#[test]
+fn a_second_run_starts_at_the_cached_budget_with_no_failure() {
+    let folder = TempFolder::new("by-cost", "cache");
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let (device, _held) = TRANSFORMER.device();
+        let mut runner = EffectiveBatch::new(64)
+            .with_release(device.clone())
+            .with_batch_cost(BatchCost::padded().with_square_term(2_048))
+            .with_cache("tokens")
+            .with_cache_dir(folder.path());
+        runs.push(train_on(&mut runner, &device, TRANSFORMER, 100, 11));
+    }
+    assert!(
+        runs[0].failures > 0,
+        "the first run found its budget: {:?}",
+        runs[0]
+    );
+    assert_eq!(runs[1].failures, 0, "{:?}", runs[1]);
+    assert!(
+        runs[1].passes as f64 <= 1.15 * runs[1].oracle as f64,
+        "{:?}",
+        runs[1]
+    );
+}
+
+/// A token-mean loss whose gradient is exact: each token `t` of item `i` has the value
+/// `v(i, t)`, and the loss is the mean over every token of the batch.
+fn token_value(item: usize, token: u64) -> f64 {
+    ((item as f64 + 1.0) * 0.37 + token as f64 * 0.011).sin()
+}
+
+#[test]
+fn accumulation_by_tokens_is_the_whole_batchs_token_mean_whatever_the_division() {
+    let lengths: Vec<u64> = Lengths::heavy_tailed(3).batch(64);
+    let tokens: u64 = lengths.iter().sum();
+    let whole: f64 = lengths
+        .iter()
+        .enumerate()
+        .map(|(item, &length)| (0..length).map(|t| token_value(item, t)).sum::<f64>())
+        .sum::<f64>()
+        / tokens as f64;
+    let mut divisions = std::collections::BTreeSet::new();
+    for capacity in [u64::MAX / 4, 3_000_000, 600_000, 90_000, 20_000] {
+        let device = batch_size_runtime::memory::SimulatedDevice::new(capacity);
+        let mut runner = EffectiveBatch::new(64).with_release(device.clone());
+        let accumulated = runner
+            .step_by_cost(&lengths, |plan| -> anyhow::Result<f64> {
+                let mut sum = 0.0;
+                for micro in plan.micro_batches() {
+                    let longest = micro.items.iter().map(|&i| lengths[i]).max().unwrap_or(0);
+                    let _activations = device.alloc(micro.items.len() as u64 * longest)?;
+                    let micro_tokens: u64 = micro.items.iter().map(|&i| lengths[i]).sum();
+                    let micro_mean = micro
+                        .items
+                        .iter()
+                        .map(|&i| (0..lengths[i]).map(|t| token_value(i, t)).sum::<f64>())
+                        .sum::<f64>()
+                        / micro_tokens as f64;
+                    sum += micro.weight * micro_mean;
+                }
+                Ok(sum)
+            })
+            .unwrap();
+        divisions.insert(
+            runner.last_step_report().len() * 1000 + runner.plan_of(&lengths).accumulation(),
+        );
+        assert!(
+            (accumulated - whole).abs() < 1e-9,
+            "capacity {capacity}: {accumulated} against {whole}"
+        );
+    }
+    assert!(
+        divisions.len() >= 3,
+        "the capacities divided the batch alike: {divisions:?}"
+    );
+}
+
+#[test]
+fn weights_by_samples_sum_each_micro_batchs_share_of_samples() {
+    let lengths = [500u64, 20, 20, 20];
+    let plan = EffectiveBatch::new(4)
+        .with_micro(500)
+        .with_batch_cost(BatchCost::padded().weighted_by_samples())
+        .plan_of(&lengths);
+    let weights: Vec<(Vec<usize>, f64)> =
+        plan.micro_batches().map(|m| (m.items, m.weight)).collect();
+    assert_eq!(weights, [(vec![0], 0.25), (vec![1, 2, 3], 0.75)]);
+    let by_tokens = EffectiveBatch::new(4).with_micro(500).plan_of(&lengths);
+    let first = by_tokens.micro_batches().next().unwrap();
+    assert!((first.weight - 500.0 / 560.0).abs() < 1e-12);
+}
+
+#[test]
+fn an_item_that_does_not_fit_alone_is_named_and_the_steps_before_it_are_kept() {
+    let (device, _held) = TRANSFORMER.device();
+    let mut runner = EffectiveBatch::new(64)
+        .with_release(device.clone())
+        .with_batch_cost(BatchCost::padded().with_square_term(2_048));
+    let mut passes = 0;
+    let mut step = |runner: &mut EffectiveBatch<'_>, batch: &[u64]| {
+        runner.step_by_cost(batch, |plan| -> anyhow::Result<()> {
+            for micro in plan.micro_batches() {
+                passes += 1;
+                TRANSFORMER.run(&device, batch, &micro.items)?;
+            }
+            Ok(())
+        })
+    };
+    step(&mut runner, &[300; 64]).unwrap();
+    // 12,000 tokens: its square term alone is more than the device.
+    let mut long = vec![300u64; 64];
+    long[17] = 12_000;
+    let error = step(&mut runner, &long).unwrap_err();
+    let error = error.downcast::<NoExecutableBatchSize>().unwrap();
+    assert_eq!(
+        error.reason(),
+        &StopReason::ItemDoesNotFit {
+            item: 17,
+            cost: BatchCost::padded().with_square_term(2_048).of(1, 12_000)
+        }
+    );
+    assert!(error.to_string().contains("item 17"), "{error}");
+    assert_eq!(runner.steps(), 1);
+    // The next batch runs, at the budget learned before.
+    step(&mut runner, &[300; 64]).unwrap();
+    assert_eq!(runner.steps(), 2);
+    assert!(
+        passes > 3,
+        "the long item's step ran passes before it stopped"
+    );
+}
+
+#[test]
+fn bad_costs_are_clear_errors_before_any_pass() {
+    let mut calls = 0;
+    let mut runner = EffectiveBatch::new(4);
+    let mut reason = |runner: &mut EffectiveBatch<'_>, costs: &[u64]| {
+        let error = runner
+            .step_by_cost(costs, |_| -> anyhow::Result<()> {
+                calls += 1;
+                Ok(())
+            })
+            .unwrap_err()
+            .downcast::<NoExecutableBatchSize>()
+            .unwrap();
+        match error.reason() {
+            StopReason::InvalidConfiguration(why) => why.clone(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(reason(&mut runner, &[3, 0, 2]).contains("item 1 has a cost of 0"));
+    assert!(reason(&mut runner, &[]).contains("at least one item"));
+    let mut by_count = EffectiveBatch::new(4);
+    by_count.step(|_| Ok::<_, anyhow::Error>(())).unwrap();
+    assert!(reason(&mut by_count, &[3, 2]).contains("not both"));
+    assert_eq!(calls, 0);
+}
