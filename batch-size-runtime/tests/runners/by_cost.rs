@@ -2,9 +2,9 @@
 //! length and packs them to a budget of cost that it learns while it runs; accumulation is exact
 //! in tokens; an item that cannot fit alone is named; a second run starts from the cache.
 
-use batch_size_runtime::{BatchCost, EffectiveBatch, NoExecutableBatchSize, StopReason};
+use batch_size_runtime::{BatchCost, Chunked, EffectiveBatch, NoExecutableBatchSize, StopReason};
 
-use crate::lengths::{Lengths, Model, TRANSFORMER};
+use crate::lengths::{Lengths, Model, ENCODER, TRANSFORMER};
 use crate::temp_folder::TempFolder;
 
 /// What a run of steps did.
@@ -228,4 +228,62 @@ fn bad_costs_are_clear_errors_before_any_pass() {
     by_count.step(|_| Ok::<_, anyhow::Error>(())).unwrap();
     assert!(reason(&mut by_count, &[3, 2]).contains("not both"));
     assert_eq!(calls, 0);
+}
+
+/// An embedding pass over `documents` of heavy-tailed lengths drawn from `seed`, grouped by
+/// cost: returns (out-of-memory failures, the index of the last failed chunk, chunks that ran,
+/// the oracle's chunks).
+fn embed(documents: usize, seed: u64) -> (usize, Option<usize>, usize, usize) {
+    let model = ENCODER;
+    let (device, _held) = model.device();
+    let lengths = Lengths::heavy_tailed(seed).batch(documents);
+    let mut chunked = Chunked::new(documents)
+        .with_release(device.clone())
+        .with_cost(|i| lengths[i]);
+    let embeddings = chunked
+        .run_by_cost(|items| -> anyhow::Result<Vec<(usize, u64)>> {
+            model.run(&device, &lengths, items)?;
+            Ok(items.iter().map(|&i| (i, lengths[i])).collect())
+        })
+        .unwrap();
+    // Every document's output, in the caller's order.
+    assert!(embeddings
+        .iter()
+        .enumerate()
+        .all(|(i, &(item, length))| item == i && length == lengths[i]));
+    let records = chunked.chunks();
+    let failed: Vec<usize> = (0..records.len()).filter(|&i| !records[i].done).collect();
+    let done = chunked.chunk_count() - failed.len();
+    (
+        failed.len(),
+        failed.last().copied(),
+        done,
+        model.fewest_passes(&lengths),
+    )
+}
+
+#[test]
+fn an_embedding_pass_grouped_by_cost_runs_near_the_fewest_chunks() {
+    for seed in [21, 22] {
+        let (failures, last, chunks, oracle) = embed(100_000, seed);
+        assert!(failures <= 3, "seed {seed}: {failures} failures");
+        assert!(
+            last.is_none_or(|chunk| chunk < 20),
+            "seed {seed}: the last failure at chunk {last:?}"
+        );
+        assert!(
+            chunks as f64 <= 1.15 * oracle as f64,
+            "seed {seed}: {chunks} chunks against the oracle's {oracle}"
+        );
+    }
+}
+
+#[test]
+fn a_cost_function_that_panics_is_the_users_panic() {
+    let mut chunked = Chunked::new(4).with_cost(|i| if i == 2 { panic!("my own bug") } else { 1 });
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = chunked.run_by_cost(|items| Ok::<_, anyhow::Error>(items.to_vec()));
+    }))
+    .unwrap_err();
+    assert_eq!(caught.downcast_ref::<&str>(), Some(&"my own bug"));
 }

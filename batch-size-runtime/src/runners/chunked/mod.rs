@@ -15,6 +15,7 @@ use crate::policy::{CacheSlot, Reduction};
 use crate::record;
 use crate::runners::learn::{Convergence, GrowBack};
 use crate::runners::search::BatchSizeSearch;
+use crate::runners::split::BatchCost;
 
 mod attempt;
 mod policy;
@@ -130,6 +131,10 @@ pub struct Chunked<'r> {
     /// With `with_cache`: the budget the runs settled on, for a resumed run.
     cache: Option<CacheSlot>,
     cost: Option<Cost<'r>>,
+    /// How a chunk of items of different cost costs (with `with_cost`).
+    batch_cost: BatchCost,
+    /// In `run_by_cost`: the items, the costliest first; chunks are ranges of it.
+    order: Option<Vec<usize>>,
     on_chunk: Option<OnChunk<'r>>,
     chunks: Vec<ChunkRecord>,
     chunk_count: usize,
@@ -174,6 +179,8 @@ impl<'r> Chunked<'r> {
             },
             cache: None,
             cost: None,
+            batch_cost: BatchCost::padded(),
+            order: None,
             on_chunk: None,
             chunks: Vec::new(),
             chunk_count: 0,
@@ -196,8 +203,11 @@ impl<'r> Chunked<'r> {
 
     /// Items of different cost (a sequence's tokens, say): chunks hold a budget of cost
     /// instead of a count of items, and the budget is what the policy searches, so the guided
-    /// policy learns memory per unit of cost. A chunk holds at least one item; an item of cost
-    /// 0 costs nothing.
+    /// policy learns memory per unit of cost. A chunk costs what the framework allocates for it
+    /// ([`with_batch_cost`](Self::with_batch_cost): by default its items × the costliest, every
+    /// item padded to the longest). A chunk holds at least one item. With
+    /// [`run_by_cost`](Self::run_by_cost) the items are also grouped by cost, so that padding
+    /// stays small.
     ///
     /// ```
     /// # use batch_size_runtime::Chunked;
@@ -210,6 +220,25 @@ impl<'r> Chunked<'r> {
     /// ```
     pub fn with_cost(mut self, cost: impl Fn(usize) -> u64 + Send + Sync + 'r) -> Self {
         self.cost = Some(Box::new(cost));
+        self
+    }
+
+    /// How a chunk of items costs with [`with_cost`](Self::with_cost): by default
+    /// [`BatchCost::padded()`], items × the costliest; a square term where the work has one.
+    ///
+    /// ```
+    /// # use batch_size_runtime::{BatchCost, Chunked};
+    /// let lengths = [100u64, 100, 100, 100];
+    /// let mut chunked = Chunked::new(4)
+    ///     .with_starting(400)
+    ///     .with_cost(|i| lengths[i])
+    ///     .with_batch_cost(BatchCost::padded().with_square_term(100)); // 100 tokens cost 200
+    /// chunked.for_each(|_| Ok::<_, anyhow::Error>(()))?;
+    /// assert_eq!(chunked.chunks().len(), 2);
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn with_batch_cost(mut self, cost: BatchCost) -> Self {
+        self.batch_cost = cost;
         self
     }
 
@@ -295,6 +324,73 @@ impl<'r> Chunked<'r> {
         Ok(outputs)
     }
 
+    /// Runs `work` over every item with the items grouped by cost
+    /// ([`with_cost`](Self::with_cost)), the costliest first, and returns its outputs in item
+    /// order (one per item, as `run` does). `work` receives each chunk's items, indices in
+    /// `0..total_items`: chunks of items of like cost waste little on padding (an embedding
+    /// pass over documents of very unequal lengths runs an order of magnitude fewer chunks
+    /// than in the corpus's order), and the costliest chunk runs first, so that an
+    /// out-of-memory comes at the start, not hours in. [`chunks()`](Self::chunks)'s ranges and
+    /// the progress's `completed` count items in that order.
+    ///
+    /// ```
+    /// use batch_size_runtime::{Chunked, OutOfMemory};
+    ///
+    /// let lengths = [5u64, 400, 6, 390, 7, 5];
+    /// let mut chunked = Chunked::new(6).with_cost(|i| lengths[i]);
+    /// let sizes = chunked.run_by_cost(|items| -> anyhow::Result<Vec<u64>> {
+    ///     let longest = items.iter().map(|&i| lengths[i]).max().unwrap_or(0);
+    ///     if items.len() as u64 * longest > 800 { Err(OutOfMemory::new())? } // 800 padded tokens fit
+    ///     Ok(items.iter().map(|&i| lengths[i]).collect())
+    /// })?;
+    /// assert_eq!(sizes, lengths); // in the caller's order
+    /// assert_eq!(chunked.chunk_count(), 3); // 2 long ones together, then the 4 short ones
+    /// # Ok::<(), batch_size_runtime::ChunkError<anyhow::Error>>(())
+    /// ```
+    pub fn run_by_cost<T, E, M>(
+        &mut self,
+        mut work: impl FnMut(&[usize]) -> Result<Vec<T>, E>,
+    ) -> Result<Vec<T>, ChunkError<E>>
+    where
+        E: AttemptError<M>,
+    {
+        self.settings.name_the_work(&work);
+        let mut order: Vec<usize> = (0..self.total).collect();
+        let starting = self.starting;
+        if let Some(cost) = &self.cost {
+            // The user's cost function, once an item (a panic in it is the user's).
+            let costs: Vec<u64> = order.iter().map(|&item| cost(item)).collect();
+            order.sort_by(|&a, &b| costs[b].cmp(&costs[a]));
+            // Without a first budget, the costliest item alone runs first: it proves at the
+            // start that the worst of the work fits, and its figures size the next chunks
+            // (a corpus at once would fail many times on the way down).
+            if let (None, Some(&costliest)) = (starting, order.first()) {
+                let alone = self.batch_cost.of(1, costs[costliest]);
+                self.starting = Some(usize::try_from(alone).unwrap_or(usize::MAX));
+            }
+        }
+        let mut outputs: Vec<Option<T>> =
+            std::iter::repeat_with(|| None).take(self.total).collect();
+        self.order = Some(order.clone());
+        let ran = self.drive(|range| {
+            let items = &order[range.clone()];
+            let values = work(items).map_err(ChunkAttempt::Work)?;
+            if values.len() != items.len() {
+                return Err(ChunkAttempt::WrongOutputCount {
+                    range,
+                    got: values.len(),
+                });
+            }
+            for (&item, value) in items.iter().zip(values) {
+                outputs[item] = Some(value);
+            }
+            Ok(())
+        });
+        (self.order, self.starting) = (None, starting);
+        ran?;
+        Ok(outputs.into_iter().flatten().collect())
+    }
+
     /// Runs `work` over every item for its side effects (writing embeddings out, say).
     ///
     /// ```
@@ -362,10 +458,10 @@ impl<'r> Chunked<'r> {
         // when the work's is.
         let outputs = Mutex::new(Vec::with_capacity(self.total));
         let on_chunk = Mutex::new(self.on_chunk.take());
-        let (cost_of, total) = (self.cost.as_ref(), self.total);
+        let costs = self.costs();
         let (run_ref, outputs_ref, on_chunk_ref) = (&run, &outputs, &on_chunk);
         let attempt = Returning(move |budget| {
-            let (range, cost) = begin_chunk(cost_of, total, run_ref, budget);
+            let (range, cost) = begin_chunk(&costs, run_ref, budget);
             let running = Running::new(run_ref, range.clone(), budget, cost);
             let pending = work(range.clone());
             async move {
@@ -421,7 +517,8 @@ impl<'r> Chunked<'r> {
         let whole = match &self.cost {
             None => self.total,
             Some(cost) => {
-                let whole = (0..self.total).map(cost).fold(0u64, u64::saturating_add);
+                let costliest = (0..self.total).map(cost).max().unwrap_or(0);
+                let whole = self.batch_cost.of(self.total, costliest);
                 usize::try_from(whole).unwrap_or(usize::MAX)
             }
         };
@@ -623,7 +720,11 @@ impl<'r> Chunked<'r> {
             {
                 Err(ChunkError::ItemTooLarge {
                     completed,
-                    item: chunk.range.start,
+                    item: self
+                        .order
+                        .as_ref()
+                        .and_then(|order| order.get(chunk.range.start).copied())
+                        .unwrap_or(chunk.range.start),
                     cost: chunk.cost,
                     largest_failed: chunk.budget,
                 })
@@ -652,13 +753,13 @@ impl<'r> Chunked<'r> {
         let run = self.new_run();
         let search = self.prepare(shrink.borrowed(), &run);
         let mut on_chunk = self.on_chunk.take();
-        let (cost_of, total) = (self.cost.as_ref(), self.total);
+        let costs = self.costs();
         let finished = drive_ended(
             search.start(),
             &ChunkKind::<E, M>::new(),
             LastError::AsSource,
             |budget| {
-                let (range, cost) = begin_chunk(cost_of, total, &run, budget);
+                let (range, cost) = begin_chunk(&costs, &run, budget);
                 let running = Running::new(&run, range.clone(), budget, cost);
                 let outcome = work(range.clone());
                 running.ended();
@@ -672,38 +773,56 @@ impl<'r> Chunked<'r> {
     }
 }
 
-/// The items of the chunk at `offset` for `budget`: at least one, then while the cost fits.
-fn pack(cost: Option<&Cost<'_>>, total: usize, offset: usize, budget: u64) -> (Range<usize>, u64) {
-    match cost {
-        None => {
-            let end = offset.saturating_add(budget.max(1) as usize).min(total);
-            (offset..end, (end - offset) as u64)
-        }
-        Some(cost) => {
-            let mut end = offset;
-            let mut spent = 0u64;
-            while end < total {
-                let next = cost(end);
-                if end > offset && spent.saturating_add(next) > budget {
-                    break;
-                }
-                spent = spent.saturating_add(next);
-                end += 1;
-            }
-            (offset..end, spent)
+/// What the chunks of a run cost: the items' costs (in the run's order) and how a chunk of
+/// them costs.
+struct ChunkCosts<'a> {
+    cost: Option<&'a Cost<'a>>,
+    /// The run's order of the items, where it is not `0..total`.
+    order: Option<&'a [usize]>,
+    shape: BatchCost,
+    total: usize,
+}
+
+impl<'r> Chunked<'r> {
+    fn costs(&self) -> ChunkCosts<'_> {
+        ChunkCosts {
+            cost: self.cost.as_ref(),
+            order: self.order.as_deref(),
+            shape: self.batch_cost,
+            total: self.total,
         }
     }
 }
 
+impl ChunkCosts<'_> {
+    /// The items of the chunk at `offset` for `budget`: at least one, then while the chunk's
+    /// cost (its items padded to the costliest) fits.
+    fn pack(&self, offset: usize, budget: u64) -> (Range<usize>, u64) {
+        let total = self.total;
+        let Some(cost) = self.cost else {
+            let end = offset.saturating_add(budget.max(1) as usize).min(total);
+            return (offset..end, (end - offset) as u64);
+        };
+        let item = |position: usize| self.order.map_or(position, |order| order[position]);
+        let mut end = offset;
+        let (mut costliest, mut spent) = (0u64, 0u64);
+        while end < total {
+            let longest = costliest.max(cost(item(end)));
+            let with_it = self.shape.of(end + 1 - offset, longest);
+            if end > offset && with_it > budget {
+                break;
+            }
+            (costliest, spent) = (longest, with_it);
+            end += 1;
+        }
+        (offset..end, spent)
+    }
+}
+
 /// The items of the next chunk for `budget`, marked as the one running.
-fn begin_chunk(
-    cost: Option<&Cost<'_>>,
-    total: usize,
-    run: &Mutex<Run>,
-    budget: usize,
-) -> (Range<usize>, u64) {
+fn begin_chunk(costs: &ChunkCosts<'_>, run: &Mutex<Run>, budget: usize) -> (Range<usize>, u64) {
     let mut run = lock(run);
-    let (range, spent) = pack(cost, total, run.progress.completed, budget as u64);
+    let (range, spent) = costs.pack(run.progress.completed, budget as u64);
     run.progress.current = range.clone();
     run.progress.current_cost = spent;
     (range, spent)
