@@ -377,6 +377,9 @@ impl<'r> EffectiveBatch<'r> {
         let cap = if by_cost { usize::MAX } else { self.effective };
         self.grow = GrowBack::new(self.settings.grow_after, cap);
         self.convergence = Convergence::new(self.settings.learn);
+        if by_cost {
+            self.convergence = self.convergence.clone().over_items_that_differ();
+        }
         let unit = if by_cost { " by cost" } else { "" };
         let what = format!("effective {}{unit}", self.effective);
         if let Some(cache) = self.settings.open_cache("effective_batch", &what) {

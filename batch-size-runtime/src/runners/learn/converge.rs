@@ -67,6 +67,9 @@ pub(crate) struct Convergence {
     reprobing: Option<usize>,
     /// The size of the latest success: what runs under the memory in use now.
     last_ran: Option<usize>,
+    /// Sizes are budgets of cost over items that differ from step to step: a budget that ran
+    /// on some items says nothing of one that failed on others.
+    items_differ: bool,
 }
 
 impl Convergence {
@@ -82,7 +85,15 @@ impl Convergence {
             patience: REPROBE_AFTER,
             reprobing: None,
             last_ran: None,
+            items_differ: false,
         }
+    }
+
+    /// For budgets of cost over items that differ from step to step: a failure holds the
+    /// budget below it until it is tried again after its patience, whatever ran on other items.
+    pub(crate) fn over_items_that_differ(mut self) -> Self {
+        self.items_differ = true;
+        self
     }
 
     pub(crate) fn is_enabled(&self) -> bool {
@@ -96,7 +107,9 @@ impl Convergence {
 
     /// Forgets everything: the attempts ran under other settings (a remedy was applied).
     pub(crate) fn forget(&mut self) {
+        let items_differ = self.items_differ;
         *self = Convergence::new(self.enabled);
+        self.items_differ = items_differ;
     }
 
     /// Learns from one attempt that ran `size` (the micro-batch, or a chunk's cost).
@@ -104,10 +117,24 @@ impl Convergence {
         if attempt.outcome.is_success() {
             self.last_ran = Some(size);
             self.fitted = Some(self.fitted.map_or(size, |fitted| fitted.max(size)));
-            if self.failure.is_some_and(|failure| size >= failure.size) {
-                // A size that failed fits now: the memory missing then is back.
-                self.failure = None;
-                self.patience = REPROBE_AFTER;
+            match self.failure {
+                Some(failure) if size >= failure.size && self.items_differ => {
+                    // Other items at a budget that failed: the cost does not measure memory
+                    // alike for every item, and the failure still bounds the budget.
+                    tracing::debug!(
+                        budget = size,
+                        failed = failure.size,
+                        "a budget of cost that ran out of memory ran on other items: memory does \
+                         not grow with the cost as declared (check `BatchCost`'s square term); \
+                         the budget stays below the failure"
+                    );
+                }
+                Some(failure) if size >= failure.size => {
+                    // A size that failed fits now: the memory missing then is back.
+                    self.failure = None;
+                    self.patience = REPROBE_AFTER;
+                }
+                _ => {}
             }
             if self.reprobing.is_some_and(|retried| size >= retried) {
                 self.reprobing = None;
@@ -154,7 +181,11 @@ impl Convergence {
                 self.used_at_start = after.or(before).or_else(|| held_at_start(attempt));
             }
         } else if attempt.outcome.is_out_of_memory() {
-            if self.fitted.is_some_and(|fitted| size <= fitted) {
+            if self.fitted.is_some_and(|fitted| size <= fitted) && self.items_differ {
+                // Other items fail where earlier ones fitted: the size that fitted is no
+                // verdict on these; the figures still are.
+                self.fitted = None;
+            } else if self.fitted.is_some_and(|fitted| size <= fitted) {
                 // A size at or below one that fitted fails now: the memory is not what it was,
                 // and the figures measured before say nothing of it.
                 self.points.clear();
