@@ -244,6 +244,11 @@ fn main() {
         "by samples",
     );
     let square = BatchCost::padded().with_square_term(2_048);
+    let each: Vec<usize> = SEEDS
+        .iter()
+        .map(|&seed| train_crate(seed, square, None).failures)
+        .collect();
+    println!("(this crate's failures by seed, square term as the model has it: {each:?})\n");
     row(
         "this crate, `step_by_cost`, square term as the model has it",
         sum(&|seed| train_crate(seed, square, None)),

@@ -537,6 +537,18 @@ impl<'r> EffectiveBatch<'r> {
             if let Some(cache) = &mut self.cache {
                 cache.remember(micro, self.grow.smallest_failed());
             }
+            if self.by_cost == Some(true) && self.steps > 0 && micro != self.micro {
+                // The plan changes size: said, so that a change is never silent.
+                tracing::info!(
+                    step = self.steps,
+                    budget = micro,
+                    was = self.micro,
+                    "step {}: micro-batches now cost at most {micro} (was {}); the effective \
+                     batch and its weights are unchanged",
+                    self.steps,
+                    self.micro
+                );
+            }
             self.micro = micro;
             self.next_micro = if report.len() > 1 {
                 micro
