@@ -15,6 +15,8 @@
 //! and groups items by length: the fewest passes (or chunks). A benchmark measures; it asserts
 //! nothing.
 
+#![allow(clippy::expect_used)] // the shared workload's held state is sized to fit
+
 use batch_size_runtime::memory::SimulatedDevice;
 use batch_size_runtime::{BatchCost, Chunked, EffectiveBatch};
 

@@ -235,7 +235,7 @@ impl BatchPlan {
     /// ```
     pub fn micro_batches(&self) -> impl ExactSizeIterator<Item = MicroBatch> + '_ {
         let packed = self.packed.as_deref();
-        let even = packed.is_none().then_some(self.passes).unwrap_or(0);
+        let even = if packed.is_none() { self.passes } else { 0 };
         let by_cost = packed.into_iter().flat_map(|packed| {
             packed
                 .micro_batches
