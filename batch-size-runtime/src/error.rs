@@ -396,10 +396,24 @@ impl fmt::Display for NoExecutableBatchSize {
             StopReason::Agreement(_) => f.write_str(
                 ". See the other ranks' logs; the error of a rank that failed comes back there",
             ),
+            // `min` is already 1: what one sample needs is above the limit.
+            _ if self.size_one_ran_out() => f.write_str(
+                ". Even batch size 1 does not fit: raise the memory limit (or free the device), or shrink the model or sequence length",
+            ),
             _ => f.write_str(
                 ". Lower `min`, shrink the model or sequence length, or use gradient accumulation",
             ),
         }
+    }
+}
+
+impl NoExecutableBatchSize {
+    /// Whether batch size 1 ran out of memory: no smaller `min` is left to try.
+    fn size_one_ran_out(&self) -> bool {
+        self.inner
+            .report
+            .attempts()
+            .any(|attempt| attempt.batch_size == 1 && attempt.outcome.is_out_of_memory())
     }
 }
 

@@ -84,9 +84,9 @@ mod linux {
     #[find_executable_batch_size(starting = STARTING, release = trial.memory())]
     fn sized_growing(batch_size: usize, trial: &ChildTrial) -> Result<usize, ChildTrialError> {
         let ran = trial.run(batch_size)?;
-        // The child's one step is over: whether it answers `Grow` or not, the attempt ends
-        // here, and the engine runs the larger size where the figures showed one.
-        let _grow = batch_size_runtime::step_done();
+        // The child's one step is over: a `Grow` goes back through `?` (`ChildTrialError`
+        // takes it), and the engine runs the larger size the figures showed.
+        batch_size_runtime::step_done()?;
         Ok(ran)
     }
 

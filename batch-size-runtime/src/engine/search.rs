@@ -797,7 +797,6 @@ impl Search<'_> {
         self.release_before_next_attempt();
         attempt.memory_after_release = non_empty(self.release.memory());
         read_figures(&mut attempt, found.figures);
-        let number = attempt.number;
         let held = self.held_from_earlier_work(&attempt);
         self.report.push(attempt);
 
@@ -825,7 +824,7 @@ impl Search<'_> {
             self.next = self.within_the_rules(decision);
             self.remedy_if_no_size_is_left();
         }
-        self.log_retry(failed_size, number, &found.description);
+        self.log_retry(failed_size, &found.description);
         self.notify_last();
         self.last_error = Some(error.unwrap_or_else(|| {
             let text: Box<dyn Error + Send + Sync> = Box::new(LastOutOfMemory(found.description));
@@ -951,57 +950,65 @@ impl Search<'_> {
         };
     }
 
-    fn log_retry(&self, failed_size: usize, number: usize, description: &str) {
-        // As PyTorch's message does: the memory when the attempt failed; then what the release
-        // made free for the next attempt.
+    fn log_retry(&self, failed_size: usize, description: &str) {
+        // One short line a person reads: the error once (in `error`), the memory as the attempt
+        // failed only where the error did not state it (as PyTorch's message gives it), then
+        // what the release made free for the next attempt. The report keeps every figure.
         // Fields with nothing to say are left out (an `Option` records only when `Some`).
         let last = self.report.last();
+        let stated = last.is_some_and(|attempt| attempt.figures.free_at_failure.is_some());
         let memory = last
             .and_then(|attempt| attempt.memory_at_end.as_ref())
-            .filter(|memory| !memory.is_empty())
-            .map(tracing::field::display);
+            .filter(|memory| !memory.is_empty() && !stated)
+            .map(|memory| tracing::field::display(Brief(memory)));
+        // What the next attempt starts with, where it is news: not the free bytes the error
+        // already stated.
+        let stated_free = last.and_then(|attempt| attempt.figures.free_at_failure);
         let free_after_release = last
             .and_then(|attempt| attempt.memory_after_release.as_ref())
-            .filter(|after| !after.is_empty())
+            .filter(|after| !after.is_empty() && stated_free != Some(after.free()))
             .map(|after| tracing::field::display(Bytes(after.free())));
-        let because = self
-            .rationale
-            .as_deref()
-            .map(|rationale| format!(": {rationale}"))
-            .unwrap_or_default();
+        let why_free = last.and_then(why_free_was_not_enough).unwrap_or_default();
         // A rank that retries because another ran out says so first: its own step fitted.
+        // The sizes are in the fields (`batch_size`, `next_batch_size`), the error in `error`.
         let what = if description.contains("another rank") {
-            format!("another rank ran out of memory with batch size {failed_size} (this rank's step fitted)")
+            "another rank ran out of memory (this rank's step fitted)".to_owned()
         } else {
-            format!("out of memory with batch size {failed_size} ({description})")
+            format!("out of memory{why_free}")
         };
         match &self.next {
             Next::Size(next) => tracing::warn!(
                 function = self.label,
                 batch_size = failed_size,
                 next_batch_size = *next,
-                attempt = number,
                 error = %description,
                 memory,
                 free_after_release,
-                "{what}; retrying with {next}{because}"
+                "{what}; retrying"
             ),
             Next::Accepted => tracing::warn!(
                 function = self.label,
                 batch_size = failed_size,
-                attempt = number,
                 error = %description,
-                "out of memory with batch size {failed_size} ({description}); keeping the last size that ran"
+                "{what}; keeping the last size that ran"
             ),
             Next::Stop(_) | Next::Ended => tracing::warn!(
                 function = self.label,
                 batch_size = failed_size,
-                attempt = number,
                 error = %description,
                 memory,
                 free_after_release,
-                "out of memory with batch size {failed_size} ({description}); no smaller size is left"
+                "{what}; no smaller size is left"
             ),
+        }
+        // Why the next size, on a line of its own: the retry's line stays short.
+        if let (Next::Size(next), Some(rationale)) = (&self.next, self.rationale.as_deref()) {
+            tracing::info!(
+                function = self.label,
+                batch_size = failed_size,
+                next_batch_size = *next,
+                "why {next}: {rationale}"
+            );
         }
     }
 
@@ -1040,4 +1047,47 @@ fn read_figures(attempt: &mut Attempt, stated: Figures) {
 
 fn non_empty(snapshot: MemorySnapshot) -> Option<MemorySnapshot> {
     (!snapshot.is_empty()).then_some(snapshot)
+}
+
+/// The memory as a retry's line gives it: each device's free bytes of its total, and what its
+/// pool (or, on the host, the process) holds; the report keeps the rest.
+struct Brief<'a>(&'a MemorySnapshot);
+
+impl std::fmt::Display for Brief<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (index, device) in self.0.devices.iter().enumerate() {
+            if index > 0 {
+                f.write_str("; ")?;
+            }
+            let (free, total) = (Bytes(device.free), Bytes(device.total));
+            write!(f, "{}: {free} free of {total}", device.device)?;
+            match device.pool_reserved {
+                Some(held) if device.device == "cpu" => {
+                    write!(f, ", process holds {}", Bytes(held))?
+                }
+                Some(held) => write!(f, ", pool reserves {}", Bytes(held))?,
+                None => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where a failed request was smaller than what the error said was free, the few words that
+/// say why, so that the figures do not read as a contradiction: on the host, the limit counts
+/// the process's own memory (its allocator's arenas, what it maps); on a device, the pool
+/// holds a reserve, and what is free is not in one piece.
+fn why_free_was_not_enough(attempt: &Attempt) -> Option<&'static str> {
+    let figures = &attempt.figures;
+    if figures.requested? > figures.free_at_failure? {
+        return None;
+    }
+    let on_the_host = attempt.memory_at_end.as_ref().is_some_and(|memory| {
+        !memory.devices.is_empty() && memory.devices.iter().all(|device| device.device == "cpu")
+    });
+    Some(if on_the_host {
+        " (the process's own memory)"
+    } else {
+        " (the pool's reserve)"
+    })
 }

@@ -367,3 +367,116 @@ fn memory_freed_by_other_work_between_trials_is_not_flat_memory() {
         .unwrap_or_else(|error| panic!("{error:#}"));
     assert!(tuned.batch_size() > 16, "{}", tuned.report());
 }
+
+/// Children in 768 MiB of room, with figures as a child reports them: a peak and what it held,
+/// counted in whole MiB, one MiB more or less from child to child. With no bytes a sample they
+/// ignore the size they are given (the attribute put on the step inside the child: each one
+/// settles on the same size whatever it is asked).
+#[derive(Debug, Clone, Default)]
+struct Children {
+    per_sample: u64,
+    last: Arc<std::sync::Mutex<(Option<u64>, bool)>>,
+}
+
+const MIB: u64 = 1 << 20;
+const ROOM: u64 = 768 * MIB;
+/// What the children's own attribute settles on: the largest size that fits.
+const FIT: usize = 952;
+
+impl Children {
+    fn run(&self, size: usize) -> anyhow::Result<()> {
+        let bytes = 400 * MIB + size as u64 * self.per_sample;
+        let mut last = self.last.lock().unwrap();
+        if bytes > ROOM {
+            *last = (Some(ROOM), true);
+            Err(OutOfMemory::new().with_free(0).with_total(ROOM))?;
+        }
+        let fixed = if self.per_sample == 0 { 300 } else { 0 };
+        let jitter = (size as u64 * 7919) % 3;
+        *last = (Some((bytes / MIB + fixed + jitter) * MIB), true);
+        Ok(())
+    }
+}
+
+impl batch_size_runtime::memory::MemoryBackend for Children {
+    fn release(&self) -> Result<(), batch_size_runtime::memory::ReleaseError> {
+        self.last.lock().unwrap().1 = false;
+        Ok(())
+    }
+
+    fn memory(&self) -> batch_size_runtime::memory::MemorySnapshot {
+        let (last, ended) = *self.last.lock().unwrap();
+        let held = last.filter(|_| ended);
+        batch_size_runtime::memory::MemorySnapshot {
+            devices: vec![batch_size_runtime::memory::DeviceMemory {
+                device: "cpu".to_owned(),
+                total: ROOM,
+                free: ROOM - held.unwrap_or(0),
+                pool_reserved: Some(held.unwrap_or(0)),
+                pool_used: None,
+                peak: held,
+            }],
+        }
+    }
+
+    fn start_attempt(&self) -> batch_size_runtime::memory::MemorySnapshot {
+        self.last.lock().unwrap().1 = false;
+        self.memory()
+    }
+}
+
+/// Before, the guard could not fire on a child's figures (their resolution, 1/64 of what the
+/// child held, asked for millions of samples between two sizes): the tuner grew to its `max`
+/// and returned 62,259, 65 times what fits.
+#[test]
+fn children_that_ignore_their_size_stop_whatever_the_figures_resolution() {
+    let children = Children::default();
+    let error = Tuner::new()
+        .with_max(65536)
+        .with_release(children.clone())
+        .run(|size| children.run(size))
+        .unwrap_err();
+    let none = error.downcast_ref::<NoExecutableBatchSize>().unwrap();
+    let StopReason::MemoryDoesNotGrow {
+        smaller,
+        larger,
+        peak,
+    } = *none.reason()
+    else {
+        panic!("{:?}: {}", none.reason(), none.report());
+    };
+    assert!(larger >= 16 * smaller, "{smaller}, {larger}");
+    assert!((700 * MIB..=702 * MIB).contains(&peak), "{peak}");
+    let largest = none.report().attempts().map(|trial| trial.batch_size).max();
+    assert!(
+        largest.is_some_and(|largest| largest < 8 * FIT),
+        "ran {largest:?}: {}",
+        none.report()
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("at {larger}, no more than at {smaller}")),
+        "{message}"
+    );
+}
+
+/// The guard's other edge: a small step in a large child (16 KiB a sample beside 400 MiB, its
+/// growth below the figures' resolution up to a few hundred samples) is grown, not stopped.
+#[test]
+fn a_small_step_in_a_large_child_is_grown_not_stopped() {
+    let children = Children {
+        per_sample: 16 << 10,
+        ..Children::default()
+    };
+    let fit = (368 * MIB / (16 << 10)) as usize;
+    let tuned = Tuner::new()
+        .with_release(children.clone())
+        .run(|size| children.run(size))
+        .unwrap();
+    assert!(
+        tuned.batch_size() >= fit / 2 && tuned.batch_size() <= fit,
+        "{} of {fit}: {}",
+        tuned.batch_size(),
+        tuned.report()
+    );
+}

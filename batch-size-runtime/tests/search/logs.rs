@@ -109,3 +109,111 @@ fn a_cpu_process_has_no_pool_in_the_words() {
     assert!(text.contains("the process holds 544.00 MiB"), "{text}");
     assert!(!text.contains("pool"), "{text}");
 }
+
+const MIB: u64 = 1 << 20;
+
+/// The failure a child trial reports under a 768 MiB limit: less asked than said free.
+fn sixty_four_with_more_free(size: usize) -> anyhow::Result<usize> {
+    if size > 16 {
+        Err(OutOfMemory::new()
+            .with_requested(64 * MIB)
+            .with_free(208 * MIB)
+            .with_total(768 * MIB))?;
+    }
+    Ok(size)
+}
+
+#[batch_size_runtime::find_executable_batch_size(starting = 64, release = device.clone())]
+fn train(
+    batch_size: usize,
+    device: &batch_size_runtime::memory::SimulatedDevice,
+) -> anyhow::Result<usize> {
+    let _activations = device.alloc(batch_size as u64 * (100 * MIB))?;
+    Ok(batch_size)
+}
+
+/// The line as a user's function `train` logs it: the tests' labels are their module paths.
+fn readable(line: &str) -> String {
+    let Some((before, rest)) = line.split_once(" function=\"") else {
+        return line.to_owned();
+    };
+    let after = rest.split_once('"').map_or("", |(_, after)| after);
+    format!("{before} function=\"train\"{after}")
+}
+
+/// Before, a retry's line ran past 600 characters, the error in its message, in `error` and
+/// its figures again in `memory`. Counted as the message and the fields (a subscriber adds
+/// its timestamp and target before them).
+#[test]
+fn a_retry_line_is_short_and_says_the_error_once() {
+    let device = batch_size_runtime::memory::SimulatedDevice::new(4 << 30);
+    let lines = warnings_of(|| assert!(train(&device).is_ok()));
+    assert!(!lines.is_empty());
+    for line in &lines {
+        let length = readable(line).len();
+        assert!(length < 200, "{length} characters: {line}");
+        assert_eq!(line.matches("tried to allocate").count(), 1, "{line}");
+        assert!(
+            !line.contains("memory=sim:0"),
+            "the error states the figures: {line}"
+        );
+    }
+}
+
+#[test]
+fn figures_that_look_contradictory_say_why_in_the_same_line() {
+    let on_a_device = warnings_of(|| {
+        let fitted = BatchSizeSearch::new(64)
+            .with_release(batch_size_runtime::Release::none())
+            .run(sixty_four_with_more_free);
+        assert!(fitted.is_ok());
+    });
+    assert!(!on_a_device.is_empty());
+    for line in &on_a_device {
+        assert!(
+            line.contains("out of memory (the pool's reserve)"),
+            "{line}"
+        );
+        let length = readable(line).len();
+        assert!(length < 200, "{length} characters: {line}");
+    }
+    let on_the_host = warnings_of(|| {
+        let fitted = BatchSizeSearch::new(64)
+            .with_release(batch_size_runtime::Release::host())
+            .run(sixty_four_with_more_free);
+        assert!(fitted.is_ok());
+    });
+    assert!(!on_the_host.is_empty());
+    for line in &on_the_host {
+        assert!(line.contains("the process's own memory"), "{line}");
+    }
+    // Figures that do not conflict need no excuse.
+    let plain = warnings_of(|| {
+        let _ = BatchSizeSearch::new(64)
+            .with_release(batch_size_runtime::Release::none())
+            .run(|size| out_of_memory_above(16, size));
+    });
+    assert!(
+        plain.iter().all(|line| !line.contains("the pool's")),
+        "{plain:#?}"
+    );
+}
+
+/// Before, a limit below what size 1 needs ended with "Lower `min`", `min` being 1.
+#[test]
+fn when_size_one_does_not_fit_the_error_says_to_raise_the_limit() {
+    let error = BatchSizeSearch::new(8)
+        .with_release(batch_size_runtime::Release::none())
+        .run(|size| out_of_memory_above(0, size))
+        .unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("raise the memory limit"), "{message}");
+    assert!(!message.contains("Lower `min`"), "{message}");
+    // With a `min` above 1, lowering it is still the advice.
+    let error = BatchSizeSearch::new(8)
+        .with_min(4)
+        .with_release(batch_size_runtime::Release::none())
+        .run(|size| out_of_memory_above(0, size))
+        .unwrap_err();
+    assert!(error.to_string().contains("Lower `min`"), "{error}");
+}

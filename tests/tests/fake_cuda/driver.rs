@@ -386,21 +386,21 @@ fn memory_figures_appear_in_the_warn_log_and_in_no_executable_batch_size() -> Te
     let warnings: Vec<&str> = logs.lines().filter(|line| line.contains("WARN")).collect();
     assert_eq!(warnings.len(), 3, "{logs}");
     assert!(
-        warnings[0].contains("out of memory with batch size 4 (")
-            && warnings[0].contains("); retrying with 2"),
+        warnings[0].contains("out of memory; retrying")
+            && warnings[0].contains("batch_size=4 next_batch_size=2"),
         "{logs}"
     );
     // `memory` is the device as the attempt failed (as PyTorch's message gives it), before the
     // release; `free_after_release` what the next attempt starts with.
     for warning in &warnings {
         assert!(
-            warning.contains("memory=cuda:0 has a total capacity of 100.00 MiB of which"),
+            warning.contains("memory=cuda:0: ") && warning.contains(" free of 100.00 MiB"),
             "{logs}"
         );
         assert!(warning.contains("free_after_release=100.00 MiB"), "{logs}");
     }
     assert!(
-        warnings[2].contains("of which 36.00 MiB is free; 0 bytes is allocated and 64.00 MiB is reserved by the pool"),
+        warnings[2].contains("36.00 MiB free of 100.00 MiB, pool reserves 64.00 MiB"),
         "{logs}"
     );
     assert_eq!(cuda.counters(0).trims, 3);

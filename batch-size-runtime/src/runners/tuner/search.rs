@@ -150,16 +150,35 @@ const MOST_AIMS: u32 = 5;
 /// not resolved any growth (see [`growth_unresolved`]).
 const FLAT_MEMORY_SPAN: usize = 16;
 
-/// The least a sample of a trial that runs at its size allocates: its batch holds at least a
-/// byte of it. Where the figures cannot resolve a growth under some bytes (see
-/// [`peak_resolution`]), memory is flat only over a span of sizes at least that many bytes
-/// wide: a trial with a small model in a large process is grown until its growth shows.
-const LEAST_BYTES_A_SAMPLE: u64 = 1;
+/// The least a sample of a training step allocates: its input, its activations and their
+/// gradients (a 28×28 image's input alone is 3 KiB). Where the figures cannot resolve a growth
+/// under some bytes (see [`peak_resolution`]), memory is flat only over a span of sizes at
+/// least that many bytes wide: a small model in a large process (libtorch's 620 MiB, a few
+/// MiB of resolution) is grown until its growth shows, while a child that ignores its size
+/// (10 MiB of resolution in 700 MiB) is caught by 4,096 samples, not at a size 65 times the
+/// fit (a byte a sample asked for ten million).
+const LEAST_BYTES_A_SAMPLE: u64 = 4 << 10;
+
+/// Figures counted in whole MiB (a child's) differ by up to one from rounding alone: two
+/// peaks in whole MiB are flat within one.
+const MIB: u64 = 1 << 20;
+
+/// How far apart two peaks may be and still be the same memory: what the figures resolve, and
+/// at least a MiB where both are counted in whole MiB.
+fn flat_tolerance(resolution: u64, peaks: [u64; 2]) -> u64 {
+    let rounded = peaks.iter().all(|peak| peak % MIB == 0);
+    if rounded {
+        resolution.max(MIB)
+    } else {
+        resolution
+    }
+}
 
 /// The last trial's peak is no higher than that of a size at most 1/16 of it (or the other way
-/// round), by more than the figures resolve, over a span of sizes wide enough that a trial
-/// that runs at its size would have shown its growth: the trial's memory does not depend on
-/// its size. Only trials since the memory last changed count: a small size run after another
+/// round), by more than the figures resolve (a MiB where they are rounded to whole MiB), over a
+/// span of sizes wide enough that a trial that runs at its size would have shown its growth
+/// (at [`LEAST_BYTES_A_SAMPLE`], more than the figures resolve and more than they grew): the
+/// trial's memory does not depend on its size. Only trials since the memory last changed count: a small size run after another
 /// process took memory shows its memory too.
 fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
     // Each trial's own peak (above what was held at its start): memory other work frees
@@ -179,14 +198,17 @@ fn memory_does_not_grow(history: &SearchReport) -> Option<StopReason> {
                 (last.batch_size, size, peak, other_peak)
             };
             let span = (larger - smaller) as u64;
+            // Flat within what the figures resolve, and the growth they show (noise, rounding)
+            // less than the span's samples would add at the least a sample allocates.
+            let growth = large_peak.saturating_sub(small_peak);
             (larger >= smaller.saturating_mul(FLAT_MEMORY_SPAN)
-                && large_peak <= small_peak.saturating_add(resolution)
-                && span.saturating_mul(LEAST_BYTES_A_SAMPLE) >= resolution)
-                .then_some(StopReason::MemoryDoesNotGrow {
-                    smaller,
-                    larger,
-                    peak: large_peak,
-                })
+                && growth <= flat_tolerance(resolution, [small_peak, large_peak])
+                && span.saturating_mul(LEAST_BYTES_A_SAMPLE) >= resolution.max(growth))
+            .then_some(StopReason::MemoryDoesNotGrow {
+                smaller,
+                larger,
+                peak: large_peak,
+            })
         })
 }
 
