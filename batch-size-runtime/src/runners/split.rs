@@ -194,12 +194,48 @@ impl Packing {
         high
     }
 
-    /// The micro-batches at `budget` (after [`realize`](Self::realize)): each one's items (the
-    /// costliest first) and its padded cost.
-    pub(crate) fn micro_batches(&self, budget: u64) -> Vec<(Vec<usize>, u64)> {
-        self.groups(budget)
+    /// Exactly `passes` groups (the count every rank of an agreement runs), none costlier than
+    /// `budget`'s: the smallest budget that needs no more, then the groups with the most items
+    /// halved until there are `passes` (a half costs no more than its whole). A rank with fewer
+    /// items than `passes` ends with empty groups.
+    fn groups_in(&self, budget: u64, passes: usize) -> Vec<Range<usize>> {
+        let mut groups = self.groups(self.realize(budget));
+        if groups.len() > passes {
+            return groups;
+        }
+        while groups.len() < passes {
+            let widest = (0..groups.len()).max_by_key(|&index| groups[index].len());
+            match widest {
+                Some(index) if groups[index].len() > 1 => {
+                    let group = groups[index].clone();
+                    let middle = group.start + group.len() / 2;
+                    groups[index] = group.start..middle;
+                    groups.insert(index + 1, middle..group.end);
+                }
+                _ => groups.push(self.order.len()..self.order.len()),
+            }
+        }
+        groups
+    }
+
+    /// The micro-batches at `budget` (after [`realize`](Self::realize)), or exactly `passes` of
+    /// them no costlier: each one's items (the costliest first) and its padded cost.
+    pub(crate) fn micro_batches(
+        &self,
+        budget: u64,
+        passes: Option<usize>,
+    ) -> Vec<(Vec<usize>, u64)> {
+        let groups = match passes {
+            None => self.groups(budget),
+            Some(passes) => self.groups_in(budget, passes),
+        };
+        groups
             .into_iter()
+            .filter(|group| !group.is_empty() || passes.is_some())
             .map(|group| {
+                if group.is_empty() {
+                    return (Vec::new(), 0);
+                }
                 let cost = self
                     .shape
                     .of(group.len(), self.costs[self.order[group.start]]);
@@ -283,7 +319,7 @@ mod tests {
     fn items_are_grouped_by_cost_and_every_item_runs_once() {
         let costs = [300, 8_000, 250, 300, 4_000, 120, 7_900];
         let packing = packing(&costs, BatchCost::padded());
-        let groups = packing.micro_batches(16_000);
+        let groups = packing.micro_batches(16_000, None);
         let mut seen: Vec<usize> = groups.iter().flat_map(|(items, _)| items.clone()).collect();
         seen.sort_unstable();
         assert_eq!(seen, (0..costs.len()).collect::<Vec<_>>());
@@ -319,6 +355,20 @@ mod tests {
         assert_eq!(packing.realize(40), 20);
         assert_eq!(packing.peak(20), 50);
         assert_eq!(Split::ByCost(Arc::new(packing)).peak(20), 50);
+    }
+
+    #[test]
+    fn a_count_of_passes_is_met_exactly_and_never_costs_more() {
+        let costs = [300, 8_000, 250, 300, 4_000, 120, 7_900];
+        let packing = packing(&costs, BatchCost::padded());
+        for passes in 3..=9 {
+            let groups = packing.micro_batches(16_000, Some(passes));
+            assert_eq!(groups.len(), passes);
+            assert!(groups.iter().all(|(_, cost)| *cost <= 16_000));
+            let mut seen: Vec<usize> = groups.iter().flat_map(|(items, _)| items.clone()).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..costs.len()).collect::<Vec<_>>());
+        }
     }
 
     #[test]

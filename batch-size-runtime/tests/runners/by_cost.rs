@@ -2,6 +2,7 @@
 //! length and packs them to a budget of cost that it learns while it runs; accumulation is exact
 //! in tokens; an item that cannot fit alone is named; a second run starts from the cache.
 
+use batch_size_runtime::agree::{Collective, ThreadRanks};
 use batch_size_runtime::{BatchCost, Chunked, EffectiveBatch, NoExecutableBatchSize, StopReason};
 
 use crate::lengths::{Lengths, Model, ENCODER, TRANSFORMER};
@@ -286,4 +287,77 @@ fn a_cost_function_that_panics_is_the_users_panic() {
     }))
     .unwrap_err();
     assert_eq!(caught.downcast_ref::<&str>(), Some(&"my own bug"));
+}
+
+/// Every rank of `world` trains on its own batches (its own seed), on its own device; returns
+/// each rank's micro-batch counts, step by step.
+fn ranks_train(world: usize, steps: usize) -> Vec<Vec<usize>> {
+    let ranks = ThreadRanks::new(world);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                scope.spawn(move || {
+                    let seed = 100 + rank.rank() as u64;
+                    let (device, _held) = TRANSFORMER.device();
+                    let mut runner = EffectiveBatch::new(64)
+                        .with_release(device.clone())
+                        .with_batch_cost(BatchCost::padded().with_square_term(2_048))
+                        .with_agreement(rank);
+                    let mut lengths = Lengths::heavy_tailed(seed);
+                    let mut counts = Vec::new();
+                    for step in 0..steps {
+                        let batch = lengths.batch(64);
+                        let mut count = 0;
+                        runner
+                            .step_by_cost(&batch, |plan| -> anyhow::Result<()> {
+                                count = 0;
+                                for micro in plan.micro_batches() {
+                                    count += 1;
+                                    TRANSFORMER.run(&device, &batch, &micro.items)?;
+                                }
+                                let weights: f64 = plan.micro_batches().map(|m| m.weight).sum();
+                                assert!((weights - 1.0).abs() < 1e-9);
+                                Ok(())
+                            })
+                            .unwrap_or_else(|error| panic!("step {step}: {error}"));
+                        counts.push(count);
+                    }
+                    counts
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect()
+    })
+}
+
+#[test]
+fn every_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most() {
+    for world in [2, 4] {
+        let counts = ranks_train(world, 60);
+        for step in 0..60 {
+            let at_step: Vec<usize> = counts.iter().map(|rank| rank[step]).collect();
+            assert!(
+                at_step.iter().all(|&count| count == at_step[0]),
+                "{world} ranks, step {step}: {at_step:?}"
+            );
+        }
+        // The ranks' own items differ: without the agreement their counts would.
+        let mut alone = Vec::new();
+        for rank in 0..world {
+            let mut lengths = Lengths::heavy_tailed(100 + rank as u64);
+            alone.push(
+                (0..60)
+                    .map(|_| TRANSFORMER.fewest_passes(&lengths.batch(64)))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        assert!(
+            (0..60).any(|step| alone.iter().any(|rank| rank[step] != alone[0][step])),
+            "{world} ranks: the ranks' items never needed different counts"
+        );
+    }
 }

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::agree::{Agree, Collective};
+use crate::agree::{Agree, Collective, ReduceOp};
 use crate::attempt::AttemptError;
 use crate::engine::{settings_setters, Invalid, Settings};
 use crate::error::{NoExecutableBatchSize, StopReason};
@@ -626,6 +626,14 @@ impl<'r> EffectiveBatch<'r> {
     /// `Σ weight × micro-batch's token-mean` is exactly the whole batch's token-mean, whatever
     /// the division ([`BatchCost::weighted_by_samples`] for a sample-mean loss).
     ///
+    /// Under [`with_agreement`](Self::with_agreement) the ranks agree on the budget (an
+    /// out-of-memory on any rank redoes the step on every rank, as by count), and every rank
+    /// runs as many micro-batches as the rank that needs the most, each with its own items (a
+    /// rank whose items need fewer splits its widest micro-batches; one with fewer items than
+    /// the count gets empty ones, of weight 0: skip them, or run nothing in them), so that a
+    /// gradient all-reduce after the last micro-batch meets every rank at the same pass. Not
+    /// with uneven shares.
+    ///
     /// `costs` may differ in length from step to step (the plan's `effective()` is its length);
     /// an item of cost 0, no items, or a runner that also ran [`step`](Self::step) stop with
     /// [`StopReason::InvalidConfiguration`]. An item that runs out of memory alone stops with
@@ -684,7 +692,7 @@ impl<'r> EffectiveBatch<'r> {
     pub fn plan_of(&self, costs: &[u64]) -> BatchPlan {
         let packing = Packing::new(costs.iter().copied().collect(), self.batch_cost);
         let split = Split::ByCost(Arc::new(packing.clone()));
-        BatchPlan::by_cost(&packing, split.realize(self.micro.max(1)))
+        BatchPlan::by_cost(&packing, split.realize(self.micro.max(1)), None)
     }
 
     /// One step, by count (`costs` is `None`) or by cost.
@@ -735,10 +743,18 @@ impl<'r> EffectiveBatch<'r> {
                 .map(Invalid::ItemCostIsZero),
             None => None,
         };
-        let plan_at = |size: usize| match &by_cost {
+        let plan_at = |size: usize, passes: Option<usize>| match &by_cost {
             None => BatchPlan::for_share(effective, share.clone(), size),
-            Some(packing) => BatchPlan::by_cost(packing, size),
+            Some(packing) => BatchPlan::by_cost(packing, size, passes),
         };
+        // By cost under an agreement, every rank runs as many micro-batches as the rank that
+        // needs the most, each with its own items: a gradient all-reduce after the last
+        // micro-batch (DDP's `no_sync` until then) meets every rank at the same pass.
+        let counted = by_cost
+            .as_ref()
+            .and(self.settings.agreement.clone())
+            .filter(|_| invalid.is_none());
+        let mut agreed_passes = None;
         // Only a step whose shares follow speed is timed: the plain path reads no clock.
         let mut shares = self.shares.take();
         let mut elapsed = None;
@@ -747,7 +763,22 @@ impl<'r> EffectiveBatch<'r> {
             search.invalidate(invalid);
         }
         let (result, report) = search.run_reporting(|micro| {
-            let plan = plan_at(micro);
+            let mut plan = plan_at(micro, None);
+            if let Some(collective) = &counted {
+                let mut passes = [plan.accumulation() as u64];
+                if let Err(error) = collective.all_reduce(&mut passes, ReduceOp::Max) {
+                    return Err(E::no_size_fits(NoExecutableBatchSize::new(
+                        StopReason::Agreement(error.to_string()),
+                        SearchReport::default(),
+                        None,
+                    )));
+                }
+                let passes = usize::try_from(passes[0]).unwrap_or(usize::MAX);
+                if passes > plan.accumulation() {
+                    plan = plan_at(micro, Some(passes));
+                }
+                agreed_passes = Some(passes);
+            }
             let Some(shares) = shares.as_mut() else {
                 return body(&plan);
             };
@@ -763,7 +794,7 @@ impl<'r> EffectiveBatch<'r> {
         crate::record::store_last_report(report.clone());
         self.account(report, &split);
         let value = result?;
-        self.last_plan = Some(plan_at(self.micro));
+        self.last_plan = Some(plan_at(self.micro, agreed_passes));
         if let Err(error) = self.rebalance(elapsed) {
             // The step ran; the next cannot: its own error, saying so (not "no size fits").
             let report = self.last_report.clone();

@@ -128,8 +128,9 @@ impl BatchPlan {
     }
 
     /// The plan of one step over items of different cost, packed at `budget` (after
-    /// [`Split::realize`](crate::runners::split::Split::realize)).
-    pub(crate) fn by_cost(packing: &Packing, budget: usize) -> Self {
+    /// [`Split::realize`](crate::runners::split::Split::realize)), in exactly `passes`
+    /// micro-batches where the ranks agreed on a count.
+    pub(crate) fn by_cost(packing: &Packing, budget: usize, passes: Option<usize>) -> Self {
         let costs = packing.costs();
         let shape = packing.shape();
         let total: u64 = costs
@@ -137,10 +138,12 @@ impl BatchPlan {
             .fold(0u64, |sum, &cost| sum.saturating_add(cost));
         let items = costs.len();
         let micro_batches: Vec<(Vec<usize>, u64, f64)> = packing
-            .micro_batches(budget as u64)
+            .micro_batches(budget as u64, passes)
             .into_iter()
             .map(|(group, cost)| {
-                let weight = if shape.by_samples() || total == 0 {
+                let weight = if group.is_empty() {
+                    0.0
+                } else if shape.by_samples() || total == 0 {
                     group.len() as f64 / items as f64
                 } else {
                     group.iter().map(|&item| costs[item] as f64).sum::<f64>() / total as f64
