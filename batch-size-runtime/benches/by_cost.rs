@@ -246,11 +246,18 @@ fn main() {
         "by samples",
     );
     let square = BatchCost::padded().with_square_term(2_048);
-    let each: Vec<usize> = SEEDS
-        .iter()
-        .map(|&seed| train_crate(seed, square, None).failures)
-        .collect();
-    println!("(this crate's failures by seed, square term as the model has it: {each:?})\n");
+    for (name, shape) in [
+        ("as the model has it", square),
+        ("2× too large", BatchCost::padded().with_square_term(1_024)),
+        ("none", BatchCost::padded()),
+    ] {
+        let each: Vec<usize> = SEEDS
+            .iter()
+            .map(|&seed| train_crate(seed, shape, None).failures)
+            .collect();
+        println!("(this crate's failures by seed, square term declared {name}: {each:?})");
+    }
+    println!();
     row(
         "this crate, `step_by_cost`, square term as the model has it",
         sum(&|seed| train_crate(seed, square, None)),

@@ -55,7 +55,11 @@ impl BatchCost {
     /// where the two terms are equal (lhotse's `quadratic_duration`): for a transformer whose
     /// attention scores are materialized, about the hidden size over the number of heads
     /// times the bytes of a score over those of an activation; where unsure, the smaller
-    /// `from` is the safer one. A `from` of 0 is taken as 1.
+    /// `from` is the safer one. A `from` of 0 is taken as 1. [`EffectiveBatch::step_by_cost`]
+    /// starts from it and learns the one the steps' peaks follow;
+    /// [`Chunked`](crate::Chunked) keeps it.
+    ///
+    /// [`EffectiveBatch::step_by_cost`]: crate::EffectiveBatch::step_by_cost
     pub fn with_square_term(mut self, from: u64) -> Self {
         self.square_from = Some(from.max(1));
         self
@@ -65,6 +69,17 @@ impl BatchCost {
     /// cost (a token-mean loss, the default).
     pub fn weighted_by_samples(mut self) -> Self {
         self.by_samples = true;
+        self
+    }
+
+    /// The cost where the square term equals the linear one (`None`: no square term).
+    pub(crate) fn square_from(&self) -> Option<u64> {
+        self.square_from
+    }
+
+    /// The same, with the square term from `from` (`None`: none).
+    pub(crate) fn with_square_from(mut self, from: Option<u64>) -> Self {
+        self.square_from = from.map(|from| from.max(1));
         self
     }
 

@@ -14,7 +14,7 @@ use crate::policy::CacheSlot;
 use crate::record::SearchReport;
 use crate::remedies::Remedies;
 use crate::runners::learn::GrowBack;
-use crate::runners::learn::{Convergence, Probing};
+use crate::runners::learn::{Convergence, Probing, SquareTerm};
 use crate::runners::search::BatchSizeSearch;
 use crate::runners::split::{BatchCost, Packing, Split};
 
@@ -123,6 +123,8 @@ pub struct EffectiveBatch<'r> {
     by_cost: Option<bool>,
     /// `with_micro` set the first size (by cost: the first budget; without, all the items).
     micro_given: bool,
+    /// By cost: the steps' peaks against their micro-batches' shapes, for the square term.
+    square_term: SquareTerm,
 }
 
 settings_setters!(
@@ -166,6 +168,7 @@ impl<'r> EffectiveBatch<'r> {
             batch_cost: BatchCost::padded(),
             by_cost: None,
             micro_given: false,
+            square_term: SquareTerm::default(),
         }
     }
 
@@ -466,6 +469,7 @@ impl<'r> EffectiveBatch<'r> {
     fn learn(&mut self, report: &SearchReport, split: &Split) {
         if report.remedies_changed() {
             self.convergence.forget();
+            self.square_term.forget();
         }
         for attempt in report.under_final_remedies() {
             self.convergence
@@ -620,6 +624,11 @@ impl<'r> EffectiveBatch<'r> {
     /// a step whose items are longer makes more micro-batches of the same cost, not an
     /// out-of-memory, and one that runs out all the same is redone in place at a smaller
     /// budget, the budget learned from it.
+    ///
+    /// With figures (a release that reads them), the square term is learned too: the shape
+    /// you give ([`with_batch_cost`](Self::with_batch_cost)) is where the runner starts, and
+    /// where the steps' peaks follow another square term clearly better, it takes that one and
+    /// says so at INFO.
     ///
     /// Each [`MicroBatch`] holds its `items` (indices into `costs`), its padded `cost`, and its
     /// `weight`: its items' cost over the step's, so that a token-mean loss accumulated as
@@ -795,6 +804,9 @@ impl<'r> EffectiveBatch<'r> {
         self.account(report, &split);
         let value = result?;
         self.last_plan = Some(plan_at(self.micro, agreed_passes));
+        if let Some(packing) = &by_cost {
+            self.learn_square_term(packing, agreed_passes);
+        }
         if let Err(error) = self.rebalance(elapsed) {
             // The step ran; the next cannot: its own error, saying so (not "no size fits").
             let report = self.last_report.clone();
@@ -809,6 +821,52 @@ impl<'r> EffectiveBatch<'r> {
             )));
         }
         Ok(value)
+    }
+
+    /// After a step by cost that ran: its peak against its micro-batches' shapes; where the
+    /// steps say memory grows with a square term other than the one in use, the cost takes it,
+    /// and the budget is what its line says fits the room the step had.
+    fn learn_square_term(&mut self, packing: &Packing, passes: Option<usize>) {
+        let Some(last) = self.last_report.last() else {
+            return;
+        };
+        let (Some(peak), Some(room)) = (last.figures.peak, last.figures.room) else {
+            return;
+        };
+        if !self.convergence.is_enabled() || !last.outcome.is_success() {
+            return;
+        }
+        let costs = packing.costs();
+        let shapes = packing
+            .micro_batches(last.batch_size as u64, passes)
+            .into_iter()
+            .filter_map(|(items, _)| Some((items.len(), costs[*items.first()?])))
+            .collect();
+        self.square_term.record(peak, shapes);
+        let in_use = self.batch_cost.square_from();
+        let Some(line) = self.square_term.better_than(in_use) else {
+            return;
+        };
+        let fits = ((room as f64 - line.fixed.max(0.0)) / line.per_unit).max(1.0);
+        // As the figures' fit of any size, a little below what the line says.
+        let budget = (fits * 0.97) as usize;
+        let said = |from: Option<u64>| from.map_or("none".to_owned(), |from| from.to_string());
+        tracing::info!(
+            step = self.steps,
+            was = %said(in_use),
+            now = %said(line.from),
+            budget,
+            "the steps' peaks follow the cost with a square term from {} (was {}): micro-batches \
+             now cost at most {budget} by it; the effective batch is unchanged",
+            said(line.from),
+            said(in_use)
+        );
+        self.batch_cost = self.batch_cost.with_square_from(line.from);
+        // Sizes measured in the old unit bound nothing in the new one.
+        self.convergence.forget();
+        self.grow.forget_failures();
+        self.micro = budget;
+        self.next_micro = budget;
     }
 
     /// After a step that ran: the shares follow what every rank measured (with uneven shares).

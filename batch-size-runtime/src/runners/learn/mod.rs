@@ -6,6 +6,8 @@
 mod converge;
 pub(crate) mod fit;
 mod grow_back;
+mod square_term;
 
 pub(crate) use converge::{larger_budget, Convergence, Probing};
 pub(crate) use grow_back::GrowBack;
+pub(crate) use square_term::SquareTerm;
