@@ -365,6 +365,7 @@ fn mixed<C: Collective>(name: &str, rank: &C, device: &SimulatedDevice) -> anyho
         "effective" => mixed_effective(rank, device),
         "chunked" => mixed_chunked(rank, device),
         "search" => mixed_search(rank, device),
+        "by_cost" => mixed_by_cost(rank, device),
         other => Err(anyhow::anyhow!("no mixed job {other}")),
     }
 }
@@ -411,6 +412,47 @@ fn mixed_effective<C: Collective>(rank: &C, device: &SimulatedDevice) -> anyhow:
     Ok(format!(
         "rank {me}: micro {micro:?} samples of all {samples_of_all:?} redone {redone:?}"
     ))
+}
+
+/// `EffectiveBatch::step_by_cost`, each rank its own lengths (a heavy tail on some ranks):
+/// every rank runs as many micro-batches as the rank that needs the most, each step (the
+/// all-gather after each step checks it where the gradient all-reduce would be).
+fn mixed_by_cost<C: Collective>(rank: &C, device: &SimulatedDevice) -> anyhow::Result<String> {
+    let me = rank.rank();
+    let mut runner = EffectiveBatch::new(16)
+        .with_release(device.clone())
+        .with_agreement(rank);
+    let mut counts = Vec::new();
+    for step in 0..5u64 {
+        // Lengths in samples' worth of memory: rank `me` has one long item every other step.
+        let lengths: Vec<u64> = (0..16u64)
+            .map(|i| {
+                1 + (i * 7 + step * 3 + me as u64) % 5
+                    + u64::from(i == 0 && (step + me as u64) % 2 == 0) * 30
+            })
+            .collect();
+        runner.step_then(
+            |plan| -> anyhow::Result<usize> {
+                let mut passes = 0;
+                for micro in plan.micro_batches() {
+                    let longest = micro.items.iter().map(|&i| lengths[i]).max().unwrap_or(0);
+                    let _activations =
+                        device.alloc(micro.items.len() as u64 * longest * PER_SAMPLE / 2)?;
+                    passes += 1;
+                }
+                Ok(passes)
+            },
+            |_plan, passes| {
+                let all = rank.all_gather(passes as u64)?;
+                if all.iter().any(|&count| count != all[0]) {
+                    anyhow::bail!("step {step}: the ranks ran {all:?} micro-batches");
+                }
+                counts.push(passes);
+                Ok(())
+            },
+        )?;
+    }
+    Ok(format!("rank {me}: micro-batches {counts:?}"))
 }
 
 /// `Chunked` with more items on some ranks than others (1500, 500, 1000, 200), 256 a chunk at
@@ -667,7 +709,7 @@ fn launch_all() -> ExitCode {
     ];
     // A rank that fits and a rank that runs out of memory in one round, on 2, 3 and 4 ranks:
     // each job gives what the same job gives on `ThreadRanks`.
-    for name in ["effective", "chunked", "search"] {
+    for name in ["effective", "chunked", "search", "by_cost"] {
         for ranks in 2..=4 {
             let scenario = format!("mix_{name}");
             let selected = only.is_empty() || only.split(',').any(|job| job == scenario);
