@@ -143,6 +143,7 @@ impl SquareTerm {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
