@@ -374,3 +374,28 @@ fn every_rank_runs_as_many_micro_batches_as_the_rank_that_needs_the_most() {
         );
     }
 }
+
+#[test]
+fn a_document_that_does_not_fit_alone_is_named_by_its_own_index() {
+    let lengths = [40u64, 900, 30, 20];
+    let device = batch_size_runtime::memory::SimulatedDevice::new(500);
+    let mut chunked = Chunked::new(lengths.len())
+        .with_release(device.clone())
+        .with_cost(|i| lengths[i]);
+    let error = chunked
+        .run_by_cost(|items| -> anyhow::Result<Vec<u64>> {
+            let longest = items.iter().map(|&i| lengths[i]).max().unwrap_or(0);
+            let _activations = device.alloc(items.len() as u64 * longest)?;
+            Ok(items.iter().map(|&i| lengths[i]).collect())
+        })
+        .unwrap_err();
+    match error {
+        batch_size_runtime::ChunkError::ItemTooLarge {
+            item,
+            cost,
+            completed,
+            ..
+        } => assert_eq!((item, cost, completed), (1, 900, 0)),
+        other => panic!("{other}"),
+    }
+}
