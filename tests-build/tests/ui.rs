@@ -1,7 +1,8 @@
 //! Compile-time behaviour of `#[find_executable_batch_size]`: what it accepts (`ui/pass`, each
 //! built and run) and how it reports what it cannot rewrite (`ui/fail`, each checked against its
 //! `.stderr` snapshot). Regenerate the snapshots with
-//! `TRYBUILD=overwrite cargo test -p batch-size-tests --test ui` and read every one.
+//! `TRYBUILD=overwrite cargo test -p batch-size-tests-build --test ui` and read every one in
+//! `git diff`.
 
 #[test]
 fn ui() {
