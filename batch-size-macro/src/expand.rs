@@ -534,7 +534,7 @@ mod tests {
 
     #[test]
     fn a_plain_function_expands_to_one_call_of_the_engine() {
-        // tests/ui/pass/free_fn.rs
+        // tests-build/ui/pass/accepted/free_fn.rs
         let expansion = find_executable_batch_size(
             quote! { starting = 128 },
             quote! {

@@ -95,7 +95,7 @@ where
 /// signature take both kinds without overlapping impls (`anyhow::Error` is not an `Error`).
 ///
 /// Sealed: the types above are the whole list, and no other implementation can be written
-/// (`tests/ui/fail/sealed_attempt_error.rs` shows the error, which says so).
+/// (`tests-build/ui/fail/sealed_attempt_error.rs` shows the error, which says so).
 #[diagnostic::on_unimplemented(
     message = "a batch-size runner cannot take `{Self}` as the closure's error type",
     label = "the closure's error type",

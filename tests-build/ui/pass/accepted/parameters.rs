@@ -58,7 +58,7 @@ fn mutable_reference(batch_size: usize, mut total: &mut usize, limit: usize) -> 
     Ok(())
 }
 
-fn main() {
+pub fn main() {
     let shared = NotClone(vec![1, 2]);
     let mut log = Vec::new();
     let config = Config {

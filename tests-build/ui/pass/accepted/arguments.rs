@@ -88,7 +88,7 @@ fn everything(batch_size: u32, limit: u32) -> anyhow::Result<usize> {
     oom_above(batch_size as usize, limit as usize)
 }
 
-fn main() {
+pub fn main() {
     let cfg = Config {
         batch_size: 48,
         limit: 20,

@@ -137,7 +137,7 @@ fn assert_send<F: Future + Send>(future: F) -> F {
     future
 }
 
-fn main() {
+pub fn main() {
     batch_size_runtime::oom::set_quiet_oom_panics(true);
     assert_eq!(block_on(train(20)).unwrap(), 16);
     let mut log = Vec::new();

@@ -55,7 +55,7 @@ fn generic<E: std::error::Error + Send + Sync + 'static>(
     }
 }
 
-fn main() {
+pub fn main() {
     assert_eq!(train(40).unwrap(), 32);
 
     // Nothing fits: the last out-of-memory error comes back, the sizes are in the report.

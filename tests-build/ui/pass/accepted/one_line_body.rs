@@ -10,7 +10,7 @@ fn train(batch_size: usize) -> anyhow::Result<usize> { Ok(batch_size) }
 #[find_executable_batch_size(starting = 8)]
 async fn train_async(batch_size: usize) -> anyhow::Result<usize> { Ok(batch_size) }
 
-fn main() {
+pub fn main() {
     assert_eq!(train().unwrap(), 8);
     let _ = train_async();
 }

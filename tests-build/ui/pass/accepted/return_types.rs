@@ -116,7 +116,7 @@ fn with_local_box(batch_size: usize, limit: usize) -> Result<usize, Box<dyn Erro
     Ok(batch_size)
 }
 
-fn main() {
+pub fn main() {
     batch_size_runtime::oom::set_quiet_oom_panics(true);
 
     assert_eq!(with_anyhow(3).unwrap(), 2);

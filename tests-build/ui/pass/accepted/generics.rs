@@ -44,7 +44,7 @@ where
     }
 }
 
-fn main() {
+pub fn main() {
     let items = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
     let picked = first_fitting(&items, |size| size <= 4).unwrap();
     assert_eq!(picked, [1, 2, 3, 4]);

@@ -55,7 +55,7 @@ fn typed_starting(batch_size: u64) -> u64 {
     batch_size
 }
 
-fn main() {
+pub fn main() {
     check_all();
     assert_eq!(capped(), 127);
     assert_eq!(mutable(3).unwrap(), 1002);

@@ -60,7 +60,7 @@ fn labelled(batch_size: usize) -> Option<usize> {
     found
 }
 
-fn main() {
+pub fn main() {
     assert_eq!(parse_then_train("1", 10).unwrap(), 9);
     assert_eq!(parse_then_train("1", 2).unwrap(), 201);
     assert!(matches!(parse_then_train("x", 10), Err(Error::Parse(_))));

@@ -9,7 +9,7 @@ fn train(batch_size: usize, limit: usize) -> anyhow::Result<usize> {
     Ok(batch_size)
 }
 
-fn main() {
+pub fn main() {
     assert_eq!(train(40).unwrap(), 32);
     let report = last_report().unwrap();
     assert_eq!(report.len(), 3);

@@ -50,7 +50,7 @@ impl Trainer {
     }
 }
 
-fn main() {
+pub fn main() {
     let mut trainer = Trainer {
         capacity: 20,
         seen: Vec::new(),
