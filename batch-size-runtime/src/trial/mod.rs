@@ -15,6 +15,7 @@ mod limit;
 mod process;
 mod refused;
 mod report;
+mod resident;
 
 use std::ffi::OsString;
 use std::fmt;
@@ -26,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::NoExecutableBatchSize;
-use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
+use crate::memory::{Bytes, DeviceMemory, MemorySnapshot, ReleaseError};
 use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
 use crate::memory::{OutOfMemory, Release};
 use crate::oom;
@@ -44,6 +45,10 @@ const FOLDER_VARIABLE: &str = "BATCH_SIZE_CHILD_FOLDER";
 /// The environment variable that gives the child the room its step may map
 /// ([`ChildTrial::with_memory_limit`] of the parent's trial), in bytes.
 const MEMORY_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_MEMORY_LIMIT";
+
+/// The environment variable that gives the child the resident memory it may hold
+/// ([`ChildTrial::with_resident_limit`] of the parent's trial), in bytes.
+const RESIDENT_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_RESIDENT_LIMIT";
 
 /// The exit code of a child whose trial did not fit (the report says how).
 const TRIAL_FAILED: i32 = 3;
@@ -147,6 +152,8 @@ pub struct ChildTrial {
     pass_output_through: bool,
     /// The bytes the child may map above what it maps as the step starts.
     memory_limit: Option<u64>,
+    /// The resident bytes the child may hold in all.
+    resident_limit: Option<u64>,
     /// What the last child used, for [`memory`](Self::memory); shared by clones.
     figures: ChildMemory,
 }
@@ -158,6 +165,8 @@ struct Asked {
     folder: PathBuf,
     /// The room the parent's trial gives the step, where it gives one.
     memory_limit: Option<u64>,
+    /// The resident budget the parent's trial gives the child, where it gives one.
+    resident_limit: Option<u64>,
 }
 
 impl ChildTrial {
@@ -174,6 +183,7 @@ impl ChildTrial {
             deadline: None,
             pass_output_through: true,
             memory_limit: None,
+            resident_limit: None,
             figures: ChildMemory::default(),
         }
     }
@@ -214,8 +224,11 @@ impl ChildTrial {
         self
     }
 
-    /// The memory the child's step may use (set on the trial whose [`run`](Self::run) starts
-    /// the child, which passes it on): in the child, just before the step, `serve` sets
+    /// The address space the child's step may map (set on the trial whose [`run`](Self::run)
+    /// starts the child, which passes it on). For "my box (my container, my job) has N GiB",
+    /// [`with_resident_limit`](Self::with_resident_limit) is the one: this limit counts what the
+    /// process reserves, not what it holds, and glibc's arenas reserve much more than they
+    /// touch. In the child, just before the step, `serve` sets
     /// the process's address-space limit (`RLIMIT_AS`, what `ulimit -v` sets) to `bytes` above
     /// what the process maps then, so that a size too large fails there (Rust's failed
     /// allocation aborts the child, libtorch's returns an error) instead of swapping, or of the
@@ -228,8 +241,11 @@ impl ChildTrial {
     /// reports (its room, what it held, what it asked for) are against these bytes, in whole
     /// MiB. The address space counts every mapping, reserved or touched: each thread's stack
     /// (2 MiB for a Rust thread, 8 MiB for a C library's) and glibc's arenas (64 MiB each,
-    /// reserved by threads that allocate) count too, so leave room for them. A tighter limit the program already has stays. Linux only:
-    /// elsewhere the child reports the trial failed, saying so.
+    /// reserved by threads that allocate) count too, so leave room for them: with a thread pool
+    /// (candle's, rayon's), the arenas alone can take a few hundred MiB of the room, and the
+    /// size that fits moves with how many threads allocated (`MALLOC_ARENA_MAX=2` in the
+    /// environment bounds them; the crate sets no such variable). A tighter limit the program
+    /// already has stays. Linux only: elsewhere the child reports the trial failed, saying so.
     ///
     /// What the child has mapped already is not the step's room, but what its malloc holds free
     /// there is: an allocation served from it takes none of the room. So a room no larger than
@@ -252,6 +268,54 @@ impl ChildTrial {
     /// ```
     pub fn with_memory_limit(mut self, bytes: u64) -> Self {
         self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// The resident memory the child may hold, in all (set on the trial whose
+    /// [`run`](Self::run) starts the child, which passes it on): the budget a box's RAM, a
+    /// container's `memory.max` or a job scheduler's memory limit counts. Pick it for "my box
+    /// has N GiB"; pick [`with_memory_limit`](Self::with_memory_limit) only to bound address
+    /// space itself (`ulimit -v`).
+    ///
+    /// In the child, a thread of `serve`'s reads the process's resident size
+    /// (`/proc/self/statm`) every 2 ms while the step runs. Once the process holds more than
+    /// `bytes`, the step ends as out of memory: the child reports it to the parent
+    /// ([`ChildTrialError::OutOfMemory`], the budget as the total, the resident bytes as used,
+    /// the bytes asked for unknown) and exits at once, so the search retries smaller as after any
+    /// other failure. A step that returns after passing the budget between two readings is out
+    /// of memory too: its peak (`VmHWM`, reset as the step starts) decides, so the outcome does
+    /// not hang on the thread's timing. Only pages the process touches count: a tensor
+    /// allocated and never written takes address space, not resident memory.
+    ///
+    /// The budget counts the whole process, its start included (the program, its libraries,
+    /// what it built before `serve`), as a container does; not the processes the step starts.
+    /// The figures the search reads from each child are in that frame: its resident peak
+    /// against the budget as the room. A budget no larger than what the child holds as the
+    /// step starts (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
+    /// [`ChildTrialError::Failed`] naming both figures.
+    ///
+    /// What the watch cannot do: stop an allocation faster than its readings from taking more
+    /// than the machine has. The kernel's out-of-memory killer may then end the child (SIGKILL)
+    /// before it reports, which the parent reads as out of memory, as any signal after the step
+    /// started, with no figures. Set the budget below what the machine (or container) has.
+    ///
+    /// glibc's arenas: each thread that allocates may reserve a 64 MiB arena of address space,
+    /// which is resident only as far as it is written; under this budget they cost what they
+    /// hold, not what they reserve, so nothing needs setting (the crate sets no
+    /// `MALLOC_ARENA_MAX` or other variable). Both limits can be set; an abort under the address
+    /// space's then carries that limit's figures. Linux only: elsewhere the child reports the
+    /// trial failed, saying so.
+    ///
+    /// # Default
+    /// No budget: the machine's memory, a container's.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// // The box has 768 MiB for the program: the child, its start included, holds at most that.
+    /// let trial = ChildTrial::new("step").with_resident_limit(768 << 20);
+    /// ```
+    pub fn with_resident_limit(mut self, bytes: u64) -> Self {
+        self.resident_limit = Some(bytes);
         self
     }
 
@@ -325,6 +389,7 @@ impl ChildTrial {
             std::env::remove_var(CHILD_VARIABLE);
             std::env::remove_var(FOLDER_VARIABLE);
             std::env::remove_var(MEMORY_LIMIT_VARIABLE);
+            std::env::remove_var(RESIDENT_LIMIT_VARIABLE);
         }
         // First, before anything that may fail: the proof that this child entered `serve` for
         // the trial, so that the parent never takes a child that did for one that did not.
@@ -372,6 +437,39 @@ impl ChildTrial {
             previous(info);
         }));
 
+        // The resident budget's watcher, before the address-space limit: its thread's stack is
+        // not the step's room.
+        let watch = match asked.resident_limit.or(self.resident_limit) {
+            None => None,
+            Some(budget) => {
+                let (folder, started) = (asked.folder.clone(), report.clone());
+                let watching = resident::watch(budget, move |resident| {
+                    let used = resident_used(budget, resident);
+                    let crossed = Report {
+                        used: Some(used),
+                        ended: Some(past_the_budget(budget, resident, None)),
+                        ..started
+                    };
+                    match files::write_whole(&folder, files::ENDED, &crossed.to_text()) {
+                        Ok(()) => TRIAL_FAILED,
+                        Err(_) => REPORT_UNWRITABLE,
+                    }
+                });
+                match watching {
+                    Ok(watch) => Some(watch),
+                    Err(error) => {
+                        report.ended = Some(Ended::Failed {
+                            message: format!(
+                                "could not hold the child's resident memory to {budget} bytes \
+                                 (ChildTrial::with_resident_limit): {error}"
+                            ),
+                        });
+                        let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
+                        std::process::exit(TRIAL_FAILED);
+                    }
+                }
+            }
+        };
         // Last before the step, and counted from what the process maps now, so that the step
         // has the room asked for whatever ran before (the backtrace read above included).
         let mut limited = None;
@@ -382,6 +480,10 @@ impl ChildTrial {
             match limiting {
                 Ok(before) => limited = before,
                 Err(error) => {
+                    // Decided here: the watcher must not write an outcome over this one.
+                    if let Some(watch) = watch {
+                        let _ = watch.stop();
+                    }
                     report.ended = Some(Ended::Failed {
                         message: format!(
                             "could not limit the child's memory to {room} bytes \
@@ -396,9 +498,15 @@ impl ChildTrial {
         // Only where the crate's own limit binds is a refused thread or mapping the room's.
         let under_the_limit = limited.is_some();
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
-        report.used = report
-            .start_own
-            .and_then(|start| used_in_the_room(start, &host));
+        // Stopped first, before anything the step's end allocates: from here the outcome is this
+        // thread's to write.
+        let resident = watch.map(|watch| (watch.budget(), watch.stop()));
+        report.used = match resident {
+            Some((budget, resident)) => Some(resident_used(budget, resident)),
+            None => report
+                .start_own
+                .and_then(|start| used_in_the_room(start, &host)),
+        };
         // The figures are read against the step's limit; the report must not fail for want of
         // the room the step used.
         if let Some(before) = limited {
@@ -424,6 +532,20 @@ impl ChildTrial {
                     None => Ended::Failed { message },
                 }
             }
+        };
+        // A step whose peak passed the resident budget did not fit in it, whatever it returned:
+        // the watcher may have read the process between the peak's rise and fall.
+        let ended = match resident {
+            Some((budget, resident)) if resident.peak > budget => {
+                let returned = match ended {
+                    Ended::Fit => None,
+                    Ended::OutOfMemory { message, .. }
+                    | Ended::Failed { message }
+                    | Ended::Panicking { message, .. } => Some(message),
+                };
+                past_the_budget(budget, resident, returned)
+            }
+            _ => ended,
         };
         let code = if ended == Ended::Fit { 0 } else { TRIAL_FAILED };
         report.ended = Some(ended);
@@ -453,6 +575,9 @@ impl ChildTrial {
             batch_size: size.parse().ok()?,
             folder: std::env::var_os(FOLDER_VARIABLE)?.into(),
             memory_limit: std::env::var(MEMORY_LIMIT_VARIABLE)
+                .ok()
+                .and_then(|bytes| bytes.parse().ok()),
+            resident_limit: std::env::var(RESIDENT_LIMIT_VARIABLE)
                 .ok()
                 .and_then(|bytes| bytes.parse().ok()),
         })
@@ -495,6 +620,10 @@ impl ChildTrial {
                 .envs(
                     self.memory_limit
                         .map(|bytes| (MEMORY_LIMIT_VARIABLE, bytes.to_string())),
+                )
+                .envs(
+                    self.resident_limit
+                        .map(|bytes| (RESIDENT_LIMIT_VARIABLE, bytes.to_string())),
                 )
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
@@ -566,9 +695,12 @@ impl ChildTrial {
             None => read_report(files::PANICKING).and_then(|panicking| panicking.ended),
         };
         let at_abort = abort::read(folder.path());
-        let used_at_abort = at_abort
-            .zip(start.start.zip(start.start_own))
-            .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
+        let used_at_abort =
+            at_abort
+                .zip(start.start.zip(start.start_own))
+                .map(|(at_abort, (limit, own))| {
+                    used_at_abort(at_abort, limit, own, self.resident_limit)
+                });
         self.figures
             .ended(report.and_then(|report| report.used).or(used_at_abort));
         let ending = Ending {
@@ -798,8 +930,22 @@ fn out_of_memory(message: String, used: Option<Used>) -> Ended {
 }
 
 /// What an aborted child used: what it held at the abort beyond what it held at the start (its
-/// anonymous memory, against an address-space limit or the resident kinds), in the room it had.
-fn used_at_abort(at_abort: abort::AtAbort, limit: HostLimit, start: Own) -> Used {
+/// anonymous memory, against an address-space limit or the resident kinds), in the room it had;
+/// under a resident budget and no address-space limit, its resident bytes against the budget.
+fn used_at_abort(
+    at_abort: abort::AtAbort,
+    limit: HostLimit,
+    start: Own,
+    resident_limit: Option<u64>,
+) -> Used {
+    if let (None, Some(budget)) = (at_abort.address_space_limit, resident_limit) {
+        let held = at_abort.own.resident;
+        return Used {
+            room: budget,
+            held,
+            peak: held,
+        };
+    }
     let (kind, room) = match at_abort.address_space_limit {
         // A limit in force at the abort binds, whichever bound at the start (the trial may
         // have set it).
@@ -820,6 +966,43 @@ fn used_at_abort(at_abort: abort::AtAbort, limit: HostLimit, start: Own) -> Used
         room: round_down_to_mib(room),
         held,
         peak: held,
+    }
+}
+
+/// What a step held against a resident budget, in the frame a box's or a container's memory
+/// counts: the budget as the room, the process's resident bytes (its start included) as what
+/// it held, its resident peak as the most it held.
+fn resident_used(budget: u64, resident: resident::Resident) -> Used {
+    Used {
+        room: budget,
+        held: resident.held,
+        peak: resident.peak,
+    }
+}
+
+/// A step past its resident budget: out of memory, the budget as the total and the resident
+/// peak as what it held (the bytes it asked for last are not known); `returned`, what the step
+/// returned, where it returned before the crossing was read.
+fn past_the_budget(budget: u64, resident: resident::Resident, returned: Option<String>) -> Ended {
+    let mut message = format!(
+        "the child's resident memory reached {} ({} bytes), past its budget of {} ({budget} \
+         bytes, ChildTrial::with_resident_limit)",
+        Bytes(resident.peak),
+        resident.peak,
+        Bytes(budget)
+    );
+    if let Some(returned) = returned {
+        message.push_str("; the step then returned: ");
+        message.push_str(&returned);
+    }
+    let at_peak = Used {
+        room: budget,
+        held: resident.peak,
+        peak: resident.peak,
+    };
+    Ended::OutOfMemory {
+        message,
+        figures: in_the_room(at_peak, None),
     }
 }
 
