@@ -666,7 +666,7 @@ fn a_resident_budget_sizes_the_step_by_what_it_writes() {
     assert_eq!(cpu.total, RESIDENT_BUDGET, "{cpu:?}");
     let peak = cpu.peak.unwrap();
     assert!(
-        peak >= 64 << 20 && peak <= RESIDENT_BUDGET,
+        (64 << 20..=RESIDENT_BUDGET).contains(&peak),
         "the peak of 64 MiB written: {cpu:?}"
     );
 

@@ -7,7 +7,8 @@
 //! a segfault or a kill after the trial started counts as out-of-memory; a child that never
 //! entered `serve` is an error that says so. Nothing the child prints is read: it is passed
 //! through. A child never starts children of its own for a trial, and never outlives `run`
-//! (`process`); `limit` gives its step the room asked for.
+//! (`process`); `limit` gives its step the address space asked for, `resident` holds it to a
+//! resident budget.
 
 mod abort;
 mod files;
