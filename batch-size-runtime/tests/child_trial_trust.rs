@@ -663,10 +663,15 @@ fn a_resident_budget_sizes_the_step_by_what_it_writes() {
     let figures = trial.memory();
     let snapshot = figures.memory_backend().memory();
     let cpu = &snapshot.devices[0];
-    assert_eq!(cpu.total, RESIDENT_BUDGET, "{cpu:?}");
+    // The room: the budget less what the child held as its step started (the program's own).
+    let room = cpu.total;
+    assert!(
+        room < RESIDENT_BUDGET && room > RESIDENT_BUDGET - (64 << 20),
+        "{cpu:?}"
+    );
     let peak = cpu.peak.unwrap();
     assert!(
-        (64 << 20..=RESIDENT_BUDGET).contains(&peak),
+        (64 << 20..=room).contains(&peak),
         "the peak of 64 MiB written: {cpu:?}"
     );
 
@@ -679,7 +684,12 @@ fn a_resident_budget_sizes_the_step_by_what_it_writes() {
     else {
         panic!("512 MiB written in a budget of 256 MiB: {error:?}");
     };
-    assert_eq!(figures.total, Some(RESIDENT_BUDGET), "{figures:?}");
+    // Another child's room: its start differs by a few pages, its room by a MiB at most.
+    let total = figures.total.unwrap();
+    assert!(
+        total.abs_diff(room) <= 1 << 20,
+        "{figures:?} against {room}"
+    );
     assert_eq!(figures.free, Some(0), "{figures:?}");
     assert_eq!(figures.requested, None, "{figures:?}");
     assert!(message.contains("with_resident_limit"), "{message}");

@@ -111,12 +111,14 @@ mod linux {
         let from_above = sized_resident(&trial).unwrap();
         let above_report = last_report().unwrap();
         assert!(
-            above_report.attempts().all(|attempt| attempt.outcome.is_success()
-                || matches!(
-                    attempt.outcome,
-                    batch_size_runtime::Outcome::OutOfMemory { .. }
-                        | batch_size_runtime::Outcome::Grew { .. }
-                )),
+            above_report
+                .attempts()
+                .all(|attempt| attempt.outcome.is_success()
+                    || matches!(
+                        attempt.outcome,
+                        batch_size_runtime::Outcome::OutOfMemory { .. }
+                            | batch_size_runtime::Outcome::Grew { .. }
+                    )),
             "{above_report}"
         );
         // The largest size that fits in a fresh child: up from the size found, in doublings
@@ -147,7 +149,7 @@ mod linux {
             }
         }
         // From below the fit: a small size, a quarter and a half of it.
-        let from_below: Vec<(usize, usize, usize, usize)> = [16, fits / 4, fits / 2]
+        let from_below: Vec<(usize, usize, usize, usize, String)> = [16, fits / 4, fits / 2]
             .into_iter()
             .map(|start| {
                 let found = BatchSizeSearch::new(start)
@@ -164,14 +166,15 @@ mod linux {
                     found,
                     report.attempts().count(),
                     report.out_of_memory_count(),
+                    report.to_string(),
                 )
             })
             .collect();
         let below: Vec<String> = from_below
             .iter()
-            .map(|(start, found, runs, failures)| {
+            .map(|(start, found, runs, failures, report)| {
                 format!(
-                    "from {start}: {found} ({:.3}) in {runs} runs, {failures} out of memory",
+                    "from {start}: {found} ({:.3}) in {runs} runs, {failures} out of memory\n{report}",
                     *found as f64 / fits as f64
                 )
             })

@@ -281,8 +281,8 @@ impl ChildTrial {
     /// In the child, a thread of `serve`'s reads the process's resident size
     /// (`/proc/self/statm`) every 2 ms while the step runs. Once the process holds more than
     /// `bytes`, the step ends as out of memory: the child reports it to the parent
-    /// ([`ChildTrialError::OutOfMemory`], the budget as the total, the resident bytes as used,
-    /// the bytes asked for unknown) and exits at once, so the search retries smaller as after any
+    /// ([`ChildTrialError::OutOfMemory`], with its figures in the frame below and the bytes
+    /// asked for unknown) and exits at once, so the search retries smaller as after any
     /// other failure. A step that returns after passing the budget between two readings is out
     /// of memory too: its peak (`VmHWM`, reset as the step starts) decides, so the outcome does
     /// not hang on the thread's timing. Only pages the process touches count: a tensor
@@ -290,8 +290,12 @@ impl ChildTrial {
     ///
     /// The budget counts the whole process, its start included (the program, its libraries,
     /// what it built before `serve`), as a container does; not the processes the step starts.
-    /// The figures the search reads from each child are in that frame: its resident peak
-    /// against the budget as the room. A budget no larger than what the child holds as the
+    /// What the child holds as the step starts is the program's, not the step's: the figures
+    /// the search reads from each child (through [`memory`](Self::memory), and an
+    /// out-of-memory's) count the step's room as the budget less that start, in whole MiB, and
+    /// what the step held and its peak as resident bytes above it, as the address-space limit
+    /// counts from the step's start; the message a person reads gives the process's whole
+    /// figures. A budget no larger than what the child holds as the
     /// step starts (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
     /// [`ChildTrialError::Failed`] naming both figures.
     ///
@@ -932,7 +936,8 @@ fn out_of_memory(message: String, used: Option<Used>) -> Ended {
 
 /// What an aborted child used: what it held at the abort beyond what it held at the start (its
 /// anonymous memory, against an address-space limit or the resident kinds), in the room it had;
-/// under a resident budget and no address-space limit, its resident bytes against the budget.
+/// under a resident budget and no address-space limit, its resident bytes above its start
+/// against the rest of the budget.
 fn used_at_abort(
     at_abort: abort::AtAbort,
     limit: HostLimit,
@@ -940,12 +945,14 @@ fn used_at_abort(
     resident_limit: Option<u64>,
 ) -> Used {
     if let (None, Some(budget)) = (at_abort.address_space_limit, resident_limit) {
-        let held = at_abort.own.resident;
-        return Used {
-            room: budget,
-            held,
-            peak: held,
-        };
+        return resident_used(
+            budget,
+            resident::Resident {
+                start: start.resident,
+                held: at_abort.own.resident,
+                peak: at_abort.own.resident,
+            },
+        );
     }
     let (kind, room) = match at_abort.address_space_limit {
         // A limit in force at the abort binds, whichever bound at the start (the trial may
@@ -970,36 +977,38 @@ fn used_at_abort(
     }
 }
 
-/// What a step held against a resident budget, in the frame a box's or a container's memory
-/// counts: the budget as the room, the process's resident bytes (its start included) as what
-/// it held, its resident peak as the most it held.
+/// What a step held against a resident budget, in the frame of every child's figures: what
+/// the process held as the step started is the program's, not the step's room; the room is the
+/// rest of the budget, what the step held and its peak are the resident bytes above that start.
 fn resident_used(budget: u64, resident: resident::Resident) -> Used {
     Used {
-        room: budget,
-        held: resident.held,
-        peak: resident.peak,
+        room: round_down_to_mib(budget.saturating_sub(resident.start)),
+        held: resident.held.saturating_sub(resident.start),
+        peak: resident.peak.saturating_sub(resident.start),
     }
 }
 
-/// A step past its resident budget: out of memory, the budget as the total and the resident
-/// peak as what it held (the bytes it asked for last are not known); `returned`, what the step
-/// returned, where it returned before the crossing was read.
+/// A step past its resident budget: out of memory, its room (the budget less the program's
+/// start) as the total and its resident peak as what it held (the bytes it asked for last are
+/// not known); `returned`, what the step returned, where it returned before the crossing was
+/// read.
 fn past_the_budget(budget: u64, resident: resident::Resident, returned: Option<String>) -> Ended {
     let mut message = format!(
         "the child's resident memory reached {} ({} bytes), past its budget of {} ({budget} \
-         bytes, ChildTrial::with_resident_limit)",
+         bytes, ChildTrial::with_resident_limit), of which the program held {} before the step",
         Bytes(resident.peak),
         resident.peak,
-        Bytes(budget)
+        Bytes(budget),
+        Bytes(resident.start)
     );
     if let Some(returned) = returned {
         message.push_str("; the step then returned: ");
         message.push_str(&returned);
     }
+    let used = resident_used(budget, resident);
     let at_peak = Used {
-        room: budget,
-        held: resident.peak,
-        peak: resident.peak,
+        held: used.peak,
+        ..used
     };
     Ended::OutOfMemory {
         message,

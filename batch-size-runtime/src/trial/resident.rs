@@ -26,9 +26,12 @@ const POLL: Duration = Duration::from_millis(2);
 /// The watcher's stack: it reads into buffers of its own frame and allocates nothing.
 const WATCHER_STACK: usize = 256 << 10;
 
-/// What the process held against the budget, in resident bytes.
+/// What the process held against the budget, in resident bytes, its start included.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Resident {
+    /// What it held as the watch started, just before the step: the program's own, which the
+    /// step cannot use.
+    pub(crate) start: u64,
     /// What it held when read.
     pub(crate) held: u64,
     /// The most it held since the watch started.
@@ -39,6 +42,8 @@ pub(crate) struct Resident {
 #[derive(Debug)]
 pub(crate) struct Watch {
     budget: u64,
+    /// The resident bytes as the watch started.
+    start: u64,
     /// Whether the outcome is decided: by the watcher at a crossing (then it ends the process),
     /// or by the step's thread as it stops the watch. Whoever takes it first decides.
     decided: Arc<Mutex<bool>>,
@@ -106,7 +111,11 @@ pub(crate) fn watch(
                             return;
                         }
                         *decided = true;
-                        let code = on_crossing(Resident { held, peak });
+                        let code = on_crossing(Resident {
+                            start: now,
+                            held,
+                            peak,
+                        });
                         // Holding `decided`: the step's thread cannot write an outcome of its own.
                         statm::end_now(code);
                     }
@@ -116,6 +125,7 @@ pub(crate) fn watch(
     };
     Ok(Watch {
         budget,
+        start: now,
         decided,
         seen,
         stop,
@@ -151,6 +161,7 @@ impl Watch {
             0
         };
         Resident {
+            start: self.start,
             held,
             peak: seen.max(hwm).max(held),
         }
