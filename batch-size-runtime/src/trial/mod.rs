@@ -51,6 +51,10 @@ const MEMORY_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_MEMORY_LIMIT";
 /// ([`ChildTrial::with_resident_limit`] of the parent's trial), in bytes.
 const RESIDENT_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_RESIDENT_LIMIT";
 
+/// The environment variable that gives the child the resident bytes its figures count from:
+/// what the trial's first child held before its step, in bytes.
+const RESIDENT_START_VARIABLE: &str = "BATCH_SIZE_CHILD_RESIDENT_START";
+
 /// The exit code of a child whose trial did not fit (the report says how).
 const TRIAL_FAILED: i32 = 3;
 
@@ -168,6 +172,8 @@ struct Asked {
     memory_limit: Option<u64>,
     /// The resident budget the parent's trial gives the child, where it gives one.
     resident_limit: Option<u64>,
+    /// The resident bytes the figures count from, where an earlier child set them.
+    resident_start: Option<u64>,
 }
 
 impl ChildTrial {
@@ -294,8 +300,9 @@ impl ChildTrial {
     /// the search reads from each child (through [`memory`](Self::memory), and an
     /// out-of-memory's) count the step's room as the budget less that start, in whole MiB, and
     /// what the step held and its peak as resident bytes above it, as the address-space limit
-    /// counts from the step's start; the message a person reads gives the process's whole
-    /// figures. A budget no larger than what the child holds as the
+    /// counts from the step's start. The start is the trial's first child's, for every child of
+    /// the trial and its clones, so that all rooms are one total (children start alike, not to
+    /// the page); the message a person reads gives the process's whole figures. A budget no larger than what the child holds as the
     /// step starts (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
     /// [`ChildTrialError::Failed`] naming both figures.
     ///
@@ -395,6 +402,7 @@ impl ChildTrial {
             std::env::remove_var(FOLDER_VARIABLE);
             std::env::remove_var(MEMORY_LIMIT_VARIABLE);
             std::env::remove_var(RESIDENT_LIMIT_VARIABLE);
+            std::env::remove_var(RESIDENT_START_VARIABLE);
         }
         // First, before anything that may fail: the proof that this child entered `serve` for
         // the trial, so that the parent never takes a child that did for one that did not.
@@ -448,7 +456,13 @@ impl ChildTrial {
             None => None,
             Some(budget) => {
                 let (folder, started) = (asked.folder.clone(), report.clone());
-                let watching = resident::watch(budget, move |resident| {
+                // One start for every child of the trial (the first's), so that their rooms are
+                // one total: a search reads a step's peak only against the room it started with.
+                let start = asked
+                    .resident_start
+                    .or(report.start_own.map(|own| own.resident))
+                    .unwrap_or(0);
+                let watching = resident::watch(budget, start, move |resident| {
                     let used = resident_used(budget, resident);
                     let crossed = Report {
                         used: Some(used),
@@ -585,6 +599,9 @@ impl ChildTrial {
             resident_limit: std::env::var(RESIDENT_LIMIT_VARIABLE)
                 .ok()
                 .and_then(|bytes| bytes.parse().ok()),
+            resident_start: std::env::var(RESIDENT_START_VARIABLE)
+                .ok()
+                .and_then(|bytes| bytes.parse().ok()),
         })
     }
 
@@ -614,6 +631,11 @@ impl ChildTrial {
             Some(args) => args.clone(),
             None => std::env::args_os().skip(1).collect(),
         };
+        // The start the child's resident figures count from, where an earlier child set it.
+        let resident_start = self
+            .figures
+            .resident_start()
+            .filter(|_| self.resident_limit.is_some());
         // Declared before the child, so that it is removed after the child has ended.
         let folder = TrialFolder::create().map_err(ChildTrialError::Start)?;
         // Ended (with the processes it starts) wherever this function returns before it has.
@@ -630,6 +652,7 @@ impl ChildTrial {
                     self.resident_limit
                         .map(|bytes| (RESIDENT_LIMIT_VARIABLE, bytes.to_string())),
                 )
+                .envs(resident_start.map(|bytes| (RESIDENT_START_VARIABLE, bytes.to_string())))
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped()),
@@ -687,6 +710,9 @@ impl ChildTrial {
                 ),
             });
         };
+        if let Some(own) = start.start_own.filter(|_| self.resident_limit.is_some()) {
+            self.figures.program_started(own.resident);
+        }
         let read_report = |name| {
             folder
                 .read(name)
@@ -704,7 +730,10 @@ impl ChildTrial {
             at_abort
                 .zip(start.start.zip(start.start_own))
                 .map(|(at_abort, (limit, own))| {
-                    used_at_abort(at_abort, limit, own, self.resident_limit)
+                    let resident = self
+                        .resident_limit
+                        .map(|budget| (budget, resident_start.unwrap_or(own.resident)));
+                    used_at_abort(at_abort, limit, own, resident)
                 });
         self.figures
             .ended(report.and_then(|report| report.used).or(used_at_abort));
@@ -936,19 +965,19 @@ fn out_of_memory(message: String, used: Option<Used>) -> Ended {
 
 /// What an aborted child used: what it held at the abort beyond what it held at the start (its
 /// anonymous memory, against an address-space limit or the resident kinds), in the room it had;
-/// under a resident budget and no address-space limit, its resident bytes above its start
-/// against the rest of the budget.
+/// under a resident budget (and the start its figures count from) and no address-space limit,
+/// its resident bytes above that start against the rest of the budget.
 fn used_at_abort(
     at_abort: abort::AtAbort,
     limit: HostLimit,
     start: Own,
-    resident_limit: Option<u64>,
+    resident: Option<(u64, u64)>,
 ) -> Used {
-    if let (None, Some(budget)) = (at_abort.address_space_limit, resident_limit) {
+    if let (None, Some((budget, resident_start))) = (at_abort.address_space_limit, resident) {
         return resident_used(
             budget,
             resident::Resident {
-                start: start.resident,
+                start: resident_start,
                 held: at_abort.own.resident,
                 peak: at_abort.own.resident,
             },
@@ -1045,9 +1074,26 @@ struct ChildFigures {
     /// A child ended since the attempt started and no release came after it: its figures are
     /// the attempt's end; otherwise what a fresh child has, all the room.
     ended: bool,
+    /// What the first child under a resident budget held before its step: the start every
+    /// later child's resident figures count from.
+    resident_start: Option<u64>,
 }
 
 impl ChildMemory {
+    fn resident_start(&self) -> Option<u64> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .resident_start
+    }
+
+    /// A child held `resident` bytes before its step: the start of the trial's resident figures
+    /// where no child set one before.
+    fn program_started(&self, resident: u64) {
+        let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        figures.resident_start.get_or_insert(resident);
+    }
+
     fn ended(&self, used: Option<Used>) {
         let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         // A child that left no figures (killed before it could write them) has none: an

@@ -29,8 +29,8 @@ const WATCHER_STACK: usize = 256 << 10;
 /// What the process held against the budget, in resident bytes, its start included.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Resident {
-    /// What it held as the watch started, just before the step: the program's own, which the
-    /// step cannot use.
+    /// What the program holds before its step, which the step cannot use: the start the
+    /// figures count from.
     pub(crate) start: u64,
     /// What it held when read.
     pub(crate) held: u64,
@@ -42,7 +42,7 @@ pub(crate) struct Resident {
 #[derive(Debug)]
 pub(crate) struct Watch {
     budget: u64,
-    /// The resident bytes as the watch started.
+    /// The start the figures count from.
     start: u64,
     /// Whether the outcome is decided: by the watcher at a crossing (then it ends the process),
     /// or by the step's thread as it stops the watch. Whoever takes it first decides.
@@ -56,7 +56,8 @@ pub(crate) struct Watch {
     peak_reset: bool,
 }
 
-/// Starts watching this process's resident memory against `budget` bytes. At a crossing, the
+/// Starts watching this process's resident memory against `budget` bytes, the figures counted
+/// from `start` (what the program holds before its step; see `ChildTrial::run`). At a crossing, the
 /// watcher calls `on_crossing` with what the process holds (it writes the report) and ends the
 /// process with the exit code it returns, without running exit handlers: the step's thread is
 /// still running.
@@ -65,6 +66,7 @@ pub(crate) struct Watch {
 /// be out of memory before the step allocated a byte.
 pub(crate) fn watch(
     budget: u64,
+    start: u64,
     on_crossing: impl FnOnce(Resident) -> i32 + Send + 'static,
 ) -> io::Result<Watch> {
     let now = statm::resident()?;
@@ -111,11 +113,7 @@ pub(crate) fn watch(
                             return;
                         }
                         *decided = true;
-                        let code = on_crossing(Resident {
-                            start: now,
-                            held,
-                            peak,
-                        });
+                        let code = on_crossing(Resident { start, held, peak });
                         // Holding `decided`: the step's thread cannot write an outcome of its own.
                         statm::end_now(code);
                     }
@@ -125,7 +123,7 @@ pub(crate) fn watch(
     };
     Ok(Watch {
         budget,
-        start: now,
+        start,
         decided,
         seen,
         stop,
@@ -256,7 +254,7 @@ mod tests {
     #[test]
     fn a_budget_below_what_the_process_holds_is_refused() {
         for budget in [0, 4096] {
-            let error = watch(budget, |_| 3).unwrap_err();
+            let error = watch(budget, 0, |_| 3).unwrap_err();
             assert_eq!(error.kind(), io::ErrorKind::InvalidInput);
             assert!(error.to_string().contains(&format!("{budget} bytes")));
         }
