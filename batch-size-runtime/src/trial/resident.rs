@@ -88,12 +88,18 @@ pub(crate) fn watch(
     let decided = Arc::new(Mutex::new(false));
     let seen = Arc::new(AtomicU64::new(now));
     let stop = Arc::new(AtomicBool::new(false));
+    let (ready, started) = std::sync::mpsc::channel();
     let thread = {
         let (decided, seen, stop) = (Arc::clone(&decided), Arc::clone(&seen), Arc::clone(&stop));
         std::thread::Builder::new()
             .name("batch-size-resident-watch".to_owned())
             .stack_size(WATCHER_STACK)
             .spawn(move || {
+                // A first allocation here, before the step and any address-space limit: the
+                // arena glibc may give this thread is reserved now, not out of the step's room
+                // when the report is written.
+                drop(std::hint::black_box(Vec::<u8>::with_capacity(64)));
+                let _ = ready.send(());
                 while !stop.load(Ordering::SeqCst) {
                     let held = match statm::resident() {
                         Ok(held) => held,
@@ -121,6 +127,8 @@ pub(crate) fn watch(
                 }
             })?
     };
+    // The watch is on before the step starts (a thread that never ran could not end it).
+    let _ = started.recv();
     Ok(Watch {
         budget,
         start,
