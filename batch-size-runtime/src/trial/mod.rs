@@ -552,19 +552,9 @@ impl ChildTrial {
                 }
             }
         };
-        // A step whose peak passed the resident budget did not fit in it, whatever it returned:
-        // the watcher may have read the process between the peak's rise and fall.
         let ended = match resident {
-            Some((budget, resident)) if resident.peak > budget => {
-                let returned = match ended {
-                    Ended::Fit => None,
-                    Ended::OutOfMemory { message, .. }
-                    | Ended::Failed { message }
-                    | Ended::Panicking { message, .. } => Some(message),
-                };
-                past_the_budget(budget, resident, returned)
-            }
-            _ => ended,
+            Some((budget, resident)) => judged_by_the_budget(ended, budget, resident),
+            None => ended,
         };
         let code = if ended == Ended::Fit { 0 } else { TRIAL_FAILED };
         report.ended = Some(ended);
@@ -1017,6 +1007,22 @@ fn resident_used(budget: u64, resident: resident::Resident) -> Used {
     }
 }
 
+/// How a step under a resident budget ended: what it returned, unless its peak passed the
+/// budget; then it did not fit, whatever it returned (the watcher may have read the process
+/// between the peak's rise and fall), and what it returned is kept in the message.
+fn judged_by_the_budget(ended: Ended, budget: u64, resident: resident::Resident) -> Ended {
+    if resident.peak <= budget {
+        return ended;
+    }
+    let returned = match ended {
+        Ended::Fit => None,
+        Ended::OutOfMemory { message, .. }
+        | Ended::Failed { message }
+        | Ended::Panicking { message, .. } => Some(message),
+    };
+    past_the_budget(budget, resident, returned)
+}
+
 /// A step past its resident budget: out of memory, its room (the budget less the program's
 /// start) as the total and its resident peak as what it held (the bytes it asked for last are
 /// not known); `returned`, what the step returned, where it returned before the crossing was
@@ -1439,6 +1445,48 @@ impl fmt::Display for RanBeforeServing<'_> {
                 "; it reached ChildTrial::run for trial `{trial}` first and was stopped there \
                  rather than start a child of its own"
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::panic)] // a test fails by panicking
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peak_past_the_resident_budget_is_out_of_memory_whatever_the_step_returned() {
+        const MIB: u64 = 1 << 20;
+        let budget = 256 * MIB;
+        let within = resident::Resident {
+            start: 100 * MIB,
+            held: 120 * MIB,
+            peak: budget,
+        };
+        let past = resident::Resident {
+            peak: budget + 1,
+            ..within
+        };
+        let failed = || Ended::Failed {
+            message: "corrupt record 17".to_owned(),
+        };
+        assert_eq!(judged_by_the_budget(Ended::Fit, budget, within), Ended::Fit);
+        assert_eq!(judged_by_the_budget(failed(), budget, within), failed());
+        for (ended, returned) in [(Ended::Fit, None), (failed(), Some("corrupt record 17"))] {
+            let Ended::OutOfMemory { message, figures } = judged_by_the_budget(ended, budget, past)
+            else {
+                panic!("a peak past the budget is out of memory");
+            };
+            assert!(message.contains("with_resident_limit"), "{message}");
+            assert_eq!(
+                returned.is_some_and(|returned| message.ends_with(returned)),
+                returned.is_some(),
+                "{message}"
+            );
+            // The room: the budget less the start, in whole MiB; nothing of it free.
+            assert_eq!(figures.total, Some(156 * MIB));
+            assert_eq!(figures.free, Some(0));
+            assert_eq!(figures.requested, None);
         }
     }
 }
