@@ -175,9 +175,10 @@ mod linux {
         let below: Vec<String> = from_below
             .iter()
             .map(|(start, found, runs, failures, report)| {
+                let ratio = *found as f64 / fits as f64;
                 format!(
-                    "from {start}: {found} ({:.3}) in {runs} runs, {failures} out of memory\n{report}",
-                    *found as f64 / fits as f64
+                    "from {start}: {found} ({ratio:.3}) in {runs} runs, {failures} out of \
+                     memory\n{report}"
                 )
             })
             .collect();

@@ -302,8 +302,10 @@ impl ChildTrial {
     /// what the step held and its peak as resident bytes above it, as the address-space limit
     /// counts from the step's start. The start is the trial's first child's, for every child of
     /// the trial and its clones, so that all rooms are one total (children start alike, not to
-    /// the page); the message a person reads gives the process's whole figures. A budget no larger than what the child holds as the
-    /// step starts (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
+    /// the page); the message a person reads gives the process's whole figures.
+    ///
+    /// A budget no larger than what the child holds as the step starts
+    /// (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
     /// [`ChildTrialError::Failed`] naming both figures.
     ///
     /// What the watch cannot do: stop an allocation faster than its readings from taking more
