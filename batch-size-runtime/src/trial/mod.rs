@@ -302,7 +302,11 @@ impl ChildTrial {
     /// what the step held and its peak as resident bytes above it, as the address-space limit
     /// counts from the step's start. The start is the trial's first child's, for every child of
     /// the trial and its clones, so that all rooms are one total (children start alike, not to
-    /// the page); the message a person reads gives the process's whole figures.
+    /// the page); the message a person reads gives the process's whole figures. With
+    /// `RUST_BACKTRACE` set, `serve` reads the program's debug information before the step (so
+    /// that the backtrace a panic prints is not read into the step's memory), and the budget
+    /// counts it in that start: 125 MiB for a debug test binary linking candle, where it holds
+    /// 5.5 MiB without.
     ///
     /// A budget no larger than what the child holds as the step starts
     /// (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
