@@ -88,7 +88,13 @@ mod linux {
     #[test]
     #[ignore = "a child process of mlp_sized_under_a_resident_budget: run by it with --ignored"]
     fn child_mlp_step_resident() {
-        // No limit of its own and no allocator setting: the parent's budget is the one.
+        // No limit of its own and no allocator setting: the parent's budget is the one. Without
+        // backtraces, as a release build's debug information is small: with RUST_BACKTRACE=1,
+        // `serve` reads this debug test binary's first (125 MiB resident, against 5.5 MiB
+        // without), and the budget counts it as the program's (see docs/FRAMEWORKS.md).
+        if ChildTrial::new("mlp_step_resident").is_child() {
+            std::env::set_var("RUST_BACKTRACE", "0");
+        }
         ChildTrial::new("mlp_step_resident").serve(|batch_size| -> anyhow::Result<()> {
             step(batch_size)?;
             Ok(())
@@ -192,9 +198,9 @@ mod linux {
             above_report.out_of_memory_count(),
             below.join("\n"),
         );
-        // Not asserted against the fit: near it, sizes fit in one child and not the next, and
-        // from above the one step measured (halving's rung, its peak near the room) shows no
-        // room to grow; see docs/FRAMEWORKS.md for the figures of the runs.
+        // From above, halving's rung (1024, 0.55 of the fit) grows three times to 0.97 of it in
+        // the runs of docs/FRAMEWORKS.md. From below, only that it grew or stayed: from 16 it
+        // reached 0.876 and 0.990 in two runs.
         let halving = (0..)
             .map(|halvings| STARTING >> halvings)
             .find(|&rung| rung <= fits)
@@ -202,6 +208,10 @@ mod linux {
         assert!(
             from_above >= halving,
             "{from_above} below halving's {halving}"
+        );
+        assert!(
+            from_above as f64 >= 0.90 * fits as f64,
+            "{from_above} of {fits} from {STARTING}"
         );
     }
 
