@@ -3,8 +3,8 @@
 //! resident bytes (`VmRSS`), not its address space. No kernel limit refuses an allocation at a
 //! resident figure (`RLIMIT_RSS` is ignored by Linux), so the child watches itself: a thread
 //! reads `/proc/self/statm` every [`POLL`] and, once the process holds more than the budget,
-//! reports the step out of memory (the budget as the total, what it held as used) and ends the
-//! process at once. As the step returns, its peak (`VmHWM`, reset as the step starts, or the
+//! reports the step out of memory (with the figures of [`Resident`], which the parent frames)
+//! and ends the process at once. As the step returns, its peak (`VmHWM`, reset as the step starts, or the
 //! most the watcher saw) decides too, so a step that passed the budget between two readings is
 //! out of memory all the same: the outcome does not hang on the watcher's timing. An allocation
 //! that outruns the watcher past what the machine has can still bring the kernel's
@@ -23,7 +23,8 @@ use crate::memory::Bytes;
 /// passes the budget by some MiB before it is seen, far from what the machine has.
 const POLL: Duration = Duration::from_millis(2);
 
-/// The watcher's stack: it reads into buffers of its own frame and allocates nothing.
+/// The watcher's stack: it reads into buffers of its own frame, and allocates only as it starts
+/// and at a crossing.
 const WATCHER_STACK: usize = 256 << 10;
 
 /// What the process held against the budget, in resident bytes, its start included.
@@ -57,10 +58,10 @@ pub(crate) struct Watch {
 }
 
 /// Starts watching this process's resident memory against `budget` bytes, the figures counted
-/// from `start` (what the program holds before its step; see `ChildTrial::run`). At a crossing, the
-/// watcher calls `on_crossing` with what the process holds (it writes the report) and ends the
-/// process with the exit code it returns, without running exit handlers: the step's thread is
-/// still running.
+/// from `start` (what the program holds before its step; see `ChildTrial::run`), and returns
+/// once the watcher runs. At a crossing, the watcher calls `on_crossing` with what the process
+/// holds (it writes the report) and ends the process with the exit code it returns, without
+/// running exit handlers: the step's thread is still running.
 ///
 /// A budget no larger than what the process holds now is refused, naming both: every size would
 /// be out of memory before the step allocated a byte.
