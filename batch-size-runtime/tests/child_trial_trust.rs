@@ -644,3 +644,173 @@ fn a_grow_goes_through_child_trial_error_to_the_search() {
     );
     assert!(fitted > 8 && fitted < 64, "{fitted}: {report}");
 }
+
+/// The resident budget of `with_resident_limit`'s tests: far below what the machine has, far
+/// above what a child of this binary holds at its start.
+#[cfg(target_os = "linux")]
+const RESIDENT_BUDGET: u64 = 256 << 20;
+
+/// `with_resident_limit` sizes by what a step writes: 1 MiB a sample, touched, fits at 64 with
+/// its peak against the budget; at 512 it is stopped as out of memory, the budget as the total;
+/// a search lands under the budget and each failure on the way is out of memory; with
+/// `step_done()` after the child's step, the peak at the size that ran grows it toward the
+/// budget.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_resident_budget_sizes_the_step_by_what_it_writes() {
+    let trial = trial("allocates").with_resident_limit(RESIDENT_BUDGET);
+    assert_eq!(trial.run(64).unwrap(), 64);
+    let figures = trial.memory();
+    let snapshot = figures.memory_backend().memory();
+    let cpu = &snapshot.devices[0];
+    // The room: the budget less what the child held as its step started (the program's own).
+    let room = cpu.total;
+    assert!(
+        room < RESIDENT_BUDGET && room > RESIDENT_BUDGET / 2,
+        "{cpu:?}"
+    );
+    // 64 MiB written, give or take the program's own pages between its start and the step.
+    let peak = cpu.peak.unwrap();
+    assert!(
+        (60 << 20..=room).contains(&peak),
+        "the peak of 64 MiB written: {cpu:?}"
+    );
+
+    let error = trial.run(512).unwrap_err();
+    let ChildTrialError::OutOfMemory {
+        batch_size: 512,
+        figures,
+        message,
+    } = &error
+    else {
+        panic!("512 MiB written in a budget of 256 MiB: {error:?}");
+    };
+    // Another child's room: its start differs by a few pages, its room by a MiB at most.
+    let total = figures.total.unwrap();
+    assert!(
+        total.abs_diff(room) <= 1 << 20,
+        "{figures:?} against {room}"
+    );
+    assert_eq!(figures.free, Some(0), "{figures:?}");
+    assert_eq!(figures.requested, None, "{figures:?}");
+    assert!(message.contains("with_resident_limit"), "{message}");
+
+    let fitted = BatchSizeSearch::new(1024)
+        .with_release(trial.memory())
+        .run(|batch_size| trial.run(batch_size));
+    let report = last_report().unwrap();
+    let fitted = fitted.unwrap_or_else(|error| panic!("{error}: {report}"));
+    // Halving's ladder (1024, 512, 256 fail) reaches 128; 256 MiB written cannot fit with the
+    // program's own pages beside it.
+    assert!((128..256).contains(&fitted), "{fitted}: {report}");
+    for attempt in report.attempts() {
+        assert!(
+            matches!(
+                attempt.outcome,
+                Outcome::Succeeded | Outcome::OutOfMemory { .. }
+            ),
+            "{report}"
+        );
+    }
+    println!(
+        "resident budget {RESIDENT_BUDGET} bytes, 1 MiB a sample: the search found {fitted} in \
+         {} attempts, {} out of memory",
+        report.attempts().count(),
+        report.out_of_memory_count()
+    );
+
+    let grown = BatchSizeSearch::new(1024).with_release(trial.memory()).run(
+        |batch_size| -> Result<usize, ChildTrialError> {
+            let ran = trial.run(batch_size)?;
+            step_done()?;
+            Ok(ran)
+        },
+    );
+    let report = last_report().unwrap();
+    let grown = grown.unwrap_or_else(|error| panic!("{error}: {report}"));
+    assert!((128..256).contains(&grown), "{grown}: {report}");
+    for attempt in report.attempts() {
+        assert!(
+            !matches!(attempt.outcome, Outcome::Failed { .. } | Outcome::Panicked),
+            "{report}"
+        );
+    }
+    println!(
+        "with step_done(): {grown} in {} attempts, {} out of memory\n{report}",
+        report.attempts().count(),
+        report.out_of_memory_count()
+    );
+}
+
+/// Under a resident budget the step's own errors stay its own: its `io::Error`, and an EAGAIN
+/// (only the address-space limit reads refusals as out of memory).
+#[cfg(target_os = "linux")]
+#[test]
+fn the_steps_own_errors_stay_its_own_under_a_resident_budget() {
+    for (name, expected) in [
+        ("own_io_error", "corrupt record 17 in shard 3".to_owned()),
+        (
+            "own_eagain",
+            std::io::Error::from_raw_os_error(11).to_string(),
+        ),
+    ] {
+        let error = trial(name)
+            .with_resident_limit(RESIDENT_BUDGET)
+            .run(8)
+            .unwrap_err();
+        let ChildTrialError::Failed { message, .. } = &error else {
+            panic!("{name}: the step's own error became {error:?}");
+        };
+        assert_eq!(message, &expected, "{name}");
+    }
+}
+
+/// A resident budget no larger than what the child holds as the step starts is never a fit:
+/// 0, 4096 bytes or 1 MiB is an error that names the budget asked for, not a size, and the step
+/// does not run.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_resident_budget_below_the_childs_start_is_an_error_not_a_fit() {
+    for budget in [0, 4096, 1 << 20] {
+        let outcome = trial("fits").with_resident_limit(budget).run(32);
+        let error = match outcome {
+            Ok(fitted) => panic!("a resident budget of {budget} bytes fit {fitted}"),
+            Err(error) => error,
+        };
+        let text = error.to_string();
+        assert!(
+            matches!(error, ChildTrialError::Failed { .. })
+                && text.contains(&format!("resident budget of {budget} bytes")),
+            "{budget}: {text}"
+        );
+    }
+}
+
+/// Under a resident budget a child killed before it reported (as the kernel's out-of-memory
+/// killer ends one whose allocation outran the watcher) is out of memory, as without one, with
+/// no figures; an abort leaves its figures in the budget's frame (the room: the budget less
+/// what the program held before its step).
+#[cfg(target_os = "linux")]
+#[test]
+fn a_signal_under_a_resident_budget_is_out_of_memory_in_its_frame() {
+    let error = trial("killed_above_16")
+        .with_resident_limit(RESIDENT_BUDGET)
+        .run(32)
+        .unwrap_err();
+    let ChildTrialError::Died { out_of_memory, .. } = &error else {
+        panic!("a kill under a resident budget became {error:?}");
+    };
+    assert_eq!(out_of_memory.total, None, "{out_of_memory:?}");
+    let error = trial("side_panic_then_aborts")
+        .with_resident_limit(RESIDENT_BUDGET)
+        .run(8)
+        .unwrap_err();
+    let ChildTrialError::Died { out_of_memory, .. } = &error else {
+        panic!("an abort under a resident budget became {error:?}");
+    };
+    // Below the budget (the start taken off it; with RUST_BACKTRACE set, the start holds the
+    // debug information `serve` reads first), not the machine's memory.
+    let room = out_of_memory.total.unwrap();
+    assert!(room > 0 && room < RESIDENT_BUDGET, "{out_of_memory:?}");
+    assert!(out_of_memory.free.unwrap() > room / 2, "{out_of_memory:?}");
+}

@@ -352,7 +352,7 @@ fn address_space_limit(limits: &str) -> Option<u64> {
 }
 
 /// A `Key:   1234 kB` line of `/proc/self/status` or `/proc/meminfo`, in bytes.
-fn kilobytes(text: &str, key: &str) -> Option<u64> {
+pub(crate) fn kilobytes(text: &str, key: &str) -> Option<u64> {
     text.lines().find_map(|line| {
         let mut words = line.strip_prefix(key)?.split_whitespace();
         let kilobytes: u64 = words.next()?.parse().ok()?;

@@ -7,7 +7,8 @@
 //! a segfault or a kill after the trial started counts as out-of-memory; a child that never
 //! entered `serve` is an error that says so. Nothing the child prints is read: it is passed
 //! through. A child never starts children of its own for a trial, and never outlives `run`
-//! (`process`); `limit` gives its step the room asked for.
+//! (`process`); `limit` gives its step the address space asked for, `resident` holds it to a
+//! resident budget.
 
 mod abort;
 mod files;
@@ -15,6 +16,7 @@ mod limit;
 mod process;
 mod refused;
 mod report;
+mod resident;
 
 use std::ffi::OsString;
 use std::fmt;
@@ -26,7 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::NoExecutableBatchSize;
-use crate::memory::{DeviceMemory, MemorySnapshot, ReleaseError};
+use crate::memory::{Bytes, DeviceMemory, MemorySnapshot, ReleaseError};
 use crate::memory::{HostLimit, HostLimitKind, HostMemory, MemoryBackend};
 use crate::memory::{OutOfMemory, Release};
 use crate::oom;
@@ -44,6 +46,14 @@ const FOLDER_VARIABLE: &str = "BATCH_SIZE_CHILD_FOLDER";
 /// The environment variable that gives the child the room its step may map
 /// ([`ChildTrial::with_memory_limit`] of the parent's trial), in bytes.
 const MEMORY_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_MEMORY_LIMIT";
+
+/// The environment variable that gives the child the resident memory it may hold
+/// ([`ChildTrial::with_resident_limit`] of the parent's trial), in bytes.
+const RESIDENT_LIMIT_VARIABLE: &str = "BATCH_SIZE_CHILD_RESIDENT_LIMIT";
+
+/// The environment variable that gives the child the resident bytes its figures count from:
+/// what the trial's first child held before its step, in bytes.
+const RESIDENT_START_VARIABLE: &str = "BATCH_SIZE_CHILD_RESIDENT_START";
 
 /// The exit code of a child whose trial did not fit (the report says how).
 const TRIAL_FAILED: i32 = 3;
@@ -147,6 +157,8 @@ pub struct ChildTrial {
     pass_output_through: bool,
     /// The bytes the child may map above what it maps as the step starts.
     memory_limit: Option<u64>,
+    /// The resident bytes the child may hold in all.
+    resident_limit: Option<u64>,
     /// What the last child used, for [`memory`](Self::memory); shared by clones.
     figures: ChildMemory,
 }
@@ -158,6 +170,10 @@ struct Asked {
     folder: PathBuf,
     /// The room the parent's trial gives the step, where it gives one.
     memory_limit: Option<u64>,
+    /// The resident budget the parent's trial gives the child, where it gives one.
+    resident_limit: Option<u64>,
+    /// The resident bytes the figures count from, where an earlier child set them.
+    resident_start: Option<u64>,
 }
 
 impl ChildTrial {
@@ -174,6 +190,7 @@ impl ChildTrial {
             deadline: None,
             pass_output_through: true,
             memory_limit: None,
+            resident_limit: None,
             figures: ChildMemory::default(),
         }
     }
@@ -214,8 +231,11 @@ impl ChildTrial {
         self
     }
 
-    /// The memory the child's step may use (set on the trial whose [`run`](Self::run) starts
-    /// the child, which passes it on): in the child, just before the step, `serve` sets
+    /// The address space the child's step may map (set on the trial whose [`run`](Self::run)
+    /// starts the child, which passes it on). For "my box (my container, my job) has N GiB",
+    /// [`with_resident_limit`](Self::with_resident_limit) is the one: this limit counts what the
+    /// process reserves, not what it holds, and glibc's arenas reserve much more than they
+    /// touch. In the child, just before the step, `serve` sets
     /// the process's address-space limit (`RLIMIT_AS`, what `ulimit -v` sets) to `bytes` above
     /// what the process maps then, so that a size too large fails there (Rust's failed
     /// allocation aborts the child, libtorch's returns an error) instead of swapping, or of the
@@ -228,8 +248,11 @@ impl ChildTrial {
     /// reports (its room, what it held, what it asked for) are against these bytes, in whole
     /// MiB. The address space counts every mapping, reserved or touched: each thread's stack
     /// (2 MiB for a Rust thread, 8 MiB for a C library's) and glibc's arenas (64 MiB each,
-    /// reserved by threads that allocate) count too, so leave room for them. A tighter limit the program already has stays. Linux only:
-    /// elsewhere the child reports the trial failed, saying so.
+    /// reserved by threads that allocate) count too, so leave room for them: with a thread pool
+    /// (candle's, rayon's), the arenas alone can take a few hundred MiB of the room, and the
+    /// size that fits moves with how many threads allocated (`MALLOC_ARENA_MAX=2` in the
+    /// environment bounds them; the crate sets no such variable). A tighter limit the program
+    /// already has stays. Linux only: elsewhere the child reports the trial failed, saying so.
     ///
     /// What the child has mapped already is not the step's room, but what its malloc holds free
     /// there is: an allocation served from it takes none of the room. So a room no larger than
@@ -252,6 +275,65 @@ impl ChildTrial {
     /// ```
     pub fn with_memory_limit(mut self, bytes: u64) -> Self {
         self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// The resident memory the child may hold, in all (set on the trial whose
+    /// [`run`](Self::run) starts the child, which passes it on): the budget a box's RAM, a
+    /// container's `memory.max` or a job scheduler's memory limit counts. Pick it for "my box
+    /// has N GiB"; pick [`with_memory_limit`](Self::with_memory_limit) only to bound address
+    /// space itself (`ulimit -v`).
+    ///
+    /// In the child, a thread of `serve`'s reads the process's resident size
+    /// (`/proc/self/statm`) every 2 ms while the step runs. Once the process holds more than
+    /// `bytes`, the step ends as out of memory: the child reports it to the parent
+    /// ([`ChildTrialError::OutOfMemory`], with its figures in the frame below and the bytes
+    /// asked for unknown) and exits at once, so the search retries smaller as after any
+    /// other failure. A step that returns after passing the budget between two readings is out
+    /// of memory too: its peak (`VmHWM`, reset as the step starts) decides, so the outcome does
+    /// not hang on the thread's timing. Only pages the process touches count: a tensor
+    /// allocated and never written takes address space, not resident memory.
+    ///
+    /// The budget counts the whole process, its start included (the program, its libraries,
+    /// what it built before `serve`), as a container does; not the processes the step starts.
+    /// What the child holds as the step starts is the program's, not the step's: the figures
+    /// the search reads from each child (through [`memory`](Self::memory), and an
+    /// out-of-memory's) count the step's room as the budget less that start, in whole MiB, and
+    /// what the step held and its peak as resident bytes above it, as the address-space limit
+    /// counts from the step's start. The start is the trial's first child's, for every child of
+    /// the trial and its clones, so that all rooms are one total (children start alike, not to
+    /// the page); the message a person reads gives the process's whole figures. With
+    /// `RUST_BACKTRACE` set, `serve` reads the program's debug information before the step (so
+    /// that the backtrace a panic prints is not read into the step's memory), and the budget
+    /// counts it in that start: 125 MiB for a debug test binary linking candle, where it holds
+    /// 5.5 MiB without.
+    ///
+    /// A budget no larger than what the child holds as the step starts
+    /// (`with_resident_limit(0)`) cannot fit any step, and is an error, not a fit:
+    /// [`ChildTrialError::Failed`] naming both figures.
+    ///
+    /// What the watch cannot do: stop an allocation faster than its readings from taking more
+    /// than the machine has. The kernel's out-of-memory killer may then end the child (SIGKILL)
+    /// before it reports, which the parent reads as out of memory, as any signal after the step
+    /// started, with no figures. Set the budget below what the machine (or container) has.
+    ///
+    /// glibc's arenas: each thread that allocates may reserve a 64 MiB arena of address space,
+    /// which is resident only as far as it is written; under this budget they cost what they
+    /// hold, not what they reserve, so nothing needs setting (the crate sets no
+    /// `MALLOC_ARENA_MAX` or other variable). Both limits can be set; an abort under the address
+    /// space's then carries that limit's figures. Linux only: elsewhere the child reports the
+    /// trial failed, saying so.
+    ///
+    /// # Default
+    /// No budget: the machine's memory, a container's.
+    ///
+    /// ```
+    /// use batch_size_runtime::ChildTrial;
+    /// // The box has 768 MiB for the program: the child, its start included, holds at most that.
+    /// let trial = ChildTrial::new("step").with_resident_limit(768 << 20);
+    /// ```
+    pub fn with_resident_limit(mut self, bytes: u64) -> Self {
+        self.resident_limit = Some(bytes);
         self
     }
 
@@ -325,6 +407,8 @@ impl ChildTrial {
             std::env::remove_var(CHILD_VARIABLE);
             std::env::remove_var(FOLDER_VARIABLE);
             std::env::remove_var(MEMORY_LIMIT_VARIABLE);
+            std::env::remove_var(RESIDENT_LIMIT_VARIABLE);
+            std::env::remove_var(RESIDENT_START_VARIABLE);
         }
         // First, before anything that may fail: the proof that this child entered `serve` for
         // the trial, so that the parent never takes a child that did for one that did not.
@@ -372,6 +456,45 @@ impl ChildTrial {
             previous(info);
         }));
 
+        // The resident budget's watcher, before the address-space limit: its thread's stack is
+        // not the step's room.
+        let watch = match asked.resident_limit.or(self.resident_limit) {
+            None => None,
+            Some(budget) => {
+                let (folder, started) = (asked.folder.clone(), report.clone());
+                // One start for every child of the trial (the first's), so that their rooms are
+                // one total: a search reads a step's peak only against the room it started with.
+                let start = asked
+                    .resident_start
+                    .or(report.start_own.map(|own| own.resident))
+                    .unwrap_or(0);
+                let watching = resident::watch(budget, start, move |resident| {
+                    let used = resident_used(budget, resident);
+                    let crossed = Report {
+                        used: Some(used),
+                        ended: Some(past_the_budget(budget, resident, None)),
+                        ..started
+                    };
+                    match files::write_whole(&folder, files::ENDED, &crossed.to_text()) {
+                        Ok(()) => TRIAL_FAILED,
+                        Err(_) => REPORT_UNWRITABLE,
+                    }
+                });
+                match watching {
+                    Ok(watch) => Some(watch),
+                    Err(error) => {
+                        report.ended = Some(Ended::Failed {
+                            message: format!(
+                                "could not hold the child's resident memory to {budget} bytes \
+                                 (ChildTrial::with_resident_limit): {error}"
+                            ),
+                        });
+                        let _ = files::write_whole(&asked.folder, files::ENDED, &report.to_text());
+                        std::process::exit(TRIAL_FAILED);
+                    }
+                }
+            }
+        };
         // Last before the step, and counted from what the process maps now, so that the step
         // has the room asked for whatever ran before (the backtrace read above included).
         let mut limited = None;
@@ -382,6 +505,10 @@ impl ChildTrial {
             match limiting {
                 Ok(before) => limited = before,
                 Err(error) => {
+                    // Decided here: the watcher must not write an outcome over this one.
+                    if let Some(watch) = watch {
+                        let _ = watch.stop();
+                    }
                     report.ended = Some(Ended::Failed {
                         message: format!(
                             "could not limit the child's memory to {room} bytes \
@@ -396,9 +523,15 @@ impl ChildTrial {
         // Only where the crate's own limit binds is a refused thread or mapping the room's.
         let under_the_limit = limited.is_some();
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| trial(asked.batch_size)));
-        report.used = report
-            .start_own
-            .and_then(|start| used_in_the_room(start, &host));
+        // Stopped first, before anything the step's end allocates: from here the outcome is this
+        // thread's to write.
+        let resident = watch.map(|watch| (watch.budget(), watch.stop()));
+        report.used = match resident {
+            Some((budget, resident)) => Some(resident_used(budget, resident)),
+            None => report
+                .start_own
+                .and_then(|start| used_in_the_room(start, &host)),
+        };
         // The figures are read against the step's limit; the report must not fail for want of
         // the room the step used.
         if let Some(before) = limited {
@@ -424,6 +557,10 @@ impl ChildTrial {
                     None => Ended::Failed { message },
                 }
             }
+        };
+        let ended = match resident {
+            Some((budget, resident)) => judged_by_the_budget(ended, budget, resident),
+            None => ended,
         };
         let code = if ended == Ended::Fit { 0 } else { TRIAL_FAILED };
         report.ended = Some(ended);
@@ -455,6 +592,12 @@ impl ChildTrial {
             memory_limit: std::env::var(MEMORY_LIMIT_VARIABLE)
                 .ok()
                 .and_then(|bytes| bytes.parse().ok()),
+            resident_limit: std::env::var(RESIDENT_LIMIT_VARIABLE)
+                .ok()
+                .and_then(|bytes| bytes.parse().ok()),
+            resident_start: std::env::var(RESIDENT_START_VARIABLE)
+                .ok()
+                .and_then(|bytes| bytes.parse().ok()),
         })
     }
 
@@ -484,6 +627,11 @@ impl ChildTrial {
             Some(args) => args.clone(),
             None => std::env::args_os().skip(1).collect(),
         };
+        // The start the child's resident figures count from, where an earlier child set it.
+        let resident_start = self
+            .figures
+            .resident_start()
+            .filter(|_| self.resident_limit.is_some());
         // Declared before the child, so that it is removed after the child has ended.
         let folder = TrialFolder::create().map_err(ChildTrialError::Start)?;
         // Ended (with the processes it starts) wherever this function returns before it has.
@@ -496,6 +644,11 @@ impl ChildTrial {
                     self.memory_limit
                         .map(|bytes| (MEMORY_LIMIT_VARIABLE, bytes.to_string())),
                 )
+                .envs(
+                    self.resident_limit
+                        .map(|bytes| (RESIDENT_LIMIT_VARIABLE, bytes.to_string())),
+                )
+                .envs(resident_start.map(|bytes| (RESIDENT_START_VARIABLE, bytes.to_string())))
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped()),
@@ -553,6 +706,9 @@ impl ChildTrial {
                 ),
             });
         };
+        if let Some(own) = start.start_own.filter(|_| self.resident_limit.is_some()) {
+            self.figures.program_started(own.resident);
+        }
         let read_report = |name| {
             folder
                 .read(name)
@@ -566,9 +722,15 @@ impl ChildTrial {
             None => read_report(files::PANICKING).and_then(|panicking| panicking.ended),
         };
         let at_abort = abort::read(folder.path());
-        let used_at_abort = at_abort
-            .zip(start.start.zip(start.start_own))
-            .map(|(at_abort, (limit, own))| used_at_abort(at_abort, limit, own));
+        let used_at_abort =
+            at_abort
+                .zip(start.start.zip(start.start_own))
+                .map(|(at_abort, (limit, own))| {
+                    let resident = self
+                        .resident_limit
+                        .map(|budget| (budget, resident_start.unwrap_or(own.resident)));
+                    used_at_abort(at_abort, limit, own, resident)
+                });
         self.figures
             .ended(report.and_then(|report| report.used).or(used_at_abort));
         let ending = Ending {
@@ -798,8 +960,25 @@ fn out_of_memory(message: String, used: Option<Used>) -> Ended {
 }
 
 /// What an aborted child used: what it held at the abort beyond what it held at the start (its
-/// anonymous memory, against an address-space limit or the resident kinds), in the room it had.
-fn used_at_abort(at_abort: abort::AtAbort, limit: HostLimit, start: Own) -> Used {
+/// anonymous memory, against an address-space limit or the resident kinds), in the room it had;
+/// under a resident budget (and the start its figures count from) and no address-space limit,
+/// its resident bytes above that start against the rest of the budget.
+fn used_at_abort(
+    at_abort: abort::AtAbort,
+    limit: HostLimit,
+    start: Own,
+    resident: Option<(u64, u64)>,
+) -> Used {
+    if let (None, Some((budget, resident_start))) = (at_abort.address_space_limit, resident) {
+        return resident_used(
+            budget,
+            resident::Resident {
+                start: resident_start,
+                held: at_abort.own.resident,
+                peak: at_abort.own.resident,
+            },
+        );
+    }
     let (kind, room) = match at_abort.address_space_limit {
         // A limit in force at the abort binds, whichever bound at the start (the trial may
         // have set it).
@@ -820,6 +999,61 @@ fn used_at_abort(at_abort: abort::AtAbort, limit: HostLimit, start: Own) -> Used
         room: round_down_to_mib(room),
         held,
         peak: held,
+    }
+}
+
+/// What a step held against a resident budget, in the frame of every child's figures: what
+/// the process held as the step started is the program's, not the step's room; the room is the
+/// rest of the budget, what the step held and its peak are the resident bytes above that start.
+fn resident_used(budget: u64, resident: resident::Resident) -> Used {
+    Used {
+        room: round_down_to_mib(budget.saturating_sub(resident.start)),
+        held: resident.held.saturating_sub(resident.start),
+        peak: resident.peak.saturating_sub(resident.start),
+    }
+}
+
+/// How a step under a resident budget ended: what it returned, unless its peak passed the
+/// budget; then it did not fit, whatever it returned (the watcher may have read the process
+/// between the peak's rise and fall), and what it returned is kept in the message.
+fn judged_by_the_budget(ended: Ended, budget: u64, resident: resident::Resident) -> Ended {
+    if resident.peak <= budget {
+        return ended;
+    }
+    let returned = match ended {
+        Ended::Fit => None,
+        Ended::OutOfMemory { message, .. }
+        | Ended::Failed { message }
+        | Ended::Panicking { message, .. } => Some(message),
+    };
+    past_the_budget(budget, resident, returned)
+}
+
+/// A step past its resident budget: out of memory, its room (the budget less the program's
+/// start) as the total and its resident peak as what it held (the bytes it asked for last are
+/// not known); `returned`, what the step returned, where it returned before the crossing was
+/// read.
+fn past_the_budget(budget: u64, resident: resident::Resident, returned: Option<String>) -> Ended {
+    let mut message = format!(
+        "the child's resident memory reached {} ({} bytes), past its budget of {} ({budget} \
+         bytes, ChildTrial::with_resident_limit), of which the program held {} before the step",
+        Bytes(resident.peak),
+        resident.peak,
+        Bytes(budget),
+        Bytes(resident.start)
+    );
+    if let Some(returned) = returned {
+        message.push_str("; the step then returned: ");
+        message.push_str(&returned);
+    }
+    let used = resident_used(budget, resident);
+    let at_peak = Used {
+        held: used.peak,
+        ..used
+    };
+    Ended::OutOfMemory {
+        message,
+        figures: in_the_room(at_peak, None),
     }
 }
 
@@ -852,9 +1086,26 @@ struct ChildFigures {
     /// A child ended since the attempt started and no release came after it: its figures are
     /// the attempt's end; otherwise what a fresh child has, all the room.
     ended: bool,
+    /// What the first child under a resident budget held before its step: the start every
+    /// later child's resident figures count from.
+    resident_start: Option<u64>,
 }
 
 impl ChildMemory {
+    fn resident_start(&self) -> Option<u64> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .resident_start
+    }
+
+    /// A child held `resident` bytes before its step: the start of the trial's resident figures
+    /// where no child set one before.
+    fn program_started(&self, resident: u64) {
+        let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        figures.resident_start.get_or_insert(resident);
+    }
+
     fn ended(&self, used: Option<Used>) {
         let mut figures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         // A child that left no figures (killed before it could write them) has none: an
@@ -1200,6 +1451,48 @@ impl fmt::Display for RanBeforeServing<'_> {
                 "; it reached ChildTrial::run for trial `{trial}` first and was stopped there \
                  rather than start a child of its own"
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::panic)] // a test fails by panicking
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peak_past_the_resident_budget_is_out_of_memory_whatever_the_step_returned() {
+        const MIB: u64 = 1 << 20;
+        let budget = 256 * MIB;
+        let within = resident::Resident {
+            start: 100 * MIB,
+            held: 120 * MIB,
+            peak: budget,
+        };
+        let past = resident::Resident {
+            peak: budget + 1,
+            ..within
+        };
+        let failed = || Ended::Failed {
+            message: "corrupt record 17".to_owned(),
+        };
+        assert_eq!(judged_by_the_budget(Ended::Fit, budget, within), Ended::Fit);
+        assert_eq!(judged_by_the_budget(failed(), budget, within), failed());
+        for (ended, returned) in [(Ended::Fit, None), (failed(), Some("corrupt record 17"))] {
+            let Ended::OutOfMemory { message, figures } = judged_by_the_budget(ended, budget, past)
+            else {
+                panic!("a peak past the budget is out of memory");
+            };
+            assert!(message.contains("with_resident_limit"), "{message}");
+            assert_eq!(
+                returned.is_some_and(|returned| message.ends_with(returned)),
+                returned.is_some(),
+                "{message}"
+            );
+            // The room: the budget less the start, in whole MiB; nothing of it free.
+            assert_eq!(figures.total, Some(156 * MIB));
+            assert_eq!(figures.free, Some(0));
+            assert_eq!(figures.requested, None);
         }
     }
 }

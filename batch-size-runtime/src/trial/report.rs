@@ -15,7 +15,9 @@
 //! start_resident 65536
 //! start_data 4096            (VmData and RssAnon: what it allocated, without mapped files)
 //! start_resident_anonymous 4096
-//! used_room 536870912       (what the trial used, in the room it had, read as it ended)
+//! used_room 536870912       (what the trial used, in the room it had, read as it ended;
+//!                            under a resident budget: the budget less VmRSS at the step's
+//!                            start, VmRSS and its peak above that start)
 //! used_held 1048576
 //! used_peak 402653184
 //! outcome out_of_memory      (fit | out_of_memory | failed | panicking; absent: started only)
