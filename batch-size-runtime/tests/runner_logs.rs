@@ -165,6 +165,30 @@ fn a_growth_is_logged_at_info_not_warn() {
     );
 }
 
+/// Where the call measured the step and the size stops growing, the line that reports the
+/// size found says why it stays there.
+#[test]
+fn the_size_found_says_why_it_stops_growing() {
+    let device = SimulatedDevice::new(16 << 30);
+    let (found, lines) = capture(|| {
+        BatchSizeSearch::new(64)
+            .with_release(device.clone())
+            .run(|batch_size| -> anyhow::Result<usize> {
+                layered_step(&device, batch_size)?;
+                step_done()?;
+                Ok(batch_size)
+            })
+            .unwrap()
+    });
+    assert!(found > 64, "grew from 64 to {found}");
+    let reported: Vec<&String> = lines
+        .iter()
+        .filter(|line| line.starts_with("INFO") && line.contains("found executable batch size"))
+        .collect();
+    assert_eq!(reported.len(), 1, "{lines:#?}");
+    assert!(reported[0].contains("it stays there: "), "{reported:#?}");
+}
+
 // -------------------------------------------------------------------------------------------
 // A retry's WARN line is a sentence a newcomer reads: what happened, what comes next, and why.
 

@@ -100,9 +100,17 @@ pub struct Search<'r> {
     proposed_after_failure: Vec<(usize, usize)>,
     /// What the running attempt's first step is measured against, until the driver takes it.
     watch: Option<Arc<StepWatch>>,
-    /// How many attempts ended to grow after their first step.
+    /// How many attempts ended to grow after their first step, long reaches from far below
+    /// aside ([`MAX_GROWTHS`] of them at most).
     growths: usize,
+    /// Every growth, long reaches included (twice [`MAX_GROWTHS`] at most).
+    all_growths: usize,
 }
+
+/// A growth to more than this many times its size is a long reach from far below (steps
+/// measured where the figures are coarse next to them): it does not count against
+/// [`MAX_GROWTHS`].
+const LONG_REACH: usize = 2;
 
 impl<'r> Search<'r> {
     /// The search from `starting` with `settings`: its policy wrapped as the settings ask, in
@@ -216,6 +224,7 @@ impl<'r> Search<'r> {
             proposed_after_failure: Vec::new(),
             watch: None,
             growths: 0,
+            all_growths: 0,
         }
     }
 }
@@ -395,8 +404,8 @@ impl Search<'_> {
         let room_for_attempts = self
             .max_attempts
             .is_none_or(|max| self.report.len() + 3 <= max);
-        let why_not = if self.growths >= MAX_GROWTHS {
-            "the search grew three times already"
+        let why_not = if self.growths >= MAX_GROWTHS || self.all_growths >= 2 * MAX_GROWTHS {
+            "the search grew as often as it may"
         } else if !room_for_attempts {
             "`max_attempts` leaves no attempt for a larger size"
         } else if self.policy.agrees_with_others() {
@@ -446,7 +455,13 @@ impl Search<'_> {
         read_figures(&mut attempt, Default::default());
         let number = attempt.number;
         self.report.push(attempt);
-        self.growths += 1;
+        // A long reach from far below measured the step far from the fit, where the figures'
+        // resolution is coarse: it is a first measurement, not a correction, and leaves the
+        // corrections their count (within a hard cap).
+        if grown.to <= grown.from.saturating_mul(LONG_REACH) {
+            self.growths += 1;
+        }
+        self.all_growths += 1;
         self.release_before_next_attempt();
         let decision = match self.policy.after(&self.report) {
             Decision::Try(size) if size > grown.from => Decision::Try(size),
@@ -623,6 +638,7 @@ impl Search<'_> {
     /// [`succeeded`](Self::succeeded) for the engine's driver.
     #[inline]
     pub(crate) fn record_success(&mut self) {
+        let stayed = self.watch.as_ref().and_then(|watch| watch.stayed());
         let mut attempt = self.finish_attempt(Outcome::Succeeded);
         if self.policy.reads_memory_after_success() {
             attempt.memory_at_end = non_empty(self.release.memory());
@@ -652,12 +668,21 @@ impl Search<'_> {
                             "the size in use fits"
                         );
                     } else {
-                        tracing::info!(
-                            function = self.label,
-                            batch_size = attempt.batch_size,
-                            attempts = attempt.number,
-                            "found executable batch size"
-                        );
+                        match stayed {
+                            // The call measured the step: why the size is where it stops.
+                            Some(why) => tracing::info!(
+                                function = self.label,
+                                batch_size = attempt.batch_size,
+                                attempts = attempt.number,
+                                "found executable batch size; it stays there: {why}"
+                            ),
+                            None => tracing::info!(
+                                function = self.label,
+                                batch_size = attempt.batch_size,
+                                attempts = attempt.number,
+                                "found executable batch size"
+                            ),
+                        }
                     }
                 }
                 self.finish();

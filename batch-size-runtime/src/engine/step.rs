@@ -24,8 +24,8 @@ use crate::policy::{measured_step, GrowRule, StepFigures};
 /// function again costs more than the larger batch gains.
 const LEAST_GAIN_PERCENT: usize = 3;
 
-/// How many times one search grows at most: two measured steps give the step's line, a third
-/// corrects a curved step; more would only chase noise.
+/// How many times one search grows at most, long reaches from far below aside: two measured
+/// steps give the step's line, a third corrects a curved step; more would only chase noise.
 pub(crate) const MAX_GROWTHS: usize = 3;
 
 thread_local! {
@@ -222,6 +222,9 @@ pub(crate) struct StepWatch {
     ended: AtomicBool,
     /// Whether a handle kept past the attempt was told so, at DEBUG (once an attempt).
     told_stale: AtomicBool,
+    /// Why the attempt's first step, measured, did not grow it: said at INFO with the size
+    /// the search found.
+    stayed: OnceLock<&'static str>,
 }
 
 struct Growth {
@@ -304,6 +307,7 @@ impl StepWatch {
             peak_before_nested: AtomicU64::new(0),
             ended: AtomicBool::new(false),
             told_stale: AtomicBool::new(false),
+            stayed: OnceLock::new(),
         })
     }
 
@@ -327,6 +331,11 @@ impl StepWatch {
                  returned, so the call does nothing (take a step_handle() in each attempt)"
             );
         }
+    }
+
+    /// Why the attempt's measured first step did not grow it, where it did not.
+    pub(crate) fn stayed(&self) -> Option<&'static str> {
+        self.stayed.get().copied()
     }
 
     /// Whether the attempt's first step was reported.
@@ -361,6 +370,7 @@ impl StepWatch {
             Ok(growth) => growth,
             Err(why) => {
                 tracing::debug!(batch_size, "step_done(): {why}; the attempt does not grow");
+                let _ = self.stayed.set(why);
                 return Ok(());
             }
         };
@@ -382,10 +392,18 @@ impl StepWatch {
                     "step_done(): the release read no figures for the step (no peak, or no \
                      total) and no failure bounds it; the attempt does not grow"
                 );
+                let _ = self.stayed.set("the release read no figures for the step");
+            } else {
+                let _ = self
+                    .stayed
+                    .set("its figures leave no room for a larger size below every failure");
             }
             return Ok(());
         };
         if to < least_growth(batch_size) {
+            let _ = self
+                .stayed
+                .set("its figures leave room for less than 3 % more");
             return Ok(());
         }
         let grown = self.grown.get_or_init(|| Grown {

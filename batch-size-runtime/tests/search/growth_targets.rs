@@ -142,3 +142,35 @@ fn from_below_the_fit_the_call_grows_to_it() {
         failures as f64 / cases
     );
 }
+
+/// A user who starts far below to be safe (1/100, 1/20 and 1/10 of the fit): the first steps
+/// are measured where the figures are coarse next to the step (whole blocks, noise), so their
+/// growths reach a few times further each; such growths do not count against the three that
+/// correct a step near its fit, and the call still gets there without a failure.
+#[test]
+fn from_far_below_the_call_still_reaches_the_fit() {
+    let (mut cases, mut utilisation, mut worst, mut failures) = (0.0, 0.0, 1.0f64, 0);
+    for workload in Workload::ALL.into_iter().chain(Workload::NEW) {
+        let fit = workload.largest_fit(1.0);
+        for factor in [0.01, 0.05, 0.1] {
+            let start = ((fit as f64 * factor).round() as usize).max(1);
+            let (found, _, failed) = search(workload, start, false, true, None, 0);
+            let share = found as f64 / fit as f64;
+            assert!(
+                found <= fit && share >= 0.9,
+                "{} from {start}: {found} of {fit}",
+                workload.name()
+            );
+            cases += 1.0;
+            utilisation += share;
+            worst = worst.min(share);
+            failures += failed;
+        }
+    }
+    let mean = utilisation / cases;
+    assert!(
+        mean >= 0.95,
+        "{mean:.3} of the fit on the mean (worst {worst:.3})"
+    );
+    assert_eq!(failures, 0);
+}
