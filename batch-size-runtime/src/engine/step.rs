@@ -72,7 +72,8 @@ impl Grow {
 /// the simulated device's); where they show that a size at least a few percent larger fits,
 /// below every size that ran out of memory and within `max`, it answers [`Grow`]: the function
 /// returns, and runs again at that size, as after an out-of-memory, at most three times a
-/// search. It is logged at INFO.
+/// search near the fit (growths that more than double the size, from far below, aside; six in
+/// all). It is logged at INFO, and the size found says why it stays there.
 ///
 /// It answers `Ok(())` outside a search, after the first step of an attempt (a thread-local
 /// read and two flags: a few nanoseconds), on a thread the attempt did not start (take a

@@ -55,7 +55,7 @@ use crate::record::{Attempt, Outcome, SearchReport};
 ///   ([`step_done`](crate::step_done)), the first step of an attempt is measured (its own peak
 ///   against its room) and the attempt grows to the size that fills the room: from one step, the
 ///   peak grown as the batch squared (never above the limit of a step that grows no faster); from
-///   two, their line; 3 % kept back and 3 % below every failure; at most three times. A grown size
+///   two, their line; 3 % kept back and 3 % below every failure; at most three times near the fit. A grown size
 ///   that fails sends the search back once, to the largest size whose first step ran (or, where
 ///   the failure came after the first step, to the size before growing).
 ///
