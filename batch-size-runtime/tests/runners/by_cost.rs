@@ -399,3 +399,32 @@ fn a_document_that_does_not_fit_alone_is_named_by_its_own_index() {
         other => panic!("{other}"),
     }
 }
+
+#[test]
+fn chunks_learn_the_square_term_they_were_not_told() {
+    // Attention's square term, declared as none: the chunks' peaks say it.
+    let model = TRANSFORMER;
+    let (device, _held) = model.device();
+    let lengths = Lengths::heavy_tailed(31).batch(20_000);
+    let mut chunked = Chunked::new(lengths.len())
+        .with_release(device.clone())
+        .with_cost(|i| lengths[i]);
+    chunked
+        .run_by_cost(|items| -> anyhow::Result<Vec<()>> {
+            model.run(&device, &lengths, items)?;
+            Ok(vec![(); items.len()])
+        })
+        .unwrap();
+    let records = chunked.chunks();
+    let failed: Vec<usize> = (0..records.len()).filter(|&i| !records[i].done).collect();
+    let chunks = chunked.chunk_count() - failed.len();
+    let oracle = model.fewest_passes(&lengths);
+    assert!(
+        failed.len() <= 3 && failed.iter().all(|&chunk| chunk < 20),
+        "out of memory at chunks {failed:?}"
+    );
+    assert!(
+        chunks as f64 <= 1.15 * oracle as f64,
+        "{chunks} chunks against the oracle's {oracle}"
+    );
+}

@@ -13,7 +13,7 @@ use crate::engine::{settings_setters, Settings};
 use crate::error::StopReason;
 use crate::policy::{CacheSlot, Reduction};
 use crate::record;
-use crate::runners::learn::{Convergence, GrowBack};
+use crate::runners::learn::{Convergence, GrowBack, SquareTerm};
 use crate::runners::search::BatchSizeSearch;
 use crate::runners::split::BatchCost;
 
@@ -501,6 +501,8 @@ impl<'r> Chunked<'r> {
                 total: self.total,
                 current: 0..0,
                 current_cost: 0,
+                current_longest: 0,
+                shape: self.batch_cost,
             },
             records: Vec::new(),
             chunks_run: 0,
@@ -553,6 +555,7 @@ impl<'r> Chunked<'r> {
             run,
             grow,
             convergence: Convergence::new(self.settings.learn),
+            square_term: (self.cost.is_some() && self.settings.learn).then(SquareTerm::default),
             probing: None,
             max: self.settings.max.unwrap_or(usize::MAX),
             // The chunks agree themselves, between chunks: the search does not wrap them.
@@ -779,7 +782,6 @@ struct ChunkCosts<'a> {
     cost: Option<&'a Cost<'a>>,
     /// The run's order of the items, where it is not `0..total`.
     order: Option<&'a [usize]>,
-    shape: BatchCost,
     total: usize,
 }
 
@@ -788,7 +790,6 @@ impl<'r> Chunked<'r> {
         ChunkCosts {
             cost: self.cost.as_ref(),
             order: self.order.as_deref(),
-            shape: self.batch_cost,
             total: self.total,
         }
     }
@@ -796,34 +797,36 @@ impl<'r> Chunked<'r> {
 
 impl ChunkCosts<'_> {
     /// The items of the chunk at `offset` for `budget`: at least one, then while the chunk's
-    /// cost (its items padded to the costliest) fits.
-    fn pack(&self, offset: usize, budget: u64) -> (Range<usize>, u64) {
+    /// cost by `shape` (its items padded to the costliest) fits. With its costliest item's.
+    fn pack(&self, offset: usize, budget: u64, shape: BatchCost) -> (Range<usize>, u64, u64) {
         let total = self.total;
         let Some(cost) = self.cost else {
             let end = offset.saturating_add(budget.max(1) as usize).min(total);
-            return (offset..end, (end - offset) as u64);
+            return (offset..end, (end - offset) as u64, 1);
         };
         let item = |position: usize| self.order.map_or(position, |order| order[position]);
         let mut end = offset;
         let (mut costliest, mut spent) = (0u64, 0u64);
         while end < total {
             let longest = costliest.max(cost(item(end)));
-            let with_it = self.shape.of(end + 1 - offset, longest);
+            let with_it = shape.of(end + 1 - offset, longest);
             if end > offset && with_it > budget {
                 break;
             }
             (costliest, spent) = (longest, with_it);
             end += 1;
         }
-        (offset..end, spent)
+        (offset..end, spent, costliest)
     }
 }
 
 /// The items of the next chunk for `budget`, marked as the one running.
 fn begin_chunk(costs: &ChunkCosts<'_>, run: &Mutex<Run>, budget: usize) -> (Range<usize>, u64) {
     let mut run = lock(run);
-    let (range, spent) = costs.pack(run.progress.completed, budget as u64);
+    let shape = run.progress.shape;
+    let (range, spent, longest) = costs.pack(run.progress.completed, budget as u64, shape);
     run.progress.current = range.clone();
     run.progress.current_cost = spent;
+    run.progress.current_longest = longest;
     (range, spent)
 }

@@ -8,7 +8,7 @@ use crate::agree::{self, Collective, Proposal, RankOutcome, Said};
 use crate::error::StopReason;
 use crate::policy::{holds_inner, Decision, PolicyWrapper, SizePolicy};
 use crate::record::{Outcome, SearchReport};
-use crate::runners::learn::{larger_budget, Convergence, GrowBack};
+use crate::runners::learn::{larger_budget, Convergence, GrowBack, SquareTerm};
 
 /// The policy of one chunked run: the next chunk after a success, a smaller one after an OOM.
 #[derive(Debug)]
@@ -19,6 +19,8 @@ pub(super) struct ChunkPolicy<'r, P> {
     pub(super) grow: GrowBack,
     /// What the chunks measured, and the chunk the figures say fills the device.
     pub(super) convergence: Convergence,
+    /// With a cost per item: the chunks' peaks against their shapes, for the square term.
+    pub(super) square_term: Option<SquareTerm>,
     /// The larger chunk being tried, and the size that fitted before it.
     pub(super) probing: Option<(usize, usize)>,
     /// No chunk above this (`with_max`).
@@ -79,6 +81,36 @@ impl<P: SizePolicy> PolicyWrapper for ChunkPolicy<'_, P> {
 }
 
 impl<P: SizePolicy> ChunkPolicy<'_, P> {
+    /// After a chunk that ran, with a cost per item: its peak against its shape; where the
+    /// chunks say memory grows with a square term other than the one in use, the run's chunks
+    /// cost by it from now on, and the next budget is what its line says fits.
+    fn learn_square_term(&mut self, last: &crate::record::Attempt, items: usize) -> Option<usize> {
+        let square_term = self.square_term.as_mut()?;
+        let (peak, room) = (last.figures.peak?, last.figures.room?);
+        let mut run = lock(self.run);
+        square_term.record(peak, vec![(items, run.progress.current_longest)]);
+        let in_use = run.progress.shape.square_from();
+        let line = square_term.better_than(in_use)?;
+        let fits = ((room as f64 - line.fixed.max(0.0)) / line.per_unit).max(1.0);
+        // As the figures' fit of any size, a little below what the line says.
+        let budget = (fits * 0.97) as usize;
+        let said = |from: Option<u64>| from.map_or("none".to_owned(), |from| from.to_string());
+        tracing::info!(
+            was = %said(in_use),
+            now = %said(line.from),
+            budget,
+            "the chunks' peaks follow the cost with a square term from {} (was {}): chunks now \
+             cost at most {budget} by it",
+            said(line.from),
+            said(in_use)
+        );
+        run.progress.shape = run.progress.shape.with_square_from(line.from);
+        // Sizes measured in the old unit bound nothing in the new one.
+        self.convergence.forget();
+        self.grow.forget_failures();
+        Some(budget)
+    }
+
     /// With other ranks: a chunk that ran out on any rank is redone smaller on every rank, so
     /// ranks stay in step; a rank that is done answers the others until they are done too.
     fn agree(
@@ -202,12 +234,20 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
         if done {
             return Decision::Accept;
         }
+        if let Some(budget) = self.learn_square_term(last, items) {
+            return Decision::Try(budget.min(self.max));
+        }
         self.convergence.advance();
         let grown = self.grow.succeeded(last.batch_size);
-        // With figures the fit decides; doubling is for runs without.
+        // With figures the fit decides; doubling is for runs without. Figures that make no fit
+        // yet (chunks too alike in cost to draw a line) are no licence to double blind.
         let Some(limit) = self.convergence.limit() else {
-            return Decision::Try(grown);
+            let measured = self.convergence.is_enabled() && last.figures.peak.is_some();
+            return Decision::Try(if measured { last.batch_size } else { grown });
         };
+        // The fit's edge is where rounding decides (a cost's integer square term, an
+        // allocator's blocks): 1 % kept back.
+        let limit = limit - limit / 100;
         match larger_budget(limit, last.batch_size).map(|limit| limit.min(self.max)) {
             Some(probe) if probe > last.batch_size => {
                 self.probing = Some((probe, last.batch_size));

@@ -4,6 +4,8 @@
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
 
+use crate::runners::split::BatchCost;
+
 /// One chunk that ran, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -35,9 +37,12 @@ pub struct ChunkProgress {
 pub(super) struct Progress {
     pub(super) completed: usize,
     pub(super) total: usize,
-    /// The chunk being run, and its cost.
+    /// The chunk being run, its cost and its costliest item's.
     pub(super) current: Range<usize>,
     pub(super) current_cost: u64,
+    pub(super) current_longest: u64,
+    /// How a chunk costs (with `with_cost`): the policy may learn another square term.
+    pub(super) shape: BatchCost,
 }
 
 /// What one run's chunks and its policy share.
