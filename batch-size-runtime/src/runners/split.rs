@@ -56,8 +56,8 @@ impl BatchCost {
     /// attention scores are materialized, about the hidden size over the number of heads
     /// times the bytes of a score over those of an activation; where unsure, the smaller
     /// `from` is the safer one. A `from` of 0 is taken as 1. [`EffectiveBatch::step_by_cost`]
-    /// starts from it and learns the one the steps' peaks follow;
-    /// [`Chunked`](crate::Chunked) keeps it.
+    /// and [`Chunked`](crate::Chunked) start from it and learn the one their peaks follow
+    /// (with a release that reads figures).
     ///
     /// [`EffectiveBatch::step_by_cost`]: crate::EffectiveBatch::step_by_cost
     pub fn with_square_term(mut self, from: u64) -> Self {

@@ -225,6 +225,8 @@ impl<'r> Chunked<'r> {
 
     /// How a chunk of items costs with [`with_cost`](Self::with_cost): by default
     /// [`BatchCost::padded()`], items × the costliest; a square term where the work has one.
+    /// With a release that reads figures, the run starts from it and takes the square term
+    /// its chunks' peaks follow where another explains them clearly better (said at INFO).
     ///
     /// ```
     /// # use batch_size_runtime::{BatchCost, Chunked};
