@@ -88,23 +88,10 @@ impl<P: SizePolicy> ChunkPolicy<'_, P> {
         let square_term = self.square_term.as_mut()?;
         let (peak, room) = (last.figures.peak?, last.figures.room?);
         let mut run = lock(self.run);
-        square_term.record(peak, vec![(items, run.progress.current_longest)]);
-        let in_use = run.progress.shape.square_from();
-        let line = square_term.better_than(in_use)?;
-        let fits = ((room as f64 - line.fixed.max(0.0)) / line.per_unit).max(1.0);
-        // As the figures' fit of any size, a little below what the line says.
-        let budget = (fits * 0.97) as usize;
-        let said = |from: Option<u64>| from.map_or("none".to_owned(), |from| from.to_string());
-        tracing::info!(
-            was = %said(in_use),
-            now = %said(line.from),
-            budget,
-            "the chunks' peaks follow the cost with a square term from {} (was {}): chunks now \
-             cost at most {budget} by it",
-            said(line.from),
-            said(in_use)
-        );
-        run.progress.shape = run.progress.shape.with_square_from(line.from);
+        let shapes = vec![(items, run.progress.current_longest)];
+        let (from, budget) =
+            square_term.observe(peak, room, shapes, run.progress.shape.square_from())?;
+        run.progress.shape = run.progress.shape.with_square_from(from);
         // Sizes measured in the old unit bound nothing in the new one.
         self.convergence.forget();
         self.grow.forget_failures();

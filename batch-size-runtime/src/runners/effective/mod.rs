@@ -842,26 +842,11 @@ impl<'r> EffectiveBatch<'r> {
             .into_iter()
             .filter_map(|(items, _)| Some((items.len(), costs[*items.first()?])))
             .collect();
-        self.square_term.record(peak, shapes);
         let in_use = self.batch_cost.square_from();
-        let Some(line) = self.square_term.better_than(in_use) else {
+        let Some((from, budget)) = self.square_term.observe(peak, room, shapes, in_use) else {
             return;
         };
-        let fits = ((room as f64 - line.fixed.max(0.0)) / line.per_unit).max(1.0);
-        // As the figures' fit of any size, a little below what the line says.
-        let budget = (fits * 0.97) as usize;
-        let said = |from: Option<u64>| from.map_or("none".to_owned(), |from| from.to_string());
-        tracing::info!(
-            step = self.steps,
-            was = %said(in_use),
-            now = %said(line.from),
-            budget,
-            "the steps' peaks follow the cost with a square term from {} (was {}): micro-batches \
-             now cost at most {budget} by it; the effective batch is unchanged",
-            said(line.from),
-            said(in_use)
-        );
-        self.batch_cost = self.batch_cost.with_square_from(line.from);
+        self.batch_cost = self.batch_cost.with_square_from(from);
         // Sizes measured in the old unit bound nothing in the new one.
         self.convergence.forget();
         self.grow.forget_failures();

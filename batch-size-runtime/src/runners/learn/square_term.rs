@@ -40,17 +40,17 @@ pub(crate) struct SquareTerm {
 /// A candidate's line through the steps' peaks: its fixed part, bytes per unit of cost, and how
 /// far the peaks fall from it (the root mean square, in bytes).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Line {
-    pub(crate) from: Option<u64>,
-    pub(crate) fixed: f64,
-    pub(crate) per_unit: f64,
-    pub(crate) error: f64,
+struct Line {
+    from: Option<u64>,
+    fixed: f64,
+    per_unit: f64,
+    error: f64,
 }
 
 impl SquareTerm {
     /// Records a step that ran with `peak` bytes above its start, in micro-batches of
     /// `shapes` (items, the costliest item's cost).
-    pub(crate) fn record(&mut self, peak: u64, shapes: Vec<(usize, u64)>) {
+    fn record(&mut self, peak: u64, shapes: Vec<(usize, u64)>) {
         if shapes.is_empty() {
             return;
         }
@@ -115,7 +115,7 @@ impl SquareTerm {
     /// A `from` that explains the peaks clearly better than `in_use`'s (its line's error under
     /// half of `in_use`'s, and `in_use`'s more than 1 % of the peaks): its line. `None` while
     /// too few steps ran, or where `in_use` explains them as well as any.
-    pub(crate) fn better_than(&self, in_use: Option<u64>) -> Option<Line> {
+    fn better_than(&self, in_use: Option<u64>) -> Option<Line> {
         if self.steps.len() < AT_LEAST {
             return None;
         }
@@ -134,6 +134,34 @@ impl SquareTerm {
             _ if best.from == in_use => None,
             _ => Some(best),
         }
+    }
+
+    /// Records a step (or chunk) that ran with `peak` bytes above its start in `room`, in
+    /// micro-batches of `shapes`; where the peaks follow a square term other than `in_use`
+    /// clearly better, says so at INFO and returns it with the budget its line says fits the
+    /// room (3 % kept back, as the figures' fit of any size).
+    pub(crate) fn observe(
+        &mut self,
+        peak: u64,
+        room: u64,
+        shapes: Vec<(usize, u64)>,
+        in_use: Option<u64>,
+    ) -> Option<(Option<u64>, usize)> {
+        self.record(peak, shapes);
+        let line = self.better_than(in_use)?;
+        let fits = ((room as f64 - line.fixed.max(0.0)) / line.per_unit).max(1.0);
+        let budget = (fits * 0.97) as usize;
+        let said = |from: Option<u64>| from.map_or("none".to_owned(), |from| from.to_string());
+        tracing::info!(
+            was = %said(in_use),
+            now = %said(line.from),
+            budget,
+            "the peaks follow the cost with a square term from {} (was {}): micro-batches and \
+             chunks now cost at most {budget} by it; an effective batch is unchanged",
+            said(line.from),
+            said(in_use)
+        );
+        Some((line.from, budget))
     }
 
     /// Forgets the steps: they ran under other settings.
