@@ -153,7 +153,7 @@ impl Packing {
             .map_or(0, |&item| self.shape.of(self.len(), self.costs[item]))
     }
 
-    /// The groups `budget` makes, as ranges of [`order`](Self::items): at least one item each.
+    /// The groups `budget` makes, as ranges of the order (costliest first): at least one item each.
     fn groups(&self, budget: u64) -> Vec<Range<usize>> {
         let mut groups = Vec::new();
         let mut start = 0;
