@@ -65,7 +65,10 @@ use super::{DeviceMemory, MemoryBackend, MemorySnapshot, ReleaseError};
 /// step's figures read as in a fresh process, the frame in which the tuner's trials, growing
 /// from small sizes, read theirs. Only the growth since the first attempt counts: free heap
 /// from before it (scattered between live blocks) does not, nor the part of an arena's 64 MiB
-/// not yet mapped.
+/// not yet mapped. Those arenas still fill unevenly, and near the limit a size may fail in
+/// the process that failed where a fresh one runs it: with `MALLOC_MMAP_THRESHOLD_=131072` in
+/// the environment, every block of 128 KiB or more is its own mapping, given back when freed,
+/// and nothing is kept (the transformer block's search then ran 0.95 of its fresh largest).
 ///
 /// # Not the default
 /// [`Release::default()`](crate::memory::Release) stays CUDA's: a search cannot know whether the
