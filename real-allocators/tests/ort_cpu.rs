@@ -41,15 +41,28 @@ fn session() -> Arc<Mutex<Session>> {
 /// A session of `model` that uses the environment's shared arena (`CreateAndRegisterAllocator`,
 /// `session.use_env_allocators`), capped at `CAP`.
 fn session_of(model: &str) -> Arc<Mutex<Session>> {
-    let environment = ort::init().with_name("real-allocators").build().unwrap();
-    let api = ort::api();
     // Regions of the size asked for (`kSameAsRequested`), not the next power of two: with the
     // default, a warm arena runs sizes that a fresh one cannot (its regions' history decides).
-    let keys = [c"max_mem".as_ptr(), c"arena_extend_strategy".as_ptr()];
-    let values = [CAP, 1];
+    shared_arena_session(model, CAP, Some(1))
+}
+
+/// A session of `model` on the environment's shared CPU arena, capped at `cap` bytes, with
+/// `arena_extend_strategy` set where given (ONNX Runtime's default otherwise: the next power
+/// of two).
+fn shared_arena_session(model: &str, cap: usize, extend: Option<usize>) -> Arc<Mutex<Session>> {
+    let environment = ort::init().with_name("real-allocators").build().unwrap();
+    let api = ort::api();
+    let mut keys = vec![c"max_mem".as_ptr()];
+    let mut values = vec![cap];
+    if let Some(extend) = extend {
+        keys.push(c"arena_extend_strategy".as_ptr());
+        values.push(extend);
+    }
     let mut config = ptr::null_mut();
-    // SAFETY: two keys and two values, valid for the call; `config` receives an arena config.
-    let status = unsafe { (api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), 2, &mut config) };
+    // SAFETY: as many keys as values, valid for the call; `config` receives an arena config.
+    let status = unsafe {
+        (api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), keys.len(), &mut config)
+    };
     assert!(status.0.is_null());
     let info = MemoryInfo::new(
         AllocationDevice::CPU,
@@ -309,4 +322,118 @@ fn onnx_runtime_shared_arena_after_earlier_work() {
         false,
         &[("attribute_after_earlier_work", 0.90)],
     );
+}
+
+/// The shared arena as a user sets it up: 256 MiB, the model's weights its initializers.
+const USER_ARENA_CAP: usize = 256 << 20;
+
+/// Set by the parent for the 256 MiB arena's children: `same` extends the arena by the size
+/// asked for (`kSameAsRequested`), anything else keeps ONNX Runtime's default (the next power
+/// of two).
+const EXTEND: &str = "REAL_ALLOCATORS_EXTEND";
+
+/// A session of `models/mlp.onnx` on the 256 MiB shared arena, extended as [`EXTEND`] says.
+fn user_arena_session() -> Arc<Mutex<Session>> {
+    let extend = (std::env::var(EXTEND).as_deref() == Ok("same")).then_some(1);
+    shared_arena_session(MODEL, USER_ARENA_CAP, extend)
+}
+
+#[find_executable_batch_size(starting = 4 * STARTING, release = release(session), policy = real_allocators::policy())]
+fn infer_user_arena(batch_size: usize, session: &Arc<Mutex<Session>>) -> ort::Result<usize> {
+    infer(session, batch_size).map(|_| batch_size)
+}
+
+/// One size on the 256 MiB shared arena, in a fresh process.
+#[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
+fn one_size_user_arena() {
+    real_allocators::expect_child("one_size_user_arena");
+    infer(&user_arena_session(), one_size_requested()).unwrap();
+}
+
+/// Earlier work (`REAL_ALLOCATORS_EARLIER` samples) on the 256 MiB shared arena, then the
+/// attribute from four times `STARTING` with `Release::ort`.
+#[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
+fn user_arena_after_earlier_work() {
+    real_allocators::expect_child("user_arena_after_earlier_work");
+    let session = user_arena_session();
+    let earlier: usize = std::env::var(EARLIER).unwrap().parse().unwrap();
+    infer(&session, earlier).unwrap();
+    let found = infer_user_arena(&session).unwrap();
+    let report = last_report().unwrap();
+    if std::env::var_os("REAL_ALLOCATORS_VERBOSE").is_some() {
+        for attempt in report.attempts() {
+            eprintln!(
+                "{attempt} | {:?} | {:?} -> {:?} -> {:?}",
+                attempt.figures,
+                attempt.memory_at_start,
+                attempt.memory_at_end,
+                attempt.memory_after_release
+            );
+        }
+    }
+    print_search("user_arena", found, &report);
+}
+
+/// ONNX Runtime's shared arena as a user sets it up (256 MiB, the weights initializers), with
+/// the default extension and with regions of the size asked for, after earlier work at six
+/// sevenths of the largest size that fits a fresh process: the attribute with `Release::ort`
+/// lands at least 0.90 of it, beside halving's and the same search without figures
+/// (`Release::none()`), in the same test.
+#[test]
+fn onnx_runtime_user_shared_arena_after_earlier_work() {
+    if !real_allocators::available(
+        "onnx_runtime_user_shared_arena_after_earlier_work",
+        std::env::var_os("ORT_DYLIB_PATH").is_some(),
+        "ORT_DYLIB_PATH is not set (pip install onnxruntime)",
+    ) {
+        return;
+    }
+    for extend in ["default", "same"] {
+        let fits = |size: usize| {
+            real_allocators::child_status(
+                "one_size_user_arena",
+                &[
+                    ("REAL_ALLOCATORS_SIZE", size.to_string()),
+                    (EXTEND, extend.to_owned()),
+                ],
+            )
+            .1
+        };
+        let largest = largest_that_fits(4 * STARTING, fits);
+        assert!(largest > 8 && largest < 4 * STARTING, "{largest}");
+        let earlier = largest * 6 / 7;
+        let run = |extra: &[(&str, String)]| {
+            let mut env = vec![
+                (EARLIER, earlier.to_string()),
+                (EXTEND, extend.to_owned()),
+            ];
+            env.extend_from_slice(extra);
+            let lines = child("user_arena_after_earlier_work", &env);
+            let found: usize = real_allocators::value(&lines, "user_arena.found")
+                .parse()
+                .unwrap();
+            let attempts = real_allocators::value(&lines, "user_arena.attempts");
+            (found, attempts)
+        };
+        let (found, attempts) = run(&[]);
+        let (halving, halving_attempts) =
+            run(&[("REAL_ALLOCATORS_POLICY", "halving".to_owned())]);
+        let (without, without_attempts) =
+            run(&[("REAL_ALLOCATORS_FIGURES", "none".to_owned())]);
+        let share = |size: usize| size as f64 / largest as f64;
+        println!(
+            "ort shared arena (256 MiB, {extend} extension), earlier work at {earlier}: Release::ort {found} of {largest} ({:.3}) in {attempts} attempts; halving {halving} ({:.3}) in {halving_attempts}; without figures {without} ({:.3}) in {without_attempts}",
+            share(found),
+            share(halving),
+            share(without)
+        );
+        real_allocators::assert_fits("user_arena_after_earlier_work", found, largest, fits);
+        assert!(
+            share(found) >= 0.90,
+            "{extend}: {found} of {largest} ({:.3})",
+            share(found)
+        );
+    }
 }

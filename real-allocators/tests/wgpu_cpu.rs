@@ -121,6 +121,20 @@ fn train_panicking(batch_size: usize, device: &wgpu::Device, queue: &wgpu::Queue
     step(device, queue, batch_size) // the default handler panics on out-of-memory
 }
 
+/// Three steps, each with `step_done()?` after it, as `docs/GUIDE.md` teaches it.
+#[find_executable_batch_size(starting = STARTING, release = release(device), policy = real_allocators::policy())]
+fn train_with_the_call(
+    batch_size: usize,
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+) -> anyhow::Result<usize> {
+    for _step in 0..3 {
+        step_in_scope(device, queue, batch_size)?;
+        batch_size_runtime::step_done()?;
+    }
+    Ok(batch_size)
+}
+
 fn scenario(name: &str) -> (wgpu::Device, wgpu::Queue) {
     real_allocators::expect_child(name);
     let (device, queue) = device().expect("no Vulkan adapter");
@@ -140,6 +154,16 @@ fn attribute_result() {
         check_failures(&report, memory_back);
     }
     print_search("result", found, &report);
+}
+
+#[test]
+#[ignore = "a scenario: run in a child process by this file\'s framework test, with --ignored"]
+fn attribute_with_the_call() {
+    let (device, queue) = scenario("attribute_with_the_call");
+    let found = train_with_the_call(&device, &queue).unwrap();
+    let report = last_report().unwrap();
+    check_failures(&report, memory_back);
+    print_search("call", found, &report);
 }
 
 #[test]
@@ -216,6 +240,7 @@ fn wgpu_on_llvmpipe() {
     let scenarios = [
         ("attribute_result", "result"),
         ("attribute_panicking", "panicking"),
+        ("attribute_with_the_call", "call"),
         ("chunked", "chunked"),
         ("tuner", "tuner"),
     ];

@@ -52,6 +52,24 @@ use super::{DeviceMemory, MemoryBackend, MemorySnapshot, ReleaseError};
 /// `M_MMAP_THRESHOLD` (`MALLOC_MMAP_THRESHOLD_=131072` in the environment makes every tensor
 /// such a block).
 ///
+/// # Kept
+/// Under `RLIMIT_AS`, an allocation that fails leaves address space behind that
+/// `malloc_trim(0)` does not give back: glibc retries a failed allocation in another arena,
+/// creating it (a heap of up to 64 MiB of address space), and those heaps stay mapped, their
+/// pages trimmed, for the allocations that follow (a transformer block's step in libtorch
+/// held 128 MiB more after one failure, and 0.90 of the largest size that fits a fresh
+/// process still ran; after seven failures it did not: those arenas fragment). So
+/// from the first attempt a search runs (its first peak reset), what the process grew since
+/// then *and* glibc holds free (`mallinfo2()`'s `fordblks`, less what it held free then) counts
+/// as room rather than as held, and the attempt's peak is counted above what it reuses: the
+/// step's figures read as in a fresh process, the frame in which the tuner's trials, growing
+/// from small sizes, read theirs. Only the growth since the first attempt counts: free heap
+/// from before it (scattered between live blocks) does not, nor the part of an arena's 64 MiB
+/// not yet mapped. Those arenas still fill unevenly, and near the limit a size may fail in
+/// the process that failed where a fresh one runs it: with `MALLOC_MMAP_THRESHOLD_=131072` in
+/// the environment, every block of 128 KiB or more is its own mapping, given back when freed,
+/// and nothing is kept (the transformer block's search then ran 0.95 of its fresh largest).
+///
 /// # Not the default
 /// [`Release::default()`](crate::memory::Release) stays CUDA's: a search cannot know whether the
 /// allocation that failed was on the host or on a GPU, and host figures beside a CUDA
@@ -82,6 +100,16 @@ pub struct HostMemory {
     cgroup_root: PathBuf,
     /// The process's counters when the peak was last reset.
     at_reset: Mutex<Option<Counters>>,
+    /// What the process held and glibc had free at the first reset (the search's first
+    /// attempt): address space kept since then is counted against it (see [Kept](#kept)).
+    base: Mutex<Option<Base>>,
+}
+
+/// The process before its first attempt: its virtual size and glibc's free heap bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Base {
+    virtual_size: u64,
+    free_heap: u64,
 }
 
 /// Which limit binds the host's memory.
@@ -127,6 +155,9 @@ struct Counters {
     resident_peak: u64,
     /// `VmPeak`: the largest virtual size since the process started (never reset), if reported.
     virtual_peak: Option<u64>,
+    /// Address space glibc keeps free for reuse that the process grew since the base (see
+    /// [Kept](HostMemory#kept)): 0 before the first reset, or without `mallinfo2`.
+    kept: u64,
 }
 
 impl Default for HostMemory {
@@ -188,6 +219,7 @@ impl HostMemory {
             proc_root: proc_root.into(),
             cgroup_root: cgroup_root.into(),
             at_reset: Mutex::new(None),
+            base: Mutex::new(None),
         }
     }
 
@@ -245,15 +277,37 @@ impl HostMemory {
 
     fn counters(&self) -> Option<Counters> {
         let status = read(&self.proc_root.join("self/status"))?;
-        Some(Counters {
+        let mut counters = Counters {
             virtual_size: kilobytes(&status, "VmSize:")?,
             resident: kilobytes(&status, "VmRSS:")?,
             resident_peak: kilobytes(&status, "VmHWM:")?,
             virtual_peak: kilobytes(&status, "VmPeak:"),
-        })
+            kept: 0,
+        };
+        let base = *self.base.lock().unwrap_or_else(PoisonError::into_inner);
+        if let (Some(base), Some(free_heap)) = (base, self.free_heap()) {
+            counters.kept = counters
+                .virtual_size
+                .saturating_sub(base.virtual_size)
+                .min(free_heap.saturating_sub(base.free_heap));
+        }
+        Some(counters)
+    }
+
+    /// glibc's free heap bytes (`mallinfo2().fordblks`, every arena's), read where this
+    /// backend reads the process's own `/proc` (a test's procfs has no heap of its own).
+    fn free_heap(&self) -> Option<u64> {
+        (self.proc_root == Path::new("/proc"))
+            .then(mallinfo2)
+            .flatten()
+            .map(|info| info.fordblks as u64)
     }
 
     /// The attempt's peak, counted as the binding limit counts (only `VmHWM` can be reset).
+    /// Address space glibc kept free at the attempt's start is reused before the process
+    /// grows: a new `VmPeak` is the step's peak as a fresh process would reach it, and the
+    /// resident growth (which counts the kept pages the step touched again) is counted above
+    /// what the process held less what was kept.
     fn peak(&self, kind: HostLimitKind, now: Counters) -> Option<u64> {
         let at_reset = (*self.at_reset.lock().unwrap_or_else(PoisonError::into_inner))?;
         let grown = now.resident_peak.saturating_sub(at_reset.resident);
@@ -264,9 +318,10 @@ impl HostMemory {
                 // arenas add no virtual bytes, so it is capped by the largest virtual size before.
                 (before, _) => at_reset
                     .virtual_size
+                    .saturating_sub(at_reset.kept)
                     .saturating_add(grown)
                     .min(before.unwrap_or(u64::MAX))
-                    .max(now.virtual_size),
+                    .max(now.virtual_size.saturating_sub(now.kept)),
             },
             HostLimitKind::Cgroup | HostLimitKind::Physical => now.resident_peak.max(now.resident),
         })
@@ -293,12 +348,17 @@ impl MemoryBackend for HostMemory {
         let Some(limit) = self.limit_with(counters) else {
             return MemorySnapshot::default();
         };
+        // Against the address-space limit, what glibc kept since the base is room (see Kept).
+        let kept = match limit.kind {
+            HostLimitKind::AddressSpace => counters.kept.min(limit.own),
+            HostLimitKind::Cgroup | HostLimitKind::Physical => 0,
+        };
         MemorySnapshot {
             devices: vec![DeviceMemory {
                 device: "cpu".to_owned(),
                 total: limit.total,
-                free: limit.free(),
-                pool_reserved: Some(limit.own),
+                free: limit.free().saturating_add(kept).min(limit.total),
+                pool_reserved: Some(limit.own - kept),
                 pool_used: None,
                 peak: self.peak(limit.kind, counters),
             }],
@@ -309,6 +369,22 @@ impl MemoryBackend for HostMemory {
     /// counters of now; where the reset fails (an older kernel, a read-only procfs) no peak is
     /// reported rather than one from before the attempt.
     fn reset_peak(&self) {
+        if self
+            .base
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+        {
+            let base = self
+                .counters()
+                .zip(self.free_heap())
+                .map(|(counters, free_heap)| Base {
+                    virtual_size: counters.virtual_size,
+                    free_heap,
+                });
+            let mut first = self.base.lock().unwrap_or_else(PoisonError::into_inner);
+            *first = first.or(base);
+        }
         let reset = fs::write(self.proc_root.join("self/clear_refs"), "5")
             .ok()
             .and_then(|()| self.counters());
@@ -317,6 +393,48 @@ impl MemoryBackend for HostMemory {
 }
 
 type MallocTrim = unsafe extern "C" fn(usize) -> std::ffi::c_int;
+
+/// glibc's `struct mallinfo2` (glibc 2.33 and later): every field a `size_t`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MallInfo2 {
+    arena: usize,
+    ordblks: usize,
+    smblks: usize,
+    hblks: usize,
+    hblkhd: usize,
+    usmblks: usize,
+    fsmblks: usize,
+    uordblks: usize,
+    /// Free bytes in every arena (its bins, fast bins and top): what glibc keeps for reuse.
+    fordblks: usize,
+    keepcost: usize,
+}
+
+type MallInfo2Fn = unsafe extern "C" fn() -> MallInfo2;
+
+/// glibc's `mallinfo2()`, where the process has it (glibc 2.33 and later).
+fn mallinfo2() -> Option<MallInfo2> {
+    static MALLINFO2: OnceLock<Option<MallInfo2Fn>> = OnceLock::new();
+    let mallinfo2 = (*MALLINFO2.get_or_init(|| {
+        #[cfg(unix)]
+        {
+            let this = libloading::os::unix::Library::this();
+            // SAFETY: the symbol, where present, is glibc's `struct mallinfo2 mallinfo2(void)`,
+            // which matches `MallInfo2Fn`; libc is never unloaded from a running process.
+            unsafe { this.get::<MallInfo2Fn>(b"mallinfo2\0") }
+                .ok()
+                .map(|symbol| *symbol)
+        }
+        #[cfg(not(unix))]
+        {
+            None
+        }
+    }))?;
+    // SAFETY: glibc's `mallinfo2` takes no argument and may be called from any thread; it
+    // locks each arena while it reads it.
+    Some(unsafe { mallinfo2() })
+}
 
 /// glibc's `malloc_trim`, looked up once in the symbols the process has loaded.
 fn malloc_trim() -> Option<MallocTrim> {
@@ -402,5 +520,43 @@ fn tightest(root: &Path, path: &str, limit_file: &str, usage_file: &str) -> Opti
         if dir == root || !dir.pop() || !dir.starts_with(root) {
             return best;
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn counters(virtual_size: u64, resident: u64, resident_peak: u64, kept: u64) -> Counters {
+        Counters {
+            virtual_size: virtual_size * MIB,
+            resident: resident * MIB,
+            resident_peak: resident_peak * MIB,
+            // Set by an earlier failure, near the limit: no step below it raises it.
+            virtual_peak: Some(814 * MIB),
+            kept: kept * MIB,
+        }
+    }
+
+    #[test]
+    fn a_step_inside_the_kept_address_space_counts_above_what_was_held_less_it() {
+        let host = HostMemory::with_roots("/nonexistent/proc", "/nonexistent/cgroup");
+        // After failures: 780 MiB of address space held, 134 MiB of it free in glibc's arenas
+        // grown since the first attempt. The step touches 135 MiB again, inside them.
+        *host.at_reset.lock().unwrap() = Some(counters(780, 180, 180, 134));
+        let now = counters(780, 190, 315, 120);
+        assert_eq!(
+            host.peak(HostLimitKind::AddressSpace, now),
+            Some((646 + 135) * MIB)
+        );
+        // Nothing kept: the held address space and the growth, capped by the failure's peak.
+        *host.at_reset.lock().unwrap() = Some(counters(780, 180, 180, 0));
+        assert_eq!(
+            host.peak(HostLimitKind::AddressSpace, counters(780, 190, 315, 0)),
+            Some(814 * MIB)
+        );
     }
 }

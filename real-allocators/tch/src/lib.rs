@@ -89,3 +89,74 @@ pub fn samples(start: i64, count: i64) -> Result<(Tensor, Tensor), TchError> {
         .f_reshape(&[count, 1])?;
     Ok((x, y))
 }
+
+/// Positions a sequence of the transformer block.
+pub const SEQUENCE: i64 = 32;
+/// The block's width.
+pub const WIDTH: i64 = 64;
+
+/// A transformer block (one attention head, then a feed-forward of four times the width, each
+/// after a layer norm and with a residual), as a user writes one in tch: its step allocates
+/// many tensors of a few MiB each, which glibc serves from its heap once it has given one such
+/// block back, so that the process keeps address space after a step.
+#[derive(Debug)]
+pub struct Block {
+    pub weights: Vec<Tensor>,
+}
+
+impl Block {
+    /// The same weights in every process, with gradients.
+    pub fn new() -> Result<Block, TchError> {
+        tch::set_num_threads(1);
+        let shapes = [
+            [WIDTH, WIDTH],
+            [WIDTH, WIDTH],
+            [WIDTH, WIDTH],
+            [WIDTH, WIDTH],
+            [WIDTH, 4 * WIDTH],
+            [4 * WIDTH, WIDTH],
+        ];
+        let weights = shapes
+            .iter()
+            .map(|shape| {
+                Ok(wave(shape[0] * shape[1], 0.1)?
+                    .f_reshape(shape)?
+                    .set_requires_grad(true))
+            })
+            .collect::<Result<Vec<_>, TchError>>()?;
+        Ok(Block { weights })
+    }
+
+    /// Outputs of sequences `x` (`[batch, SEQUENCE, WIDTH]`), through the fallible API.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let [wq, wk, wv, wo, w1, w2] = self.weights.as_slice() else {
+            return Err(TchError::Shape("a block has six weights".to_owned()));
+        };
+        let norm = |t: &Tensor| t.f_layer_norm::<Tensor>(&[WIDTH], None, None, 1e-5, false);
+        let h = norm(x)?;
+        let (q, k, v) = (h.f_matmul(wq)?, h.f_matmul(wk)?, h.f_matmul(wv)?);
+        let scores = q
+            .f_matmul(&k.f_transpose(-2, -1)?)?
+            .f_mul_scalar(1.0 / (WIDTH as f64).sqrt())?;
+        let attended = scores.f_softmax(-1, Kind::Float)?.f_matmul(&v)?;
+        let y = x.f_add(&attended.f_matmul(wo)?)?;
+        // ReLU, not GELU: libtorch 1.13 runs GELU through oneDNN, which crashes (SIGSEGV) when an
+        // allocation inside it fails rather than returning the error.
+        let hidden = norm(&y)?.f_matmul(w1)?.f_relu()?;
+        y.f_add(&hidden.f_matmul(w2)?)
+    }
+
+    /// The squared outputs summed over `x`'s sequences.
+    pub fn f_loss_sum(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        self.f_forward(x)?.f_square()?.f_sum(Kind::Float)
+    }
+}
+
+/// Sequences `start..start + count` for the block: values that depend only on their index.
+pub fn sequences(start: i64, count: i64) -> Result<Tensor, TchError> {
+    let per = SEQUENCE * WIDTH;
+    Tensor::f_arange_start(start * per, (start + count) * per, options())?
+        .f_mul_scalar(0.011)?
+        .f_cos()?
+        .f_reshape(&[count, SEQUENCE, WIDTH])
+}
