@@ -83,6 +83,15 @@ impl BatchCost {
         self
     }
 
+    /// The unit a budget of this cost is in, for a cache's key: a budget kept under another
+    /// square term is in another unit.
+    pub(crate) fn unit(&self) -> String {
+        match self.square_from {
+            None => "padded".to_owned(),
+            Some(from) => format!("padded with a square term from {from}"),
+        }
+    }
+
     /// Whether micro-batches are weighted by their share of samples.
     pub(crate) fn by_samples(&self) -> bool {
         self.by_samples

@@ -428,3 +428,25 @@ fn chunks_learn_the_square_term_they_were_not_told() {
         "{chunks} chunks against the oracle's {oracle}"
     );
 }
+
+#[test]
+fn a_second_run_over_the_cache_that_learned_a_square_term_fails_no_more_and_never_late() {
+    // Declared without the square term the steps have: the first run learns it, and the entry
+    // keeps only budgets in the declared unit (the one its key names).
+    let folder = TempFolder::new("by-cost", "learned-unit");
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let (device, _held) = TRANSFORMER.device();
+        let mut runner = EffectiveBatch::new(64)
+            .with_release(device.clone())
+            .with_batch_cost(BatchCost::padded())
+            .with_cache("tokens, declared none")
+            .with_cache_dir(folder.path());
+        runs.push(train_on(&mut runner, &device, TRANSFORMER, 150, 12));
+    }
+    for run in &runs {
+        assert!(run.last_failure.is_none_or(|step| step < 20), "{runs:?}");
+        assert!(run.passes as f64 <= 1.15 * run.oracle as f64, "{runs:?}");
+    }
+    assert!(runs[1].failures <= runs[0].failures, "{runs:?}");
+}

@@ -531,11 +531,11 @@ impl<'r> Chunked<'r> {
             // The budget learned does not depend on how many items are left: a run resumed
             // over the rest of a dataset finds its entry.
             let what = if self.cost.is_some() {
-                "cost budget"
+                format!("cost budget, {}", self.batch_cost.unit())
             } else {
-                "items"
+                "items".to_owned()
             };
-            self.cache = self.settings.open_cache("chunked", what);
+            self.cache = self.settings.open_cache("chunked", &what);
         }
         let cached = self.cache.as_ref().and_then(CacheSlot::fits);
         let starting = match cached.or(self.starting) {
@@ -694,13 +694,17 @@ impl<'r> Chunked<'r> {
         run: &Mutex<Run>,
         ended: Ended<Result<(), ChunkAttempt<E>>, E>,
     ) -> Result<(), ChunkError<E>> {
-        let completed = {
+        let (completed, shape) = {
             let mut run = lock(run);
             self.chunks = std::mem::take(&mut run.records);
             self.chunk_count = run.chunks_run;
-            run.progress.completed
+            (run.progress.completed, run.progress.shape)
         };
-        self.remember_budget();
+        // A run that learned another square term ends with budgets in another unit than the
+        // one its key names: nothing is kept for the next run to misread.
+        if shape == self.batch_cost {
+            self.remember_budget();
+        }
         let none_fit = match ended {
             Ended::Returned(Ok(())) => return Ok(()),
             Ended::Returned(Err(ChunkAttempt::Work(error))) => {

@@ -125,6 +125,8 @@ pub struct EffectiveBatch<'r> {
     micro_given: bool,
     /// By cost: the steps' peaks against their micro-batches' shapes, for the square term.
     square_term: SquareTerm,
+    /// The steps took another square term than the one given.
+    square_term_learned: bool,
 }
 
 settings_setters!(
@@ -169,6 +171,7 @@ impl<'r> EffectiveBatch<'r> {
             by_cost: None,
             micro_given: false,
             square_term: SquareTerm::default(),
+            square_term_learned: false,
         }
     }
 
@@ -383,7 +386,11 @@ impl<'r> EffectiveBatch<'r> {
         if by_cost {
             self.convergence = self.convergence.clone().over_items_that_differ();
         }
-        let unit = if by_cost { " by cost" } else { "" };
+        let unit = if by_cost {
+            format!(" by cost, {}", self.batch_cost.unit())
+        } else {
+            String::new()
+        };
         let what = format!("effective {}{unit}", self.effective);
         if let Some(cache) = self.settings.open_cache("effective_batch", &what) {
             if let Some(fits) = cache.fits() {
@@ -538,7 +545,9 @@ impl<'r> EffectiveBatch<'r> {
         }
         self.learn(&report, split);
         if let Some(micro) = report.batch_size() {
-            if let Some(cache) = &mut self.cache {
+            // Once the steps learned another square term, budgets are in another unit than
+            // the one the entry's key names: the entry keeps the last it could say.
+            if let (Some(cache), false) = (&mut self.cache, self.square_term_learned) {
                 cache.remember(micro, self.grow.smallest_failed());
             }
             if self.by_cost == Some(true) && self.steps > 0 && micro != self.micro {
@@ -847,6 +856,7 @@ impl<'r> EffectiveBatch<'r> {
             return;
         };
         self.batch_cost = self.batch_cost.with_square_from(from);
+        self.square_term_learned = true;
         // Sizes measured in the old unit bound nothing in the new one.
         self.convergence.forget();
         self.grow.forget_failures();
