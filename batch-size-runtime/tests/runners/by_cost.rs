@@ -450,3 +450,47 @@ fn a_second_run_over_the_cache_that_learned_a_square_term_fails_no_more_and_neve
     }
     assert!(runs[1].failures <= runs[0].failures, "{runs:?}");
 }
+
+#[test]
+fn ranks_run_their_own_corpora_by_cost_in_step_and_every_document_once() {
+    let ranks =
+        batch_size_runtime::agree::ThreadRanks::with_timeout(2, std::time::Duration::from_secs(30));
+    let outputs: Vec<(usize, Vec<usize>, usize)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                scope.spawn(move || {
+                    let me = rank.rank();
+                    let model = ENCODER;
+                    let (device, _held) = model.device();
+                    // Rank 1's documents are longer: its chunks would differ alone.
+                    let mut lengths =
+                        Lengths::heavy_tailed(40 + me as u64).batch(3_000 + 1_000 * me);
+                    if me == 1 {
+                        lengths
+                            .iter_mut()
+                            .for_each(|length| *length = (*length * 3).min(8_192));
+                    }
+                    let mut chunked = Chunked::new(lengths.len())
+                        .with_release(device.clone())
+                        .with_cost(|i| lengths[i])
+                        .with_agreement(rank);
+                    let embedded = chunked
+                        .run_by_cost(|items| -> anyhow::Result<Vec<usize>> {
+                            model.run(&device, &lengths, items)?;
+                            Ok(items.to_vec())
+                        })
+                        .unwrap();
+                    (me, embedded, lengths.len())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect()
+    });
+    for (rank, embedded, documents) in outputs {
+        assert_eq!(embedded, (0..documents).collect::<Vec<_>>(), "rank {rank}");
+    }
+}
