@@ -298,9 +298,8 @@ impl HostMemory {
     /// backend reads the process's own `/proc` (a test's procfs has no heap of its own).
     fn free_heap(&self) -> Option<u64> {
         (self.proc_root == Path::new("/proc"))
-            .then(mallinfo2)
+            .then(malloc_free_bytes)
             .flatten()
-            .map(|info| info.fordblks as u64)
     }
 
     /// The attempt's peak, counted as the binding limit counts (only `VmHWM` can be reset).
@@ -413,48 +412,47 @@ struct MallInfo2 {
 
 type MallInfo2Fn = unsafe extern "C" fn() -> MallInfo2;
 
+/// A symbol of the C library the process has loaded, as the function type `F`.
+///
+/// # Safety
+/// `F` must be the symbol's C signature. The pointer stays valid: libc is never unloaded from
+/// a running process.
+unsafe fn libc_symbol<F: Copy>(name: &[u8]) -> Option<F> {
+    #[cfg(unix)]
+    {
+        let this = libloading::os::unix::Library::this();
+        // SAFETY: the caller names the symbol's type.
+        unsafe { this.get::<F>(name) }.ok().map(|symbol| *symbol)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = name;
+        None
+    }
+}
+
 /// glibc's `mallinfo2()`, where the process has it (glibc 2.33 and later).
 fn mallinfo2() -> Option<MallInfo2> {
     static MALLINFO2: OnceLock<Option<MallInfo2Fn>> = OnceLock::new();
-    let mallinfo2 = (*MALLINFO2.get_or_init(|| {
-        #[cfg(unix)]
-        {
-            let this = libloading::os::unix::Library::this();
-            // SAFETY: the symbol, where present, is glibc's `struct mallinfo2 mallinfo2(void)`,
-            // which matches `MallInfo2Fn`; libc is never unloaded from a running process.
-            unsafe { this.get::<MallInfo2Fn>(b"mallinfo2\0") }
-                .ok()
-                .map(|symbol| *symbol)
-        }
-        #[cfg(not(unix))]
-        {
-            None
-        }
-    }))?;
+    // SAFETY: the symbol, where present, is glibc's `struct mallinfo2 mallinfo2(void)`.
+    let mallinfo2 =
+        (*MALLINFO2.get_or_init(|| unsafe { libc_symbol::<MallInfo2Fn>(b"mallinfo2\0") }))?;
     // SAFETY: glibc's `mallinfo2` takes no argument and may be called from any thread; it
     // locks each arena while it reads it.
     Some(unsafe { mallinfo2() })
 }
 
+/// The bytes glibc's malloc holds free in every arena (`mallinfo2().fordblks`: its bins, fast
+/// bins and tops), where the process has `mallinfo2` (glibc 2.33 and later).
+pub(crate) fn malloc_free_bytes() -> Option<u64> {
+    mallinfo2().map(|info| u64::try_from(info.fordblks).unwrap_or(u64::MAX))
+}
+
 /// glibc's `malloc_trim`, looked up once in the symbols the process has loaded.
 fn malloc_trim() -> Option<MallocTrim> {
     static MALLOC_TRIM: OnceLock<Option<MallocTrim>> = OnceLock::new();
-    *MALLOC_TRIM.get_or_init(|| {
-        #[cfg(unix)]
-        {
-            let this = libloading::os::unix::Library::this();
-            // SAFETY: the symbol, where present, is glibc's `int malloc_trim(size_t)`, which
-            // matches `MallocTrim`. The pointer stays valid after `this` is dropped: libc is
-            // never unloaded from a running process.
-            unsafe { this.get::<MallocTrim>(b"malloc_trim\0") }
-                .ok()
-                .map(|symbol| *symbol)
-        }
-        #[cfg(not(unix))]
-        {
-            None
-        }
-    })
+    // SAFETY: the symbol, where present, is glibc's `int malloc_trim(size_t)`.
+    *MALLOC_TRIM.get_or_init(|| unsafe { libc_symbol::<MallocTrim>(b"malloc_trim\0") })
 }
 
 fn read(path: &Path) -> Option<String> {

@@ -49,6 +49,7 @@ pub use cuda::CudaBackend;
 pub use dry_run::{DryRun, DrySizing};
 /// A `Key:   1234 kB` line of a `/proc` status file, in bytes (one parser for every reader).
 pub(crate) use host::kilobytes as status_kilobytes;
+pub(crate) use host::malloc_free_bytes;
 pub use host::{HostLimit, HostLimitKind, HostMemory};
 pub(crate) use out_of_memory::OutOfMemory;
 pub(crate) use release::Release;

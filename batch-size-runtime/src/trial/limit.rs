@@ -14,49 +14,7 @@ use crate::memory::Bytes;
 /// takes none of the room. Where a program freed much before the step (the first backtrace's
 /// debug information, 30 MiB), a room of 0 once fitted a step of 32 MiB.
 pub(crate) fn held_free() -> u64 {
-    malloc_free()
-}
-
-/// glibc's `struct mallinfo2`: ten `size_t` counters.
-#[repr(C)]
-#[derive(Clone, Copy)]
-#[allow(dead_code)] // the layout needs every field; only `fordblks` is read
-struct Mallinfo2 {
-    arena: usize,
-    ordblks: usize,
-    smblks: usize,
-    hblks: usize,
-    hblkhd: usize,
-    usmblks: usize,
-    fsmblks: usize,
-    uordblks: usize,
-    fordblks: usize,
-    keepcost: usize,
-}
-
-/// The bytes glibc's malloc holds free in its heaps, where the process has `mallinfo2` (glibc
-/// 2.33 and later); 0 elsewhere.
-fn malloc_free() -> u64 {
-    #[cfg(unix)]
-    {
-        type Mallinfo2Fn = unsafe extern "C" fn() -> Mallinfo2;
-        let this = libloading::os::unix::Library::this();
-        // SAFETY: the symbol, where present, is glibc's `struct mallinfo2 mallinfo2(void)`,
-        // which matches `Mallinfo2Fn`; libc is never unloaded from a running process.
-        let Some(mallinfo2) = (unsafe { this.get::<Mallinfo2Fn>(b"mallinfo2\0") })
-            .ok()
-            .map(|symbol| *symbol)
-        else {
-            return 0;
-        };
-        // SAFETY: it takes nothing and returns the counters by value.
-        let info = unsafe { mallinfo2() };
-        u64::try_from(info.fordblks).unwrap_or(u64::MAX)
-    }
-    #[cfg(not(unix))]
-    {
-        0
-    }
+    crate::memory::malloc_free_bytes().unwrap_or(0)
 }
 
 /// The address-space limit as it was before [`leave_room`], to give back once the step has
