@@ -494,3 +494,27 @@ fn ranks_run_their_own_corpora_by_cost_in_step_and_every_document_once() {
         assert_eq!(embedded, (0..documents).collect::<Vec<_>>(), "rank {rank}");
     }
 }
+
+#[test]
+fn run_by_cost_asks_the_cost_of_each_item_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let asked = AtomicUsize::new(0);
+    let lengths = Lengths::heavy_tailed(5).batch(500);
+    let device = batch_size_runtime::memory::SimulatedDevice::new(20_000);
+    let mut chunked = Chunked::new(lengths.len())
+        .with_release(device.clone())
+        .with_cost(|i| {
+            asked.fetch_add(1, Ordering::Relaxed);
+            lengths[i]
+        });
+    let out = chunked
+        .run_by_cost(|items| -> anyhow::Result<Vec<usize>> {
+            let longest = items.iter().map(|&i| lengths[i]).max().unwrap_or(0);
+            let _activations = device.alloc(items.len() as u64 * longest)?;
+            Ok(items.to_vec())
+        })
+        .unwrap();
+    assert_eq!(out, (0..lengths.len()).collect::<Vec<_>>());
+    assert!(chunked.chunk_count() > 1);
+    assert_eq!(asked.load(Ordering::Relaxed), lengths.len());
+}

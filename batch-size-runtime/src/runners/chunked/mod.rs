@@ -133,8 +133,9 @@ pub struct Chunked<'r> {
     cost: Option<Cost<'r>>,
     /// How a chunk of items of different cost costs (with `with_cost`).
     batch_cost: BatchCost,
-    /// In `run_by_cost`: the items, the costliest first; chunks are ranges of it.
-    order: Option<Vec<usize>>,
+    /// In `run_by_cost`: the items with their costs, the costliest first; chunks are ranges
+    /// of it (the cost function ran once an item).
+    ordered: Option<Vec<(usize, u64)>>,
     on_chunk: Option<OnChunk<'r>>,
     chunks: Vec<ChunkRecord>,
     chunk_count: usize,
@@ -180,7 +181,7 @@ impl<'r> Chunked<'r> {
             cache: None,
             cost: None,
             batch_cost: BatchCost::padded(),
-            order: None,
+            ordered: None,
             on_chunk: None,
             chunks: Vec::new(),
             chunk_count: 0,
@@ -357,23 +358,23 @@ impl<'r> Chunked<'r> {
         E: AttemptError<M>,
     {
         self.settings.name_the_work(&work);
-        let mut order: Vec<usize> = (0..self.total).collect();
         let starting = self.starting;
-        if let Some(cost) = &self.cost {
-            // The user's cost function, once an item (a panic in it is the user's).
-            let costs: Vec<u64> = order.iter().map(|&item| cost(item)).collect();
-            order.sort_by(|&a, &b| costs[b].cmp(&costs[a]));
-            // Without a first budget, the costliest item alone runs first: it proves at the
-            // start that the worst of the work fits, and its figures size the next chunks
-            // (a corpus at once would fail many times on the way down).
-            if let (None, Some(&costliest)) = (starting, order.first()) {
-                let alone = self.batch_cost.of(1, costs[costliest]);
-                self.starting = Some(usize::try_from(alone).unwrap_or(usize::MAX));
-            }
+        // The user's cost function, once an item (a panic in it is the user's).
+        let mut ordered: Vec<(usize, u64)> = (0..self.total)
+            .map(|item| (item, self.cost.as_ref().map_or(1, |cost| cost(item))))
+            .collect();
+        ordered.sort_by(|a, b| b.1.cmp(&a.1));
+        // Without a first budget, the costliest item alone runs first: it proves at the start
+        // that the worst of the work fits, and its figures size the next chunks (a corpus at
+        // once would fail many times on the way down).
+        if let (None, Some(_), Some(&(_, costliest))) = (starting, &self.cost, ordered.first()) {
+            let alone = self.batch_cost.of(1, costliest);
+            self.starting = Some(usize::try_from(alone).unwrap_or(usize::MAX));
         }
+        let order: Vec<usize> = ordered.iter().map(|&(item, _)| item).collect();
         let mut outputs: Vec<Option<T>> =
             std::iter::repeat_with(|| None).take(self.total).collect();
-        self.order = Some(order.clone());
+        self.ordered = Some(ordered);
         let ran = self.drive(|range| {
             let items = &order[range.clone()];
             let values = work(items).map_err(ChunkAttempt::Work)?;
@@ -388,7 +389,7 @@ impl<'r> Chunked<'r> {
             }
             Ok(())
         });
-        (self.order, self.starting) = (None, starting);
+        (self.ordered, self.starting) = (None, starting);
         ran?;
         Ok(outputs.into_iter().flatten().collect())
     }
@@ -521,7 +522,10 @@ impl<'r> Chunked<'r> {
         let whole = match &self.cost {
             None => self.total,
             Some(cost) => {
-                let costliest = (0..self.total).map(cost).max().unwrap_or(0);
+                let costliest = match &self.ordered {
+                    Some(ordered) => ordered.first().map_or(0, |&(_, cost)| cost),
+                    None => (0..self.total).map(cost).max().unwrap_or(0),
+                };
                 let whole = self.batch_cost.of(self.total, costliest);
                 usize::try_from(whole).unwrap_or(usize::MAX)
             }
@@ -730,10 +734,10 @@ impl<'r> Chunked<'r> {
                 Err(ChunkError::ItemTooLarge {
                     completed,
                     item: self
-                        .order
+                        .ordered
                         .as_ref()
-                        .and_then(|order| order.get(chunk.range.start).copied())
-                        .unwrap_or(chunk.range.start),
+                        .and_then(|ordered| ordered.get(chunk.range.start))
+                        .map_or(chunk.range.start, |&(item, _)| item),
                     cost: chunk.cost,
                     largest_failed: chunk.budget,
                 })
@@ -786,8 +790,8 @@ impl<'r> Chunked<'r> {
 /// them costs.
 struct ChunkCosts<'a> {
     cost: Option<&'a Cost<'a>>,
-    /// The run's order of the items, where it is not `0..total`.
-    order: Option<&'a [usize]>,
+    /// The run's items with their costs, where the order is not `0..total`.
+    ordered: Option<&'a [(usize, u64)]>,
     total: usize,
 }
 
@@ -795,7 +799,7 @@ impl<'r> Chunked<'r> {
     fn costs(&self) -> ChunkCosts<'_> {
         ChunkCosts {
             cost: self.cost.as_ref(),
-            order: self.order.as_deref(),
+            ordered: self.ordered.as_deref(),
             total: self.total,
         }
     }
@@ -810,11 +814,14 @@ impl ChunkCosts<'_> {
             let end = offset.saturating_add(budget.max(1) as usize).min(total);
             return (offset..end, (end - offset) as u64, 1);
         };
-        let item = |position: usize| self.order.map_or(position, |order| order[position]);
+        let cost_at = |position: usize| match self.ordered {
+            Some(ordered) => ordered[position].1,
+            None => cost(position),
+        };
         let mut end = offset;
         let (mut costliest, mut spent) = (0u64, 0u64);
         while end < total {
-            let longest = costliest.max(cost(item(end)));
+            let longest = costliest.max(cost_at(end));
             let with_it = shape.of(end + 1 - offset, longest);
             if end > offset && with_it > budget {
                 break;

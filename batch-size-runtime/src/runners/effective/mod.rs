@@ -382,10 +382,12 @@ impl<'r> EffectiveBatch<'r> {
         let by_cost = self.by_cost == Some(true);
         let cap = if by_cost { usize::MAX } else { self.effective };
         self.grow = GrowBack::new(self.settings.grow_after, cap);
-        self.convergence = Convergence::new(self.settings.learn);
-        if by_cost {
-            self.convergence = self.convergence.clone().over_items_that_differ();
-        }
+        let convergence = Convergence::new(self.settings.learn);
+        self.convergence = if by_cost {
+            convergence.over_items_that_differ()
+        } else {
+            convergence
+        };
         let unit = if by_cost {
             format!(" by cost, {}", self.batch_cost.unit())
         } else {
@@ -709,8 +711,12 @@ impl<'r> EffectiveBatch<'r> {
     /// ```
     pub fn plan_of(&self, costs: &[u64]) -> BatchPlan {
         let packing = Packing::new(costs.iter().copied().collect(), self.batch_cost);
-        let split = Split::ByCost(Arc::new(packing.clone()));
-        BatchPlan::by_cost(&packing, split.realize(self.micro.max(1)), None)
+        let budget = packing.realize(self.micro.max(1) as u64);
+        BatchPlan::by_cost(
+            &packing,
+            usize::try_from(budget).unwrap_or(usize::MAX),
+            None,
+        )
     }
 
     /// One step, by count (`costs` is `None`) or by cost.
