@@ -363,7 +363,7 @@ impl<'r> Chunked<'r> {
         let mut ordered: Vec<(usize, u64)> = (0..self.total)
             .map(|item| (item, self.cost.as_ref().map_or(1, |cost| cost(item))))
             .collect();
-        ordered.sort_by(|a, b| b.1.cmp(&a.1));
+        ordered.sort_by_key(|&(_, cost)| std::cmp::Reverse(cost));
         // Without a first budget, the costliest item alone runs first: it proves at the start
         // that the worst of the work fits, and its figures size the next chunks (a corpus at
         // once would fail many times on the way down).
