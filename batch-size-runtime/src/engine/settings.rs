@@ -33,7 +33,7 @@ pub(crate) enum Invalid {
     FewerSamplesThanRanks { effective: usize, ranks: usize },
     /// Remedies and an agreement between ranks on one search.
     RemediesWithAgreement,
-    /// A step by cost with an item of cost 0 (its index), or with no items.
+    /// A step by cost with an item of cost 0 (its index).
     ItemCostIsZero(usize),
     /// A step by cost with no items.
     NoItems,
